@@ -1,0 +1,57 @@
+"""The ``shardline`` command."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from collections.abc import Sequence
+
+from shardline._version import __version__
+
+__all__ = ["main"]
+
+
+def _cmd_env(_args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rows = [
+        ("shardline", __version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("cuda available", str(torch.cuda.is_available())),
+        ("cuda devices", str(torch.cuda.device_count())),
+        ("gloo available", str(dist.is_available() and dist.is_gloo_available())),
+        ("nccl available", str(dist.is_available() and dist.is_nccl_available())),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardline",
+        description="Fully sharded data-parallel training on torch.distributed.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardline {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    env = sub.add_parser("env", help="print versions and available communication backends")
+    env.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardline`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""``fully_shard``: turn a module into a unit, and the methods a sharded module gains."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from shardline.engine import comm
+from shardline.engine.grad import clip_grad_norm_
+from shardline.engine.mesh import MeshLike, ShardMesh, resolve_mesh
+from shardline.engine.mixed_precision import MixedPrecision
+from shardline.engine.state import get_unit, install_hooks, subtree_units
+from shardline.engine.strategy import ShardingStrategy
+from shardline.engine.unit import ShardUnit
+from shardline.errors import ConfigurationError, ShardingError
+
+__all__ = ["ShardedModule", "fully_shard"]
+
+M = TypeVar("M", bound=nn.Module)
+
+_OWNER_ATTR = "_shardline_owner"  # set on original and sharded parameters: (unit, fqn)
+
+
+class ShardedModule:
+    """Methods every module passed to :func:`fully_shard` gains (its class becomes a subclass).
+
+    ``isinstance(module, shardline.ShardedModule)`` tells whether a module was sharded.
+    """
+
+    @property
+    def shard_unit(self) -> ShardUnit:
+        """The unit that manages this module's own parameters."""
+        unit = get_unit(self)  # type: ignore[arg-type]
+        assert unit is not None  # the class is only swapped by fully_shard, which sets the unit
+        return unit
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no gradient collectives inside the block.
+
+        Backward passes inside the block keep their gradients unreduced (in full, gathered
+        form; in ``reduce_dtype`` when that is wider than ``param_dtype``) and keep parameters
+        gathered, so later micro-batches need no all-gather either. The first backward after
+        the block reduces the accumulated total once. Costs the memory of full gradients and
+        parameters of every unit under this module while active.
+        """
+        units = subtree_units(self)  # type: ignore[arg-type]
+        previous = [unit.sync_gradients for unit in units]
+        for unit in units:
+            unit.sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit, value in zip(units, previous, strict=True):
+                unit.sync_gradients = value
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip gradients of all parameters under this module by their true global norm.
+
+        Same semantics as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: the norm
+        covers every parameter once (sharded pieces summed across ranks, replicated ones
+        counted once), using one all-reduce. Returns the total norm (before clipping).
+        """
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)  # type: ignore[arg-type]
+
+    def unshard(self) -> None:
+        """Gather this unit's parameters now; they stay gathered until :meth:`reshard`.
+
+        Gathered parameters are copies: changes to them are not written back to the shards.
+        """
+        unit = self.shard_unit
+        unit.unshard(phase="explicit")
+        unit.pinned = True
+
+    def reshard(self) -> None:
+        """Free this unit's gathered parameters and register the shards again."""
+        unit = self.shard_unit
+        unit.pinned = False
+        unit.reshard()
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    new = _CLASS_CACHE.get(cls)
+    if new is None:
+        new = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+        _CLASS_CACHE[cls] = new
+    return new
+
+
+def fully_shard(
+    module: M,
+    *,
+    mesh: MeshLike = None,
+    strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+    reshard_after_forward: bool | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    sync_module_states: bool = False,
+) -> M:
+    """Shard ``module``'s parameters across data-parallel ranks; returns the same module.
+
+    Apply bottom-up: shard the blocks first, then the root. Each call makes one *unit* out of
+    the parameters ``module`` owns that no already-sharded descendant owns. A unit gathers its
+    parameters with one all-gather before forward (and before backward if it freed them) and
+    reduces its gradients with one reduce-scatter (all-reduce for NO_SHARD) as soon as all of
+    them are ready, averaging over the data-parallel ranks.
+
+    After the call, ``module.parameters()`` yields this rank's shards (dim-0 ``torch.chunk``
+    pieces) as ``nn.Parameter``, so any ``torch.optim`` optimizer works and its state is sharded
+    too. The module also gains the methods of :class:`ShardedModule`.
+
+    Args:
+        module: The module to shard. Its parameters must share one device and dtype.
+        mesh: A ``ProcessGroup`` or 1-D ``DeviceMesh`` of the data-parallel ranks; default: the world.
+        strategy: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2) or ``"no_shard"`` (ZeRO-0),
+            or an alias (see :class:`ShardingStrategy`). May differ between units.
+        reshard_after_forward: Free gathered parameters after forward. ``None``: the strategy's
+            default, except for root units (nothing sharded above them), which keep them because
+            backward starts with them.
+        mixed_precision: Compute / reduce / buffer dtypes; shards stay in the original dtype.
+        sync_module_states: Broadcast rank 0's parameters and buffers first, for ranks that
+            initialized the model differently.
+
+    Raises:
+        DistributedNotInitializedError: No process group is initialized.
+        ConfigurationError: Unknown strategy, a mesh that is not 1-D or not ours, wrong types.
+        ShardingError: Sharded twice, applied top-down, a parameter shared with another unit,
+            parameters on several devices or of several dtypes.
+    """
+    if not isinstance(module, nn.Module):
+        raise ConfigurationError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if get_unit(module) is not None:
+        raise ShardingError(
+            f"this {original_class(module).__name__} is already sharded: fully_shard was called on it before. "
+            "Call fully_shard once per module."
+        )
+    strategy = ShardingStrategy.parse(strategy)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ConfigurationError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ConfigurationError(
+            f"mixed_precision must be a shardline.MixedPrecision or None, got {type(mixed_precision).__name__}"
+        )
+    shard_mesh = resolve_mesh(mesh, strategy.policy)
+
+    owned, buffers, sub_units = _collect(module, original_class(module).__name__)
+    device, dtype = _common_device_and_dtype(module, owned, shard_mesh)
+    if sync_module_states:
+        _broadcast_from_rank0(module, [p for _, p, _ in owned], [b for _, _, b in buffers], shard_mesh)
+
+    unit = ShardUnit(
+        module,
+        params=owned,
+        mesh=shard_mesh,
+        strategy=strategy,
+        reshard_after_forward=reshard_after_forward,
+        mixed_precision=mixed_precision,
+        device=device,
+        dtype=dtype,
+    )
+    for (fqn, original, _), sp in zip(owned, unit.params, strict=True):
+        setattr(original, _OWNER_ATTR, (unit, fqn))
+        setattr(sp.sharded, _OWNER_ATTR, (unit, fqn))
+    _cast_buffers(unit, buffers)
+    for _, sub in sub_units:
+        sub.is_root = False
+    for fqn, m in module.named_modules():
+        sub = get_unit(m)
+        if sub is not None and m is not module:
+            sub.name = fqn
+    install_hooks(unit)
+    module.__class__ = _sharded_class(type(module))
+    return module
+
+
+def original_class(module: nn.Module) -> type:
+    """The class a module had before ``fully_shard`` swapped in its ``Sharded*`` subclass."""
+    cls = type(module)
+    return cls.__bases__[1] if issubclass(cls, ShardedModule) and len(cls.__bases__) == 2 else cls
+
+
+def _owner(param: nn.Parameter) -> tuple[ShardUnit, str] | None:
+    return getattr(param, _OWNER_ATTR, None)
+
+
+def _collect(
+    module: nn.Module, module_name: str
+) -> tuple[
+    list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+    list[tuple[nn.Module, str, torch.Tensor]],
+    list[tuple[str, ShardUnit]],
+]:
+    """Parameters and buffers ``module`` owns (stopping at sharded descendants), and those descendants."""
+    params: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+    sub_units: list[tuple[str, ShardUnit]] = []
+    seen_modules: set[int] = set()
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        if id(m) in seen_modules:
+            return
+        seen_modules.add(id(m))
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            fqn = prefix + name
+            owner = _owner(p)
+            if owner is not None:
+                other, other_fqn = owner
+                where = other.name or original_class(other.module).__name__
+                if p is not _sharded_of(other, other_fqn):
+                    raise ShardingError(
+                        f"parameter '{fqn}' of the {module_name} being sharded is shared with parameter "
+                        f"'{other_fqn}' of '{where}', which is already sharded as its own unit. Tied or "
+                        f"shared parameters must live in one unit: do not shard '{where}' separately "
+                        "(shard a common ancestor of both modules instead), or untie the parameters."
+                    )
+                raise ShardingError(
+                    f"parameter '{fqn}' of the {module_name} being sharded is already managed by the unit at "
+                    f"'{where}' (as '{other_fqn}'): fully_shard must be applied bottom-up -- shard inner "
+                    "blocks first, then their parents, then the root."
+                )
+            entry = params.get(id(p))
+            if entry is None:
+                params[id(p)] = (fqn, p, [(m, name)])
+            else:
+                entry[2].append((m, name))
+        for name, b in m._buffers.items():
+            if b is not None:
+                buffers.append((m, name, b))
+        for name, child in m._modules.items():
+            if child is None:
+                continue
+            sub = get_unit(child)
+            if sub is not None:
+                sub_units.append((prefix + name, sub))
+                continue
+            visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return list(params.values()), buffers, sub_units
+
+
+def _sharded_of(unit: ShardUnit, fqn: str) -> nn.Parameter | None:
+    for sp in unit.params:
+        if sp.fqn == fqn:
+            return sp.sharded
+    return None
+
+
+def _common_device_and_dtype(
+    module: nn.Module, owned: list[tuple[str, nn.Parameter, Any]], mesh: ShardMesh
+) -> tuple[torch.device, torch.dtype]:
+    if not owned:
+        device = _default_device(mesh)
+        return device, torch.get_default_dtype()
+    fqn0, p0, _ = owned[0]
+    for fqn, p, _ in owned[1:]:
+        if p.device != p0.device:
+            raise ShardingError(
+                f"parameters of one unit must be on one device, but '{fqn0}' is on {p0.device} and '{fqn}' is "
+                f"on {p.device}. Move the module with module.to(device) before fully_shard."
+            )
+    for fqn, p, _ in owned:
+        mesh.check_device(p.device, f"parameter '{fqn}'")
+    dtypes = {p.dtype for _, p, _ in owned}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"'{fqn}' ({p.dtype})" for fqn, p, _ in owned[:8])
+        raise ShardingError(
+            f"parameters of one unit must share a dtype, found {sorted(str(d) for d in dtypes)}: {listing}. "
+            "Cast the module (e.g. module.float()) and use MixedPrecision for low-precision compute, or "
+            "shard the differently-typed submodule as its own unit."
+        )
+    dtype = p0.dtype
+    if not dtype.is_floating_point:
+        raise ShardingError(f"parameter '{fqn0}' has dtype {dtype}; only floating-point parameters can be sharded")
+    return p0.device, dtype
+
+
+def _default_device(mesh: ShardMesh) -> torch.device:
+    if "cuda" in mesh.device_types and "cpu" not in mesh.device_types and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(
+    module: nn.Module, params: list[nn.Parameter], buffers: list[torch.Tensor], mesh: ShardMesh
+) -> None:
+    tensors = [t for t in [*params, *buffers] if t.numel()]
+    if any(t.is_meta for t in tensors):
+        raise ShardingError(
+            "sync_module_states=True needs materialized parameters, but some are on the meta device. "
+            "Shard the meta model without it and call shardline.materialize(model), which initializes "
+            "every rank identically."
+        )
+    if mesh.dp_size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        comm.broadcast(flat, mesh.dp_group, unit=type(module).__name__, phase="init")
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _cast_buffers(unit: ShardUnit, buffers: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    dtype = unit.mixed_precision.buffer_dtype
+    if dtype is None:
+        return
+    for m, name, b in buffers:
+        if b.is_floating_point() and b.dtype != dtype:
+            unit.buffer_dtypes[(m, name)] = b.dtype
+            m._buffers[name] = b.to(dtype)

@@ -1,0 +1,70 @@
+"""One sharded parameter: the local shard the optimizer sees and the gathered tensor forward uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardline.engine.layout import ParamLayout
+
+__all__ = ["ShardedParam", "alias"]
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing ``tensor``'s storage but with its own autograd version counter.
+
+    Note: why not ``detach()``. Views and ``detach()`` share the version counter of their
+    base, so writing into a unit's flat buffer (an all-gather landing, an optimizer step on a
+    neighbouring shard) would bump the version of every parameter carved from it, and
+    autograd would refuse to backward through a tensor "modified by an inplace operation".
+    ``.data`` is the documented way to get an alias outside autograd's tracking.
+    """
+    return tensor.data
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """An original parameter after sharding.
+
+    Attributes:
+        fqn: Name relative to the unit's module (its first registration when tied).
+        locations: Every ``(module, attribute)`` it is registered under; several when tied.
+        layout: Shape and this rank's rows.
+        sharded: The ``nn.Parameter`` registered on the module between steps: this rank's rows,
+            a view into the unit's flat shard buffer, in the master dtype.
+        unsharded: The gathered parameter used by forward and backward (created lazily, reused
+            every step so autograd graphs keep pointing at the same leaf).
+        accumulated_grad: Gradient accumulated under ``no_sync`` in the reduce dtype when that
+            is wider than the compute dtype.
+    """
+
+    fqn: str
+    locations: list[tuple[nn.Module, str]]
+    layout: ParamLayout
+    sharded: nn.Parameter
+    unsharded: nn.Parameter | None = None
+    accumulated_grad: torch.Tensor | None = None
+    grad_ready: bool = field(default=False)
+    hooked: bool = field(default=False)
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` the value of every attribute this parameter is registered under."""
+        for module, name in self.locations:
+            module._parameters[name] = tensor  # plain dict write: no __setattr__ checks
+
+    def unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient of the gathered parameter accumulated so far (with any no_sync accumulator)."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        acc = self.accumulated_grad
+        if acc is None:
+            return grad
+        if grad is None:
+            return acc
+        return acc.add_(grad.to(acc.dtype))
+
+    def clear_unsharded_grad(self) -> None:
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        self.accumulated_grad = None

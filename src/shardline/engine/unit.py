@@ -1,0 +1,436 @@
+"""A unit: the parameters one ``fully_shard`` call manages, and their collectives.
+
+This module moves data (gather, free, reduce); when those happen is decided by the hooks in
+:mod:`shardline.engine.state`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from shardline.engine import comm
+from shardline.engine.layout import FlatLayout, ParamLayout
+from shardline.engine.mesh import ShardMesh
+from shardline.engine.mixed_precision import MixedPrecision
+from shardline.engine.param import ShardedParam, alias
+from shardline.engine.strategy import ShardingStrategy
+
+__all__ = ["PendingReduce", "ShardUnit", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the current step."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduction that was issued asynchronously and still has to land in ``.grad``."""
+
+    unit: ShardUnit
+    work: Any
+    output: torch.Tensor
+    params: list[ShardedParam]
+    layout: FlatLayout
+
+    def finish(self) -> None:
+        """Wait for the collective and accumulate this rank's reduced shard into the shard grads."""
+        if self.work is not None:
+            self.work.wait()
+        out = self.output
+        master = self.unit.master_dtype
+        if out.dtype != master:
+            out = out.to(master)
+        for sp, pl, offset in zip(self.params, self.layout.params, self.layout.offsets, strict=True):
+            grad = out[offset : offset + pl.local_numel].view(pl.local_shape)
+            if sp.sharded.grad is None:
+                sp.sharded.grad = grad
+            else:
+                sp.sharded.grad += grad
+
+
+class ShardUnit:
+    """The sharded state of one ``fully_shard``-ed module (see ``fully_shard`` for the semantics).
+
+    Parameters of a unit live in one flat buffer per rank (``flat_shard``, master dtype); the
+    ``nn.Parameter`` objects registered on the modules are views into it, so an optimizer
+    updates the buffer in place and the next all-gather sends it without a copy.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        params: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+        mesh: ShardMesh,
+        strategy: ShardingStrategy,
+        reshard_after_forward: bool | None,
+        mixed_precision: MixedPrecision | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.module = module
+        self.name = ""
+        self.mesh = mesh
+        self.strategy = strategy
+        self.policy = strategy.policy
+        self.reshard_after_forward_arg = reshard_after_forward
+        self.mixed_precision = mixed_precision or MixedPrecision()
+        self.device = device
+        self.master_dtype = dtype
+        self.compute_dtype = self.mixed_precision.compute_dtype(dtype)
+        self.reduce_dtype = self.mixed_precision.gradient_reduce_dtype(dtype)
+        # Shard group of one and no cast: gathered parameters can alias the shards themselves.
+        self.aliased = mesh.shard_size == 1 and self.compute_dtype == dtype
+        self.is_root = True  # until a fully_shard on an ancestor claims this unit
+
+        world, rank = mesh.shard_size, mesh.shard_rank
+        layouts = [ParamLayout.build(p.shape, world, rank) for _, p, _ in params]
+        self.layout = FlatLayout.build(layouts, world)
+        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
+        self.params: list[ShardedParam] = []
+        with torch.no_grad():
+            for (fqn, original, locations), pl, offset in zip(params, layouts, self.layout.offsets, strict=True):
+                piece = self.flat_shard[offset : offset + pl.local_numel].view(pl.local_shape)
+                if device.type != "meta" and pl.local_rows:
+                    rows = original.detach().reshape(pl.rows, *pl.row_shape)
+                    piece.copy_(rows[pl.row_start : pl.row_start + pl.local_rows])
+                sharded = nn.Parameter(alias(piece), requires_grad=original.requires_grad)
+                sp = ShardedParam(fqn=fqn, locations=locations, layout=pl, sharded=sharded)
+                sp.register(sharded)
+                self.params.append(sp)
+
+        self._unsharded_flat: torch.Tensor | None = None
+        self.is_unsharded = False
+        self.pinned = False  # gathered by an explicit unshard(); only reshard() frees it
+        self.sync_gradients = True
+        self.state = TrainingState.IDLE
+        self.post_backward_done = False
+        self.forward_leftover = False  # still gathered after a forward that had no backward yet
+        self._ready_count = 0
+        self._trainable_count = 0
+        self._grad_layouts: dict[tuple[bool, ...], FlatLayout] = {}
+        self.subtree: list[ShardUnit] | None = None  # units under this one, computed lazily
+        # Original dtypes of buffers that MixedPrecision.buffer_dtype cast, keyed by (module, name).
+        self.buffer_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
+
+    # ------------------------------------------------------------------ policy
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether gathered parameters are freed after forward (root units default to keeping them)."""
+        if not self.policy.shard_params:
+            return False
+        if self.reshard_after_forward_arg is not None:
+            return self.reshard_after_forward_arg
+        return False if self.is_root else self.policy.reshard_after_forward
+
+    @property
+    def display_name(self) -> str:
+        return self.name or "<root>"
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardUnit({self.display_name!r}, strategy={self.strategy.value}, params={len(self.params)}, "
+            f"shard={self.mesh.shard_size}x replicate={self.mesh.replicate_size})"
+        )
+
+    # ------------------------------------------------------------------ gather / free
+    def unshard(self, phase: str) -> None:
+        """Gather full parameters (in the compute dtype) and register them on the modules."""
+        if self.is_unsharded:
+            return
+        if self.params:
+            self._check_shards_in_place()
+            if self.aliased:
+                flat = self.flat_shard
+            else:
+                flat = self._alloc_unsharded_flat()
+                if self.mesh.shard_size == 1:
+                    flat.copy_(self.flat_shard)  # a cast only
+                else:
+                    self._all_gather_into(flat, self.compute_dtype, phase)
+            if self.params[0].unsharded is None:
+                self._create_unsharded_params(flat)
+            self._sync_requires_grad()
+            for sp in self.params:
+                sp.register(sp.unsharded)
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Register the shards again and free the gathered parameters' memory."""
+        if not self.is_unsharded:
+            return
+        for sp in self.params:
+            sp.register(sp.sharded)
+        if self._unsharded_flat is not None:
+            self._unsharded_flat.untyped_storage().resize_(0)
+        self.is_unsharded = False
+        self.forward_leftover = False
+
+    def _alloc_unsharded_flat(self) -> torch.Tensor:
+        flat = self._unsharded_flat
+        if flat is None:
+            flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
+            self._unsharded_flat = flat
+        else:
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        return flat
+
+    def _all_gather_into(self, flat: torch.Tensor, dtype: torch.dtype, phase: str) -> None:
+        """All-gather the shards into the parameter-major buffer ``flat`` (in ``dtype``)."""
+        layout, world = self.layout, self.mesh.shard_size
+        send = self.flat_shard if dtype == self.master_dtype else self.flat_shard.to(dtype)
+        gathered = torch.empty(world * layout.shard_numel, dtype=dtype, device=self.device)
+        comm.all_gather(gathered, send, self.mesh.shard_group, unit=self.display_name, phase=phase)
+        # Copy-out: column block i of the (world, S) view is parameter i's padded rows in order.
+        outs = [
+            flat[offset : offset + world * pl.padded_numel].view(world, pl.padded_numel)
+            for pl, offset in zip(layout.params, layout.unsharded_offsets, strict=True)
+        ]
+        torch.split_with_sizes_copy(gathered.view(world, -1), layout.padded_sizes, dim=1, out=outs)
+
+    def _create_unsharded_params(self, flat: torch.Tensor) -> None:
+        for sp, offset in zip(self.params, self.layout.unsharded_offsets, strict=True):
+            pl = sp.layout
+            full = alias(flat)[offset : offset + pl.numel].view(pl.shape)
+            sp.unsharded = nn.Parameter(full, requires_grad=sp.sharded.requires_grad)
+
+    def _sync_requires_grad(self) -> None:
+        """Mirror each shard's ``requires_grad`` (it may change between steps) on its gathered parameter."""
+        from shardline.engine.state import on_grad_ready  # the hook belongs to the state machine
+
+        self._trainable_count = 0
+        for index, sp in enumerate(self.params):
+            wanted = sp.sharded.requires_grad
+            if sp.unsharded.requires_grad != wanted:
+                sp.unsharded.requires_grad_(wanted)
+            if wanted:
+                self._trainable_count += 1
+                if not sp.hooked:  # hooks can only be registered on tensors that require grad
+                    sp.unsharded.register_post_accumulate_grad_hook(_GradReadyHook(self, index, on_grad_ready))
+                    sp.hooked = True
+
+    def _check_shards_in_place(self) -> None:
+        """Re-adopt shards whose ``.data`` was replaced (e.g. ``param.data = t``) into the flat buffer."""
+        for sp, offset in zip(self.params, self.layout.offsets, strict=True):
+            data = sp.sharded.data
+            piece = self.flat_shard[offset : offset + sp.layout.local_numel]
+            if data.data_ptr() == piece.data_ptr() or not sp.layout.local_numel:
+                continue
+            if data.shape != sp.layout.local_shape or data.dtype != self.master_dtype or data.device != self.device:
+                from shardline.errors import ShardingError
+
+                raise ShardingError(
+                    f"the shard of parameter '{sp.fqn}' in unit {self.display_name!r} was replaced by a "
+                    f"tensor of shape {tuple(data.shape)}, dtype {data.dtype}, device {data.device}; expected "
+                    f"shape {sp.layout.local_shape}, {self.master_dtype} on {self.device}. Move or cast the "
+                    "model before calling fully_shard, not after."
+                )
+            with torch.no_grad():
+                piece.copy_(data.reshape(-1))
+            sp.sharded.data = alias(piece).view(sp.layout.local_shape)
+
+    # ------------------------------------------------------------------ gradients
+    def trainable_params(self) -> list[ShardedParam]:
+        return [sp for sp in self.params if sp.sharded.requires_grad]
+
+    def grad_layout(self, params: list[ShardedParam]) -> FlatLayout:
+        """Flat layout of the trainable parameters (frozen ones send no gradient bytes)."""
+        key = tuple(sp.sharded.requires_grad for sp in self.params)
+        layout = self._grad_layouts.get(key)
+        if layout is None:
+            layout = FlatLayout.build([sp.layout for sp in params], self.mesh.shard_size)
+            self._grad_layouts[key] = layout
+        return layout
+
+    def has_unsharded_grads(self) -> bool:
+        return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params) or any(
+            sp.accumulated_grad is not None for sp in self.params
+        )
+
+    def reduce_gradients(self) -> PendingReduce | None:
+        """Pack the gathered gradients and start their reduction (asynchronously).
+
+        Returns the pending reduction, or None when no parameter of the unit has a gradient.
+        Parameters without a gradient on this rank contribute zeros when others have one.
+        """
+        params = self.trainable_params()
+        grads = [sp.unsharded_grad() for sp in params]
+        if all(g is None for g in grads):
+            return None
+        for sp in params:
+            sp.clear_unsharded_grad()
+        layout = self.grad_layout(params)
+        dtype, world = self.reduce_dtype, self.mesh.shard_size
+        name = self.display_name
+        if world > 1:
+            packed = torch.empty(world, layout.shard_numel, dtype=dtype, device=self.device)
+            torch.cat(
+                [pack_rows(g, pl, world, dtype, self.device) for g, pl in zip(grads, layout.params, strict=True)],
+                dim=1,
+                out=packed,
+            )
+            output = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
+            work = comm.reduce_scatter(
+                output, packed.view(-1), self.mesh.shard_group, op=dist.ReduceOp.AVG,
+                unit=name, phase="backward", async_op=True,
+            )  # fmt: skip
+            if self.mesh.replicate_size > 1:
+                work.wait()
+                work = None
+        else:
+            if len(grads) == 1 and grads[0] is not None and grads[0].dtype == dtype:
+                output = grads[0].reshape(-1)
+            else:
+                output = torch.cat(
+                    [
+                        pack_rows(g, pl, 1, dtype, self.device).view(-1)
+                        for g, pl in zip(grads, layout.params, strict=True)
+                    ]
+                )
+            work = None
+        if self.mesh.replicate_size > 1:
+            work = comm.all_reduce(
+                output,
+                self.mesh.replicate_group,
+                op=dist.ReduceOp.AVG,
+                unit=name,
+                phase="backward",
+                async_op=True,
+            )
+        return PendingReduce(self, work, output, params, layout)
+
+    def accumulate_unsynced(self) -> None:
+        """Under ``no_sync``: keep gradients unreduced; widen them to the reduce dtype if it is wider."""
+        for sp in self.trainable_params():
+            grad = sp.unsharded.grad if sp.unsharded is not None else None
+            if grad is None or grad.dtype == self.reduce_dtype:
+                continue
+            if sp.accumulated_grad is None:
+                sp.accumulated_grad = grad.to(self.reduce_dtype)
+            else:
+                sp.accumulated_grad.add_(grad)
+            sp.unsharded.grad = None
+
+    def reset_backward_state(self) -> None:
+        self.state = TrainingState.IDLE
+        self.post_backward_done = False
+        self.forward_leftover = False
+        self._ready_count = 0
+        for sp in self.params:
+            sp.grad_ready = False
+
+    def mark_grad_ready(self, index: int) -> bool:
+        """Record that parameter ``index`` got its gradient; True once every trainable one has."""
+        sp = self.params[index]
+        if not sp.grad_ready:
+            sp.grad_ready = True
+            self._ready_count += 1
+        return self._ready_count >= self._trainable_count
+
+    # ------------------------------------------------------------------ whole tensors
+    def gather_full(self, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Every parameter of the unit as a full tensor (a collective over the shard group).
+
+        Returns new tensors in ``dtype`` (default: master dtype) that share nothing with the
+        unit's buffers. Works whether the unit is currently sharded or not.
+        """
+        dtype = dtype or self.master_dtype
+        if not self.params:
+            return []
+        self._check_shards_in_place()
+        if self.mesh.shard_size == 1:
+            flat = self.flat_shard.to(dtype, copy=True)
+        else:
+            flat = torch.empty(self.layout.unsharded_numel, dtype=dtype, device=self.device)
+            self._all_gather_into(flat, dtype, phase="state_dict")
+        return [
+            flat[offset : offset + sp.layout.numel].view(sp.layout.shape)
+            for sp, offset in zip(self.params, self.layout.unsharded_offsets, strict=True)
+        ]
+
+    @torch.no_grad()
+    def load_full(self, index: int, full: torch.Tensor) -> None:
+        """Copy this rank's rows of the full tensor ``full`` into parameter ``index``'s shard."""
+        sp = self.params[index]
+        pl, offset = sp.layout, self.layout.offsets[index]
+        if not pl.local_rows:
+            return
+        rows = full.reshape(pl.rows, *pl.row_shape)[pl.row_start : pl.row_start + pl.local_rows]
+        self.flat_shard[offset : offset + pl.local_numel].view(pl.local_shape).copy_(rows)
+
+    def materialize(self, device: torch.device) -> None:
+        """Give a unit built on the meta device real (zeroed) shard storage on ``device``."""
+        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device)
+        self.device = device
+        for sp, offset in zip(self.params, self.layout.offsets, strict=True):
+            piece = self.flat_shard[offset : offset + sp.layout.local_numel].view(sp.layout.local_shape)
+            fresh = nn.Parameter(alias(piece), requires_grad=sp.sharded.requires_grad)
+            fresh.__dict__.update(sp.sharded.__dict__)  # swap_tensors swaps Python attributes too
+            torch.utils.swap_tensors(sp.sharded, fresh)  # keeps the Parameter object optimizers hold
+
+    def to_dtensor(self, sp: ShardedParam) -> DTensor:
+        """This rank's piece of ``sp`` as a DTensor that shares the shard's memory (no copy).
+
+        ``Shard(0)`` over the shard group for sharded units, ``Replicate()`` for NO_SHARD units.
+        0-d parameters appear with shape ``(1,)``.
+        """
+        mesh = self.mesh.device_mesh_for(self.device.type)
+        placement = Shard(0) if self.mesh.shard_size > 1 else Replicate()
+        shape = (sp.layout.rows, *sp.layout.row_shape)
+        return DTensor.from_local(
+            sp.sharded.data,
+            mesh,
+            [placement],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=_contiguous_stride(shape),
+        )
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class _GradReadyHook:
+    """Post-accumulate-grad hook of one gathered parameter (a class so it carries no closure cycle)."""
+
+    __slots__ = ("callback", "index", "unit")
+
+    def __init__(self, unit: ShardUnit, index: int, callback: Any) -> None:
+        self.unit, self.index, self.callback = unit, index, callback
+
+    def __call__(self, _param: torch.Tensor) -> None:
+        self.callback(self.unit, self.index)
+
+
+def pack_rows(
+    grad: torch.Tensor | None, pl: ParamLayout, world: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``grad`` as ``(world, chunk * row_numel)``: rows zero-padded to ``world * chunk``, in ``dtype``."""
+    if grad is None:
+        return torch.zeros(world, pl.padded_numel, dtype=dtype, device=device)
+    rows = grad.reshape(pl.rows, pl.row_numel)
+    if rows.dtype != dtype:
+        rows = rows.to(dtype)
+    pad = world * pl.chunk - pl.rows
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))
+    return rows.view(world, pl.padded_numel)

@@ -1,0 +1,41 @@
+"""Exception types raised by shardline.
+
+Every error a user can cause is one of these, so callers can catch ``ShardlineError`` and
+tests can check the type. Each subclasses the matching builtin (``ValueError`` for bad
+values, ``RuntimeError`` for bad state) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "DistributedNotInitializedError",
+    "PolicyMatchError",
+    "ShardingError",
+    "ShardlineError",
+    "StateDictError",
+]
+
+
+class ShardlineError(Exception):
+    """Base class of every error shardline raises on purpose."""
+
+
+class ConfigurationError(ShardlineError, ValueError):
+    """A value passed by the user is not valid (unknown strategy, mismatched mesh, bad dtype...)."""
+
+
+class PolicyMatchError(ConfigurationError):
+    """A wrap policy matched no module of the model."""
+
+
+class ShardingError(ShardlineError, RuntimeError):
+    """The module tree cannot be sharded as asked (sharded twice, shared across units, wrong device...)."""
+
+
+class DistributedNotInitializedError(ShardlineError, RuntimeError):
+    """An operation needs an initialized ``torch.distributed`` process group and there is none."""
+
+
+class StateDictError(ShardlineError, ValueError):
+    """A state dict does not fit the model: missing, unexpected or mis-shaped entries."""

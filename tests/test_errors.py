@@ -1,0 +1,147 @@
+"""Every misuse gets a specific error that says what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import shardline
+from shardline.errors import (
+    ConfigurationError,
+    DistributedNotInitializedError,
+    PolicyMatchError,
+    ShardingError,
+)
+from shardline.testing import run_distributed
+from tests.models import Block, ParityModel
+
+
+def test_no_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(DistributedNotInitializedError, match=r"init_process_group\(\)"):
+        shardline.fully_shard(nn.Linear(2, 2))
+
+
+def test_unknown_strategy_suggests_the_closest() -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"unknown sharding strategy 'fulll_shard'\. Did you mean 'full_shard'"
+    ):
+        shardline.ShardingStrategy.parse("fulll_shard")
+    with pytest.raises(ConfigurationError, match=r"no_shard \(ddp, zero0\)"):
+        shardline.ShardingStrategy.parse("zero1")
+
+
+def test_mixed_precision_rejects_non_float_dtypes() -> None:
+    with pytest.raises(ConfigurationError, match=r"MixedPrecision.param_dtype must be a floating-point"):
+        shardline.MixedPrecision(param_dtype=torch.int32)
+
+
+def test_layer_policy_paths() -> None:
+    assert shardline.layer_policy("tests.models.Block").classes == (Block,)
+    with pytest.raises(ConfigurationError, match=r"module 'tests.models' has no attribute 'Blok'.*Block"):
+        shardline.layer_policy("tests.models.Blok")
+    with pytest.raises(ConfigurationError, match=r"cannot import module 'no_such_package.layers'"):
+        shardline.layer_policy("no_such_package.layers.Block")
+    with pytest.raises(ConfigurationError, match="expected a dotted class path"):
+        shardline.layer_policy("Block")
+    with pytest.raises(ConfigurationError, match=r"nn\.Module subclasses"):
+        shardline.layer_policy(int)
+
+
+class TiedAcross(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks[1].fc1.weight = self.blocks[0].fc1.weight
+
+
+class MixedDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2).double()
+
+
+def _misuse(rank: int, world_size: int) -> None:
+    model = shardline.fully_shard(nn.Linear(4, 4))
+    with pytest.raises(ShardingError, match=r"this Linear is already sharded.*once per module"):
+        shardline.fully_shard(model)
+
+    root = ParityModel()
+    shardline.fully_shard(root)
+    with pytest.raises(
+        ShardingError,
+        match=r"'gate' of the Block being sharded is already managed by the unit at 'ParityModel' \(as 'blocks.0.gate'\).*bottom-up",
+    ):
+        shardline.fully_shard(root.blocks[0])
+
+    with pytest.raises(ShardingError, match=r"'fc1.weight' .* shared with parameter 'fc1.weight' of 'blocks.0'"):
+        shardline.wrap(TiedAcross(), shardline.layer_policy(Block))
+
+    with pytest.raises(
+        PolicyMatchError, match=r"matched no module of ParityModel.*Block, Embedding, LayerNorm, Linear"
+    ):
+        shardline.wrap(ParityModel(), shardline.layer_policy(nn.Conv2d))
+
+    with pytest.raises(ShardingError, match=r"must share a dtype.*torch.float32.*torch.float64"):
+        shardline.fully_shard(MixedDtypes())
+
+    half_meta = nn.Linear(3, 3)
+    half_meta.bias = nn.Parameter(torch.empty(3, device="meta"))
+    with pytest.raises(ShardingError, match=r"one device, but 'weight' is on cpu and 'bias' is on meta"):
+        shardline.fully_shard(half_meta)
+
+    with pytest.raises(ConfigurationError, match="reshard_after_forward must be True, False or None"):
+        shardline.fully_shard(nn.Linear(2, 2), reshard_after_forward=2)
+    with pytest.raises(ConfigurationError, match=r"mixed_precision must be a shardline\.MixedPrecision"):
+        shardline.fully_shard(nn.Linear(2, 2), mixed_precision=torch.bfloat16)
+    with pytest.raises(ConfigurationError, match=r"mesh must be a torch\.distributed ProcessGroup"):
+        shardline.fully_shard(nn.Linear(2, 2), mesh="world")
+
+    mesh2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ConfigurationError, match=r"takes a 1-D DeviceMesh, got a 2-D mesh of shape \(1, 2\)"):
+        shardline.fully_shard(nn.Linear(2, 2), mesh=mesh2d)
+    shardline.fully_shard(nn.Linear(2, 2), mesh=mesh2d["shard"])  # a 1-D slice is fine
+
+    # The backend decides which devices a unit may live on.
+    unit = shardline.fully_shard(nn.Linear(2, 2)).shard_unit
+    with pytest.raises(ConfigurationError, match=r"parameter 'w' is on cuda:0, but the mesh's backend 'gloo'"):
+        unit.mesh.check_device(torch.device("cuda", 0), "parameter 'w'")
+
+    # A shard replaced behind the engine's back is caught at the next gather.
+    model = shardline.fully_shard(nn.Linear(4, 4))
+    model.weight.data = torch.zeros(5, 5)
+    with pytest.raises(
+        ShardingError, match=r"shard of parameter 'weight' .* was replaced .* before calling fully_shard"
+    ):
+        model(torch.ones(1, 4))
+
+
+def test_misuse_errors() -> None:
+    run_distributed(_misuse, 2)
+
+
+def _not_a_member(rank: int, world_size: int) -> None:
+    pair = dist.new_group([0, 1])
+    if rank == 2:
+        with pytest.raises(
+            ConfigurationError, match=r"global rank 2\) is not a member of the process group passed as mesh"
+        ):
+            shardline.fully_shard(nn.Linear(2, 2), mesh=pair)
+    else:
+        shardline.fully_shard(nn.Linear(2, 2), mesh=pair)
+
+    # clip_grad_norm_ refuses units that average over different ranks.
+    if rank < 2:
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        shardline.fully_shard(model[0], mesh=pair)
+        shardline.fully_shard(model)
+        with pytest.raises(ConfigurationError, match="same data-parallel ranks"):
+            model.clip_grad_norm_(1.0)
+
+
+def test_mesh_membership_and_groups() -> None:
+    run_distributed(_not_a_member, 3)

@@ -1,0 +1,32 @@
+"""The example script trains under torchrun with 2 CPU ranks and its loss goes down."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_example_trains_under_torchrun() -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "examples" / "train_fully_shard.py"), "--steps", "21",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
+    assert len(losses) == 3, proc.stdout
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert "collectives per step: {'all_gather': '9', 'reduce_scatter': '5', 'all_reduce': '1'}" in proc.stdout
+
+
+def test_readme_quickstart_has_two_commands_and_ci_runs_the_second() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", section, flags=re.S)
+    commands = [line for block in blocks for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()

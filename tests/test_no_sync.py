@@ -1,0 +1,77 @@
+"""Gradient accumulation with no_sync: equal to one big batch, and silent on the wire."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardline
+from shardline.testing import run_distributed
+from tests.models import Block, ParityModel, batch, local_slice, loss_fn, max_rel_err
+
+MICRO = 2
+
+
+def _accumulate(rank: int, world_size: int, strategy: str, reduce_dtype: torch.dtype | None) -> dict:
+    torch.manual_seed(0)
+    reference = ParityModel()
+    torch.manual_seed(0)
+    mp = shardline.MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype else None
+    model = shardline.wrap(ParityModel(), shardline.layer_policy(Block), strategy=strategy, mixed_precision=mp)
+    tokens, targets = batch(0)
+    loss_fn(reference(tokens), targets).backward()
+
+    mine_t, mine_y = local_slice(tokens, rank, world_size), local_slice(targets, rank, world_size)
+    micro_t, micro_y = mine_t.chunk(MICRO), mine_y.chunk(MICRO)
+    with shardline.count_collectives() as inside, model.no_sync():
+        for t, y in zip(micro_t[:-1], micro_y[:-1], strict=True):
+            (loss_fn(model(t), y) / MICRO).backward()
+    with shardline.count_collectives() as synced:
+        (loss_fn(model(micro_t[-1]), micro_y[-1]) / MICRO).backward()
+
+    # Every sharded gradient equals the reference's rows for this rank.
+    errors = {}
+    for unit in shardline.engine.state.subtree_units(model):
+        for sp in unit.params:
+            ref_param = reference.get_parameter(f"{unit.name + '.' if unit.name else ''}{sp.fqn}")
+            if not sp.sharded.requires_grad:
+                assert sp.sharded.grad is None
+                continue
+            full = ref_param.grad.reshape(sp.layout.rows, -1)
+            rows = full[sp.layout.row_start : sp.layout.row_start + sp.layout.local_rows]
+            errors[f"{unit.display_name}/{sp.fqn}"] = max_rel_err(sp.sharded.grad.reshape(rows.shape), rows)
+    return {
+        "errors": errors,
+        "inside": [(r.kind.value, r.phase) for r in inside.records],
+        "synced": [(r.kind.value, r.phase) for r in synced.records],
+    }
+
+
+def _grid(rank: int, world_size: int) -> dict:
+    return {
+        (s, str(rd)): _accumulate(rank, world_size, s, rd)
+        for s in ("full_shard", "shard_grad_op", "no_shard")
+        for rd in (None, torch.float64)
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_sync_accumulation_equals_one_big_batch(world_size: int) -> None:
+    results = run_distributed(_grid, world_size)
+    for (strategy, reduce_dtype), res in results[0].items():
+        worst = max(res["errors"], key=res["errors"].get)
+        assert res["errors"][worst] <= 1e-6, f"{strategy}/{reduce_dtype}: {worst} off by {res['errors'][worst]:.2e}"
+        kinds_inside = {kind for kind, _ in res["inside"]}
+        # No gradient collective inside no_sync, for any strategy.
+        assert not kinds_inside & {"reduce_scatter", "all_reduce"}, (strategy, res["inside"])
+        if strategy == "no_shard":
+            assert res["inside"] == []
+            assert [k for k, _ in res["synced"]] == ["all_reduce"] * 3
+        else:
+            # Sharded units gather once, for the first micro-batch's forward, and then stay gathered.
+            assert res["inside"] == [("all_gather", "forward")] * 3
+            # The synced micro-batch: no forward gather (still gathered); backward re-gathers the freed blocks
+            # for FULL_SHARD only; one reduce-scatter per unit carries the accumulated total.
+            gathers = [p for k, p in res["synced"] if k == "all_gather"]
+            assert gathers == (["backward"] * 2 if strategy == "full_shard" else [])
+            assert [k for k, _ in res["synced"]].count("reduce_scatter") == 3
