@@ -13,9 +13,11 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_into",
+    "group_timeout",
     "in_backward",
     "queue_backward_callback",
     "reduce_scatter_into",
+    "set_writer_filesystem",
 ]
 
 # torch 2.13 renamed the single-tensor collectives (``*_into_tensor`` -> ``*_single``) and
@@ -52,3 +54,30 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch's own FSDP uses the same engine entry point.
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def set_writer_filesystem(writer: Any, filesystem: Any) -> None:
+    """Make a ``torch.distributed.checkpoint.FileSystemWriter`` open its files through ``filesystem``.
+
+    ``FileSystemWriter`` keeps the ``FileSystem`` it writes through in the attribute ``fs``
+    (set in its constructor, used by ``write_data`` and ``finish``); there is no constructor
+    argument for it. Replacing it is how shardline hashes every file in the pass that writes it.
+    """
+    if not hasattr(writer, "fs"):
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) FileSystemWriter has no 'fs' attribute; shardline's hashing "
+            "checkpoint writer needs updating for it (see shardline/_torch_compat.py)"
+        )
+    writer.fs = filesystem
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> Any:
+    """The timeout (a ``datetime.timedelta``) collectives of ``group`` run under, or None if unknown."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        try:
+            return group._get_backend(torch.device("cuda")).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            return None

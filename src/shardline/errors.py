@@ -8,8 +8,15 @@ values, ``RuntimeError`` for bad state) so generic handlers keep working.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointWarning",
     "ConfigurationError",
     "DistributedNotInitializedError",
+    "IntegrityError",
+    "LineageError",
     "PolicyMatchError",
     "ShardingError",
     "ShardlineError",
@@ -39,3 +46,31 @@ class DistributedNotInitializedError(ShardlineError, RuntimeError):
 
 class StateDictError(ShardlineError, ValueError):
     """A state dict does not fit the model: missing, unexpected or mis-shaped entries."""
+
+
+class CheckpointError(ShardlineError, RuntimeError):
+    """A checkpoint cannot be saved, found or loaded as asked (bad path, not a checkpoint, failed save...)."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """The checkpoint directory to write already exists; nothing was written or overwritten."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """A path is not a committed checkpoint (missing, partial, or not a checkpoint at all)."""
+
+
+class CheckpointMismatchError(CheckpointError, StateDictError):
+    """A checkpoint does not fit the model or optimizer it is loaded into (keys, shapes, layout)."""
+
+
+class IntegrityError(CheckpointError):
+    """A checkpoint's files do not match its manifest: missing, altered or unexpected files."""
+
+
+class LineageError(CheckpointError):
+    """The lineage ledger is unreadable or its hash chain does not verify."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loads, but something a reviewer should know about it (e.g. it has no lineage manifest)."""

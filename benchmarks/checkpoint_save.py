@@ -1,0 +1,137 @@
+"""Benchmark: shardline.checkpoint.save (hash while writing + manifest + atomic commit) vs plain DCP save.
+
+Same process, same state dict, alternating runs (so page-cache and CPU-frequency drift hit both
+alike). Reports medians and the cost of one in-memory SHA-256 pass over the same bytes, which
+is the budget the extra time must stay within; then, with ``CheckpointManager(async_save=True)``,
+how long the training loop blocks per checkpoint.
+
+    python benchmarks/checkpoint_save.py --mib 256 --reps 5 [--dir /path/on/the/target/disk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import shardline
+import shardline.checkpoint as ckpt
+
+
+def build(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    width = 1024
+    layers = max(1, mib * 2**20 // (3 * 4 * width * width))  # params + 2 Adam moments, fp32
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    shardline.wrap(model, shardline.layer_policy(nn.Linear))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def local_bytes(obj: object) -> list[memoryview]:
+    out: list[memoryview] = []
+    if isinstance(obj, dict):
+        for v in obj.values():
+            out += local_bytes(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            out += local_bytes(v)
+    elif isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        if t.numel():
+            out.append(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="approximate checkpoint size in MiB")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    shardline.init_distributed(backend="gloo")
+    root = Path(args.dir or tempfile.mkdtemp(prefix="shardline-bench-"))
+    model, optimizer = build(args.mib)
+    state = {"model": ckpt.model_state_dict(model), "optim": ckpt.optimizer_state_dict(model, optimizer)}
+    views = local_bytes(state)
+    nbytes = sum(v.nbytes for v in views)
+
+    plain, ours, hashing = [], [], []
+    for i in range(args.reps):
+        t = time.perf_counter()
+        h = hashlib.sha256()
+        for v in views:
+            h.update(v)
+        hashing.append(time.perf_counter() - t)
+
+        # Note: the order alternates too, so neither save always runs while the other's pages
+        # are being written back.
+        for which in ("plain", "ours") if i % 2 == 0 else ("ours", "plain"):
+            target = root / f"{which}-{i}"
+            t = time.perf_counter()
+            if which == "plain":
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(target))
+                plain.append(time.perf_counter() - t)
+            else:
+                ckpt.save(target, model=model, optimizer=optimizer, step=i)
+                ours.append(time.perf_counter() - t)
+        shutil.rmtree(root / f"plain-{i}")
+        shutil.rmtree(root / f"ours-{i}")
+
+    manager = ckpt.CheckpointManager(root / "async", async_save=True)
+    blocked, work = [], []
+    for step in range(1, args.reps + 1):
+        t = time.perf_counter()
+        manager.save(step, model=model, optimizer=optimizer, state={"step": step})
+        blocked.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(3):  # "training" while the previous checkpoint is written
+            model(torch.randn(64, 1024)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        work.append(time.perf_counter() - t)
+    manager.close()
+    shutil.rmtree(root / "async")
+
+    med = statistics.median
+    result = {
+        "bytes": nbytes,
+        "reps": args.reps,
+        "plain_dcp_save_s": med(plain),
+        "shardline_save_s": med(ours),
+        "extra_s": med(ours) - med(plain),
+        "sha256_pass_s": med(hashing),
+        "sha256_GBps": nbytes / med(hashing) / 1e9,
+        "extra_within_one_sha256_pass": med(ours) - med(plain) <= med(hashing),
+        "async_blocking_s": med(blocked),
+        "async_training_between_saves_s": med(work),
+        "torch": torch.__version__,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"state dict: {nbytes / 2**20:.0f} MiB, {args.reps} alternating runs, medians")
+    print(f"  plain torch.distributed.checkpoint.save : {result['plain_dcp_save_s'] * 1e3:8.1f} ms")
+    print(f"  shardline.checkpoint.save (lineage)     : {result['shardline_save_s'] * 1e3:8.1f} ms")
+    print(f"  extra                                   : {result['extra_s'] * 1e3:8.1f} ms")
+    print(f"  one in-memory SHA-256 pass (budget)     : {result['sha256_pass_s'] * 1e3:8.1f} ms")
+    print(f"  extra within budget                     : {result['extra_within_one_sha256_pass']}")
+    print(f"  async: training loop blocked per save   : {result['async_blocking_s'] * 1e3:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The checkpoint subcommands of ``shardline``: ``verify``, ``inspect``, ``consolidate``, ``lineage``.
+
+``register(subparsers)`` adds them to the main parser; each sets ``func`` to a handler that
+returns the exit code: 0 success, 1 a check failed or the input was bad (the message names
+what and why), 2 usage errors (argparse). ``--json`` prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import LineageError, ShardlineError
+
+__all__ = ["build_parser", "find_ledger", "main", "register"]
+
+
+def _emit_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _fail(args: argparse.Namespace, error: Exception) -> int:
+    if getattr(args, "json", False):
+        _emit_json({"ok": False, "error": str(error), "error_type": type(error).__name__})
+    else:
+        print(f"error: {error}", file=sys.stderr)
+    return 1
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.verify import verify_checkpoint
+
+    try:
+        report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
+    except ShardlineError as e:
+        return _fail(args, e)
+    if args.json:
+        _emit_json(report.to_json())
+        return 0 if report.ok else 1
+    if report.ok:
+        print(
+            f"OK: {report.path} (step {report.step}): {report.files_checked} files match the manifest"
+            f"{' (hashes re-computed)' if args.level == 'full' else ' (sizes only)'}; "
+            f"manifest hash {report.manifest_hash}"
+        )
+        return 0
+    print(f"FAILED: {report.path}", file=sys.stderr)
+    for p in report.problems:
+        print(f"  {p.kind:<10} {p.path}: {p.detail}", file=sys.stderr)
+    if report.error:
+        print(f"  {report.error}", file=sys.stderr)
+    return 1
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.summary import render_summary, summarize
+
+    try:
+        summary = summarize(args.checkpoint)
+    except ShardlineError as e:
+        return _fail(args, e)
+    if args.json:
+        _emit_json(summary)
+    else:
+        print(render_summary(summary))
+    return 0
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.consolidate import consolidate
+    from shardline.checkpoint.summary import human_bytes
+
+    try:
+        result = consolidate(
+            args.checkpoint, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype, verify=args.verify
+        )
+    except ShardlineError as e:
+        return _fail(args, e)
+    if args.json:
+        _emit_json(
+            {
+                "ok": True,
+                "out": str(result.out),
+                "files": list(result.files),
+                "tensors": result.tensors,
+                "total_bytes": result.total_bytes,
+                "source_manifest_sha256": result.source_manifest_hash,
+                "step": result.step,
+                "aliases": result.aliases,
+            }
+        )
+        return 0
+    weights = [f for f in result.files if f["path"].endswith(".safetensors")]
+    print(
+        f"Wrote {result.tensors} tensors from step {result.step} as {len(weights)} safetensors file(s), "
+        f"{human_bytes(result.total_bytes)} in all, to {result.out}."
+    )
+    if result.aliases:
+        print(f"Tied parameters written once: {', '.join(f'{a} = {b}' for a, b in result.aliases.items())}.")
+    print(f"Source manifest hash {result.source_manifest_hash} and output hashes are in consolidation.json.")
+    return 0
+
+
+def find_ledger(run_dir: str | Path) -> Path:
+    """The ledger for ``run_dir``: the path itself if a file, else ``lineage.sqlite`` in it or in ``checkpoints/``."""
+    from shardline.checkpoint.ledger import LEDGER_NAME
+
+    root = Path(run_dir)
+    if root.is_file():
+        return root
+    candidates = [root / LEDGER_NAME, root / "checkpoints" / LEDGER_NAME]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise LineageError(f"no lineage ledger found: looked for {', '.join(str(c) for c in candidates)}")
+
+
+def _cmd_lineage(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.ledger import Ledger
+
+    try:
+        report = Ledger(find_ledger(args.run_dir)).verify(check_checkpoints=not args.no_check_checkpoints)
+    except ShardlineError as e:
+        return _fail(args, e)
+    if args.json:
+        _emit_json(report.to_json())
+        return 0 if report.ok else 1
+    print(f"Lineage ledger {report.path}: {len(report.rows)} committed checkpoint(s)")
+    for row in report.rows:
+        parent = (row.parent_manifest_sha256 or "-")[:12]
+        flags = " (recovered after a crash)" if row.recovered else ""
+        tag = f" [{row.tag}]" if row.tag else ""
+        print(
+            f"  #{row.seq:<3} step {row.step:>9,}{tag}  {row.checkpoint}  manifest {row.manifest_sha256[:12]}  "
+            f"parent {parent}  row {row.row_sha256[:12]}  {row.committed_at}{flags}"
+        )
+    for note in report.notes:
+        print(f"  note: {note}")
+    if report.ok:
+        print(
+            "Chain verified: every row hash and link matches"
+            + ("" if args.no_check_checkpoints else ", and every checkpoint on disk matches its recorded manifest hash")
+            + "."
+        )
+        return 0
+    print("Chain BROKEN:", file=sys.stderr)
+    for problem in report.problems:
+        print(f"  {problem}", file=sys.stderr)
+    return 1
+
+
+def register(subparsers: Any) -> None:
+    """Add ``verify``, ``inspect``, ``consolidate`` and ``lineage`` to an argparse subparsers object."""
+    verify = subparsers.add_parser(
+        "verify", help="check every file of a checkpoint against its manifest (exit 1 naming any mismatch)"
+    )
+    verify.add_argument("checkpoint", help="checkpoint directory (e.g. run/checkpoints/step-100)")
+    verify.add_argument(
+        "--level", choices=("full", "manifest"), default="full", help="full: re-hash (default); manifest: sizes only"
+    )
+    verify.add_argument("--expect", metavar="SHA256", help="also require this manifest hash (e.g. from the ledger)")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(func=_cmd_verify)
+
+    inspect = subparsers.add_parser("inspect", help="describe a checkpoint in plain words")
+    inspect.add_argument("checkpoint")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(func=_cmd_inspect)
+
+    cons = subparsers.add_parser("consolidate", help="export the model weights as safetensors (HF layout)")
+    cons.add_argument("checkpoint")
+    cons.add_argument("out", help="new output directory")
+    cons.add_argument(
+        "--max-shard-size", metavar="SIZE", help="split into shards of at most SIZE (e.g. 5GB) with an index"
+    )
+    cons.add_argument("--dtype", help="cast floating-point weights (bf16, fp16, fp32)")
+    cons.add_argument(
+        "--verify",
+        choices=("full", "manifest", "none"),
+        default="full",
+        help="check the checkpoint first (default: full)",
+    )
+    cons.add_argument("--json", action="store_true", help="machine-readable output")
+    cons.set_defaults(func=_cmd_consolidate)
+
+    lineage = subparsers.add_parser("lineage", help="print and verify a run's hash-chained checkpoint ledger")
+    lineage.add_argument("run_dir", help="run directory (or checkpoints directory, or the ledger file)")
+    lineage.add_argument(
+        "--no-check-checkpoints", action="store_true", help="only check the chain, not the checkpoints on disk"
+    )
+    lineage.add_argument("--json", action="store_true", help="machine-readable output")
+    lineage.set_defaults(func=_cmd_lineage)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A standalone parser with just the checkpoint subcommands."""
+    parser = argparse.ArgumentParser(prog="shardline", description="shardline checkpoint tools")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one checkpoint subcommand; returns its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

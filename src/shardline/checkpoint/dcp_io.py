@@ -1,0 +1,177 @@
+"""Reading DCP checkpoints: metadata, key paths, load targets, and a planner that never unpickles code.
+
+Note: top-level keys of the state dict a shardline checkpoint stores (DCP flattens nested
+dicts, so on disk they become ``model.<fqn>``, ``optim.state.<fqn>.<name>`` and so on)::
+
+    model              {fqn: tensor or DTensor piece}
+    optim              {"state": {fqn: {name: ...}}, "param_groups": [...]}   (torch's layout)
+    trainer            bytes: torch.save of the trainer state without "per_rank"
+    trainer_per_rank   {"<rank>": bytes}: each rank's "per_rank" entry under its own key
+    config             str: the training config as JSON text
+
+Non-tensor items are stored by DCP as ``torch.save`` pickles. DCP's default planner loads them
+with ``torch.load(weights_only=False)``, which can run arbitrary code; :class:`SafeLoadPlanner`
+loads them with ``weights_only=True`` instead, so a checkpoint can only ever produce data.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from shardline.checkpoint.manifest import DCP_METADATA
+from shardline.errors import CheckpointNotFoundError, ConfigurationError, IntegrityError
+
+__all__ = [
+    "CONFIG_KEY",
+    "MODEL_KEY",
+    "OPTIM_KEY",
+    "PER_RANK_KEY",
+    "TRAINER_KEY",
+    "CachedReader",
+    "SafeLoadPlanner",
+    "build_tree",
+    "decode_state",
+    "encode_state",
+    "key_paths",
+    "read_metadata",
+    "set_path",
+]
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+TRAINER_KEY = "trainer"
+PER_RANK_KEY = "trainer_per_rank"
+CONFIG_KEY = "config"
+
+StorageMd = TensorStorageMetadata | BytesStorageMetadata
+
+
+def encode_state(obj: Any, what: str) -> bytes:
+    """``torch.save`` bytes of ``obj``, checked to load back with ``weights_only=True``.
+
+    Raises:
+        ConfigurationError: ``obj`` holds something a safe load cannot restore (an arbitrary
+            class, a numpy array...); the message names the type to convert.
+    """
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise ConfigurationError(
+            f"the {what} cannot be checkpointed safely: it must hold only tensors, numbers, strings, bytes, "
+            "booleans, None and dicts/lists/tuples of those (checkpoints are read with "
+            f"torch.load(weights_only=True)); "
+            f"torch reports: {str(e).splitlines()[0] if str(e) else type(e).__name__}. Convert such values, e.g. numpy "
+            "arrays with torch.from_numpy."
+        ) from None
+    return data
+
+
+def decode_state(data: bytes) -> Any:
+    """Inverse of :func:`encode_state`."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """``root[p0][p1]...[pn] = value`` in a tree of dicts and lists built by :func:`build_tree`."""
+    node = root
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner (flattening, partial loads allowed) reading non-tensors with ``weights_only=True``."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=True, allow_partial_load=True)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+
+
+class CachedReader(FileSystemReader):
+    """``FileSystemReader`` that unpickles ``.metadata`` once (consolidation loads tensor by tensor)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = _read_metadata_file(Path(self.path), lambda: super(CachedReader, self).read_metadata())
+        return self._metadata
+
+
+def _read_metadata_file(path: Path, read: Callable[[], Metadata]) -> Metadata:
+    if not (path / DCP_METADATA).is_file():
+        contents = ", ".join(sorted(p.name for p in path.iterdir())[:8]) if path.is_dir() else "no such directory"
+        raise CheckpointNotFoundError(
+            f"{path} is not a checkpoint: it has no {DCP_METADATA} file (contents: {contents or 'empty'})"
+        )
+    try:
+        return read()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+        raise IntegrityError(f"{path / DCP_METADATA} is damaged and cannot be read ({type(e).__name__}: {e})") from None
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """The DCP metadata of the checkpoint at ``path``.
+
+    Raises:
+        CheckpointNotFoundError: no ``.metadata`` there.
+        IntegrityError: ``.metadata`` exists but cannot be unpickled.
+    """
+    return CachedReader(path).read_metadata()
+
+
+def key_paths(metadata: Metadata) -> dict[str, tuple[Any, ...]]:
+    """``flat key -> path in the nested state dict`` (a path of one element where DCP recorded no flattening)."""
+    mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    return {key: tuple(mapping.get(key, (key,))) for key in metadata.state_dict_metadata}
+
+
+def subtree(metadata: Metadata, prefix: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], StorageMd]]:
+    """``(path below prefix, storage metadata)`` of every item stored under ``prefix``."""
+    out = []
+    for key, path in key_paths(metadata).items():
+        if path[: len(prefix)] == prefix and len(path) > len(prefix):
+            out.append((path[len(prefix) :], metadata.state_dict_metadata[key]))
+    return out
+
+
+def build_tree(entries: Iterable[tuple[tuple[Any, ...], Any]]) -> Any:
+    """A tree of dicts (string keys) and lists (integer keys) with each ``value`` at its path."""
+    entries = list(entries)
+    if not entries:
+        return {}
+    root: Any = [] if isinstance(entries[0][0][0], int) else {}
+    for path, value in entries:
+        node = root
+        for i, key in enumerate(path):
+            last = i == len(path) - 1
+            nxt: Any = value if last else ([] if isinstance(path[i + 1], int) else {})
+            if isinstance(node, list):
+                while len(node) <= key:
+                    node.append(None)
+                if last or node[key] is None:
+                    node[key] = nxt
+                node = node[key]
+            else:
+                if last or key not in node:
+                    node[key] = nxt
+                node = node[key]
+    return root

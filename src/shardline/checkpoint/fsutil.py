@@ -1,0 +1,61 @@
+"""Durable file-system steps of the commit protocol: fsync, atomic small-file writes, temp names."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+
+__all__ = ["TMP_PATTERN", "atomic_write_bytes", "fsync_dir", "fsync_file", "is_tmp_name", "tmp_dir_for"]
+
+# Temporary directories of saves in progress: ".step-100.tmp-<hex>" next to the final "step-100".
+TMP_PATTERN = re.compile(r"^\.(?P<final>.+)\.tmp-[0-9a-f]{12}$")
+
+
+def tmp_dir_for(final: Path) -> Path:
+    """A fresh temporary directory name beside ``final`` (hidden, so listings and globs skip it)."""
+    return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def is_tmp_name(name: str) -> bool:
+    """Whether ``name`` is the temporary directory of an unfinished (or crashed) save."""
+    return TMP_PATTERN.match(name) is not None
+
+
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s contents to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new names, renames) to stable storage, where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # e.g. Windows cannot open directories; renames there are durable on return
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: write a temp file, fsync it, rename it over, fsync the dir."""
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)

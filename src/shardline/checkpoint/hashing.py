@@ -1,0 +1,273 @@
+"""A DCP ``StorageWriter`` that SHA-256-hashes every file in the same pass that writes it.
+
+Note: how it plugs into torch.distributed.checkpoint.
+
+* ``FileSystemWriter`` opens every file it writes -- each rank's ``__{rank}_{n}.distcp`` and the
+  coordinator's ``.metadata`` -- through its ``FileSystem``'s ``create_stream``. We give it a
+  :class:`HashingFileSystem` whose write streams feed each buffer to a SHA-256 hasher on its way
+  to the file, so no file is ever read back. DCP only writes sequentially (it asks ``tell()``
+  for offsets, never seeks); a seek raises, since the digest would no longer describe the file.
+* ``write_data`` returns DCP's ``WriteResult`` list, which DCP already gathers to the
+  coordinator for ``finish``. We append one extra ``WriteResult`` per file written, whose
+  index is ``__shardline_file_digest__/<file name>`` and whose ``storage_data`` is a plain dict
+  ``{path, rank, bytes, sha256}``: the digests ride to rank 0 in that gather, with no extra
+  collective.
+* ``finish`` (coordinator only) takes the digest records out again before handing the
+  results to DCP's own ``finish``, so ``.metadata`` holds exactly what plain torch writes and
+  stays loadable without shardline. ``.metadata`` itself is written through the hashing
+  file system, so its digest is known too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from shardline import _torch_compat
+from shardline.checkpoint import fault
+from shardline.errors import CheckpointError
+
+__all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "sha256_file"]
+
+DIGEST_INDEX_PREFIX = "__shardline_file_digest__/"
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, order=True)
+class FileDigest:
+    """One checkpoint file as written: name relative to the checkpoint, writing rank, size, SHA-256."""
+
+    path: str
+    rank: int
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "rank": self.rank, "bytes": self.bytes, "sha256": self.sha256}
+
+
+def sha256_file(path: Path) -> tuple[int, str]:
+    """``(size, hex sha256)`` of a file, read in chunks (for verification, never during a save)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+# Buffers at least this large are hashed on a helper thread while the calling thread writes them.
+_OVERLAP_MIN = 1 << 20
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _hasher_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardline-sha256")
+        return _POOL
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only stream that hashes every byte it passes on to ``raw``.
+
+    Note: hashing and writing overlap. For a large buffer, the digest update runs on a helper
+    thread while this thread copies the same buffer into the file; both release the GIL
+    (hashlib for updates over 2 KiB, the file write in the kernel), so on two cores the save
+    takes about max(hash, write) instead of their sum. ``write`` waits for the digest before
+    returning, so the caller may reuse its buffer and digest updates stay in file order.
+    """
+
+    def __init__(self, raw: Any, on_close: Any, hasher_pool: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self._raw = raw
+        self._on_close = on_close
+        self._pool = hasher_pool
+        self._hash = hashlib.sha256()
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        pending = self._pool.submit(self._hash.update, view) if len(view) >= _OVERLAP_MIN else None
+        try:
+            written = 0
+            while written < len(view):
+                n = self._raw.write(view[written:])
+                if n is None or n <= 0:  # a non-blocking raw file would do this; ours never is
+                    raise OSError(f"short write to checkpoint file ({written} of {len(view)} bytes)")
+                written += n
+        finally:
+            if pending is not None:
+                pending.result()
+        if pending is None:
+            self._hash.update(view)
+        self._size += written
+        return written
+
+    def tell(self) -> int:
+        return self._size
+
+    def seek(self, *_args: Any) -> int:
+        raise io.UnsupportedOperation("checkpoint files are hashed while written and must be written sequentially")
+
+    def fileno(self) -> int:
+        # Callers ask for the descriptor to fsync it: Python's buffer must reach the OS first.
+        self._raw.flush()
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._raw.flush()
+            self._raw.close()
+            self._on_close(self._size, self._hash.hexdigest())
+        finally:
+            super().close()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local ``FileSystem`` whose write streams record ``(bytes, sha256)`` of each file on close."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._digests: dict[str, tuple[int, str]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        key = str(Path(path))
+
+        def record(size: int, digest: str) -> None:
+            with self._lock:
+                self._digests[key] = (size, digest)
+
+        with open(key, "wb") as raw:
+            stream = _HashingStream(raw, record, _hasher_pool())
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if str(Path(path)) in self._digests:
+                self._digests[str(Path(new_path))] = self._digests.pop(str(Path(path)))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        super().rm_file(path)
+        with self._lock:
+            self._digests.pop(str(Path(path)), None)
+
+    def take(self) -> dict[str, tuple[int, str]]:
+        """The digests recorded since the last ``take`` (full path -> (bytes, sha256)), and forget them."""
+        with self._lock:
+            out, self._digests = self._digests, {}
+        return out
+
+
+def _is_digest(result: WriteResult) -> bool:
+    return result.index.fqn.startswith(DIGEST_INDEX_PREFIX)
+
+
+class HashingWriter(FileSystemWriter):
+    """``FileSystemWriter`` (one file per rank, fsynced) that reports each file's SHA-256 to the coordinator.
+
+    After ``torch.distributed.checkpoint.save`` returns, :attr:`file_digests` holds, on the
+    coordinator only, every file of the checkpoint (``.metadata`` included), sorted by path.
+
+    Args:
+        path: The directory to write (the temporary directory of a save).
+        final_path: Where the directory will be renamed to; recorded as the checkpoint id in
+            ``.metadata``'s storage metadata instead of the temporary path.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, final_path: str | os.PathLike | None = None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+        self._hfs = HashingFileSystem()
+        _torch_compat.set_writer_filesystem(self, self._hfs)
+        self._final_path = final_path
+        self.file_digests: list[FileDigest] | None = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self._final_path or self.path), save_id=self.save_id)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._hfs.take()
+        results = list(super().write_data(plan, planner).wait())
+        rank = self.rank or 0
+        written = self._hfs.take()
+        fault.maybe_fail("after_shards", rank)
+        for full, (size, digest) in sorted(written.items()):
+            name = os.path.relpath(full, self.path)
+            record = FileDigest(path=name, rank=rank, bytes=size, sha256=digest)
+            results.append(
+                WriteResult(
+                    index=MetadataIndex(DIGEST_INDEX_PREFIX + name), size_in_bytes=size, storage_data=record.to_json()
+                )
+            )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        digests: dict[str, FileDigest] = {}
+        clean: list[list[WriteResult]] = []
+        for rank_results in results:
+            clean.append([r for r in rank_results if not _is_digest(r)])
+            for r in rank_results:
+                if _is_digest(r):
+                    record = FileDigest(**r.storage_data)
+                    if record.path in digests:
+                        raise CheckpointError(
+                            f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "
+                            f"{record.path!r}; checkpoint file names must be unique per rank"
+                        )
+                    digests[record.path] = record
+        self._hfs.take()
+        super().finish(metadata, clean)
+        for full, (size, digest) in self._hfs.take().items():
+            name = os.path.relpath(full, self.path)
+            digests[name] = FileDigest(path=name, rank=self.rank or 0, bytes=size, sha256=digest)
+        # Every file .metadata points into must be one we hashed.
+        referenced = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        unhashed = sorted(p for p in referenced if p is not None and p not in digests)
+        if unhashed or ".metadata" not in digests:
+            raise CheckpointError(
+                f"internal error: files written without a digest: {unhashed or ['.metadata']}; "
+                "the torch version may have changed how FileSystemWriter opens files"
+            )
+        self.file_digests = sorted(digests.values())

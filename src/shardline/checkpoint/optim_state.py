@@ -1,0 +1,331 @@
+"""Optimizer state dicts keyed by parameter FQN, in the same three kinds as model state dicts.
+
+Layout (the one ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` uses)::
+
+    {"state": {fqn: {name: value, ...}, ...},
+     "param_groups": [{"params": [fqn, ...], "lr": ..., ...}, ...]}
+
+A state tensor shaped like its parameter's shard is **elementwise** (Adam's ``exp_avg``, SGD's
+momentum): sharded kind gives it as a DTensor piece placed like the parameter, full kind as
+the gathered tensor, local kind as is. A 0-d tensor is **scalar** state (Adam's ``step``) and
+is the same on every rank. Any other shape is rejected: shardline shards optimizers
+elementwise. Elementwise state of a 0-d parameter has shape ``(1,)`` in every kind, so it is
+never confused with scalar state. Non-tensor values are kept as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardline.checkpoint import coord
+from shardline.checkpoint.model_state import StateDictKind, as_dtensor, check_kind, param_index, state_shape
+from shardline.engine import comm
+from shardline.engine.param import ShardedParam
+from shardline.engine.unit import ShardUnit
+from shardline.errors import CheckpointMismatchError, ConfigurationError
+
+__all__ = ["load_optimizer_state_dict", "optimizer_params", "optimizer_state_dict"]
+
+_SHOW = 10
+Managed = tuple[ShardUnit, ShardedParam] | None
+
+
+def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, str, Managed]]:
+    """``(param, fqn, (unit, sharded param) or None)`` for each parameter the optimizer holds, in group order.
+
+    The FQN is the parameter's first name in ``model.state_dict()`` (tied parameters have one).
+    """
+    index = param_index(model)
+    names: dict[int, str] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        found = index.get(id(value))
+        target = id(found[1].sharded) if found else id(value)
+        names.setdefault(target, key)
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fqn = names.get(id(p))
+            if fqn is None:
+                raise ConfigurationError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of the model "
+                    "(or the model was sharded after the optimizer was built: build the optimizer from "
+                    "model.parameters() after fully_shard/wrap)"
+                )
+            found = index.get(id(p))
+            out.append((p, fqn, found))
+    return out
+
+
+def _kind_of(value: Any, managed: Managed, fqn: str, name: str) -> str:
+    if not isinstance(value, torch.Tensor):
+        return "value"
+    if value.dim() == 0:
+        return "scalar"
+    if managed is None or tuple(value.shape) == managed[1].layout.local_shape:
+        return "elementwise"
+    raise CheckpointMismatchError(
+        f"optimizer state '{name}' of parameter '{fqn}' has shape {tuple(value.shape)}, neither the parameter "
+        f"shard's shape {managed[1].layout.local_shape} nor a scalar; shardline checkpoints support optimizers "
+        "whose state is elementwise (SGD, Adam, AdamW, RMSprop, ...)"
+    )
+
+
+def _groups(optimizer: torch.optim.Optimizer, fqn_of: dict[int, str]) -> list[dict[str, Any]]:
+    out = []
+    for group in optimizer.param_groups:
+        saved = {k: v for k, v in group.items() if k != "params"}
+        saved["params"] = [fqn_of[id(p)] for p in group["params"]]
+        out.append(saved)
+    return out
+
+
+def optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, kind: StateDictKind = "sharded"
+) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter FQN (see the module docstring for the layout).
+
+    ``full`` is a collective that gathers elementwise state unit by unit (one all-gather per
+    unit and state name) and returns it on rank 0 only (CPU); other ranks get an empty dict.
+    ``sharded`` and ``local`` share memory with the optimizer and need no communication.
+    """
+    check_kind(kind)
+    params = optimizer_params(model, optimizer)
+    fqn_of = {id(p): fqn for p, fqn, _ in params}
+    state: dict[str, dict[str, Any]] = {}
+    for p, fqn, managed in params:
+        entry = optimizer.state.get(p)
+        if not entry:
+            continue
+        out = {}
+        for name, value in entry.items():
+            form = _kind_of(value, managed, fqn, name)
+            if form == "elementwise" and managed is not None and kind == "sharded":
+                out[name] = as_dtensor(managed[0], managed[1], value.detach())
+            elif isinstance(value, torch.Tensor):
+                out[name] = value.detach()
+            else:
+                out[name] = value
+        state[fqn] = out
+    result = {"state": state, "param_groups": _groups(optimizer, fqn_of)}
+    if kind != "full":
+        return result
+    return _gather_full(params, result)
+
+
+def _signature(params: list[tuple[torch.Tensor, str, Managed]], state: Mapping[str, Mapping[str, Any]]) -> list:
+    sig = []
+    for _, fqn, managed in params:
+        for name, value in sorted(state.get(fqn, {}).items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and managed is not None:
+                sig.append((fqn, name, str(value.dtype)))
+    return sig
+
+
+def _gather_full(params: list[tuple[torch.Tensor, str, Managed]], result: dict[str, Any]) -> dict[str, Any]:
+    state = result["state"]
+    # Note: every rank must issue the same all-gathers; check the structure first (one small
+    # collective) so that ranks whose optimizers differ fail with a message instead of hanging.
+    signatures = coord.all_gather_object(_signature(params, state), None)
+    if any(s != signatures[0] for s in signatures):
+        raise CheckpointMismatchError(
+            "ranks hold different optimizer state structures (parameters or state names differ), so the full "
+            "optimizer state dict cannot be gathered; run the same optimizer steps on every rank"
+        )
+    rank0 = coord.group_rank(None) == 0
+    by_unit: dict[int, tuple[ShardUnit, list[tuple[str, ShardedParam]]]] = {}
+    for _, fqn, managed in params:
+        if managed is not None:
+            by_unit.setdefault(id(managed[0]), (managed[0], []))[1].append((fqn, managed[1]))
+    full_state: dict[str, dict[str, Any]] = {
+        fqn: {n: (v.cpu().clone() if isinstance(v, torch.Tensor) else v) for n, v in entry.items()}
+        for fqn, entry in state.items()
+    }
+    for unit, members in by_unit.values():
+        keys = sorted(
+            {
+                (name, value.dtype)
+                for fqn, _ in members
+                for name, value in state.get(fqn, {}).items()
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+            },
+            key=lambda item: (item[0], str(item[1])),
+        )
+        for name, dtype in keys:
+            fulls = _gather_unit_tensors(unit, [state.get(fqn, {}).get(name) for fqn, _ in members], members, dtype)
+            for (fqn, _), full in zip(members, fulls, strict=True):
+                if full is not None:
+                    full_state[fqn][name] = full.cpu()
+    return {"state": full_state, "param_groups": result["param_groups"]} if rank0 else {}
+
+
+def _gather_unit_tensors(
+    unit: ShardUnit,
+    tensors: list[torch.Tensor | None],
+    members: list[tuple[str, ShardedParam]],
+    dtype: torch.dtype,
+) -> list[torch.Tensor | None]:
+    """All-gather elementwise state of a unit's parameters, packed like the unit's flat shard."""
+    layout, world = unit.layout, unit.mesh.shard_size
+    offsets = {id(sp): off for sp, off in zip(unit.params, layout.offsets, strict=True)}
+    flat = torch.zeros(layout.shard_numel, dtype=dtype, device=unit.device)
+    for t, (_, sp) in zip(tensors, members, strict=True):
+        if t is not None and t.dtype == dtype and sp.layout.local_numel:
+            off = offsets[id(sp)]
+            flat[off : off + sp.layout.local_numel].copy_(t.reshape(-1))
+    if world > 1:
+        gathered = torch.empty(world * layout.shard_numel, dtype=dtype, device=unit.device)
+        comm.all_gather(gathered, flat, unit.mesh.shard_group, unit=unit.display_name, phase="checkpoint")
+        rows = gathered.view(world, layout.shard_numel)
+    else:
+        rows = flat.view(1, layout.shard_numel)
+    out: list[torch.Tensor | None] = []
+    for t, (_, sp) in zip(tensors, members, strict=True):
+        if t is None or t.dtype != dtype:
+            out.append(None)
+            continue
+        pl, off = sp.layout, offsets[id(sp)]
+        block = rows[:, off : off + pl.padded_numel].reshape(world * pl.chunk, *pl.row_shape)
+        out.append(block[: pl.rows].clone().reshape(state_shape(sp)))
+    return out
+
+
+def _broadcast_full(state_dict: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's full optimizer state dict on every rank (structure first, then one broadcast per tensor)."""
+    rank0 = coord.group_rank(None) == 0
+    skeleton = None
+    if rank0:
+        if state_dict is None:
+            raise ConfigurationError("load_optimizer_state_dict(kind='full'): rank 0 passed None")
+        skeleton = {
+            "param_groups": state_dict["param_groups"],
+            "state": {
+                fqn: {
+                    n: ("tensor", list(v.shape), str(v.dtype).removeprefix("torch."))
+                    if isinstance(v, torch.Tensor)
+                    else ("value", v)
+                    for n, v in entry.items()
+                }
+                for fqn, entry in state_dict["state"].items()
+            },
+        }
+    skeleton = coord.broadcast_object(skeleton, None)
+    if coord.group_size(None) == 1:
+        return dict(state_dict)  # type: ignore[arg-type]
+    device = coord.control_device(dist.group.WORLD)
+    state: dict[str, dict[str, Any]] = {}
+    for fqn, entry in skeleton["state"].items():
+        state[fqn] = {}
+        for name, spec in entry.items():
+            if spec[0] == "value":
+                state[fqn][name] = spec[1]
+                continue
+            if rank0:
+                tensor = state_dict["state"][fqn][name].to(device).contiguous()  # type: ignore[index]
+            else:
+                tensor = torch.empty(spec[1], dtype=getattr(torch, spec[2]), device=device)
+            comm.broadcast(tensor, dist.group.WORLD, phase="checkpoint")
+            state[fqn][name] = tensor
+    return {"state": state, "param_groups": skeleton["param_groups"]}
+
+
+def load_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any] | None,
+    *,
+    kind: StateDictKind = "sharded",
+) -> None:
+    """Load an FQN-keyed optimizer state dict of the given kind into ``optimizer``.
+
+    Hyperparameters of each param group are restored as saved (as ``Optimizer.load_state_dict``
+    does); groups are matched by position and must hold the same parameters. ``full`` is a
+    collective: rank 0 passes the dict, other ranks may pass ``None``, and each rank keeps its
+    rows. ``sharded`` and ``local`` need the layout the dict was taken with.
+
+    Raises:
+        CheckpointMismatchError: groups, parameters or state shapes that do not fit; raised
+            before the optimizer is touched.
+    """
+    check_kind(kind)
+    if kind == "full":
+        state_dict = _broadcast_full(state_dict)
+    if state_dict is None or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ConfigurationError(
+            "an optimizer state dict must be a mapping with 'state' and 'param_groups' "
+            "(as optimizer_state_dict returns)"
+        )
+    params = optimizer_params(model, optimizer)
+    by_fqn = {fqn: (p, managed) for p, fqn, managed in params}
+    problems: list[str] = []
+    unknown = [fqn for fqn in state_dict["state"] if fqn not in by_fqn]
+    if unknown:
+        problems.append(
+            f"state for {len(unknown)} parameter(s) the optimizer does not hold: {', '.join(unknown[:_SHOW])}"
+        )
+    saved_groups = list(state_dict["param_groups"])
+    if len(saved_groups) != len(optimizer.param_groups):
+        problems.append(f"{len(saved_groups)} param group(s) saved vs {len(optimizer.param_groups)} in the optimizer")
+    else:
+        for i, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+            current = {fqn for p, fqn, _ in params if any(p is q for q in group["params"])}
+            given = set(saved.get("params", []))
+            if current != given:
+                only_saved, only_here = sorted(given - current), sorted(current - given)
+                problems.append(
+                    f"param group {i} differs: only in the checkpoint {only_saved[:_SHOW]}, only in the optimizer "
+                    f"{only_here[:_SHOW]}"
+                )
+    local_state: dict[int, dict[str, Any]] = {}
+    position = {id(p): i for i, (p, _, _) in enumerate(params)}
+    for fqn, entry in state_dict["state"].items():
+        if fqn not in by_fqn:
+            continue
+        p, managed = by_fqn[fqn]
+        converted: dict[str, Any] = {}
+        for name, value in entry.items():
+            try:
+                converted[name] = _local_value(value, managed, fqn, name, kind)
+            except CheckpointMismatchError as e:
+                problems.append(str(e))
+        local_state[position[id(p)]] = converted
+    if problems:
+        shown = "; ".join(problems[:_SHOW])
+        raise CheckpointMismatchError(
+            f"the optimizer state does not fit this optimizer -- {shown}. Build the optimizer with the same "
+            "parameter groups as when it was saved."
+        )
+    groups = []
+    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
+        restored = {k: v for k, v in saved.items() if k != "params"}
+        restored["params"] = [position[id(p)] for p in group["params"]]
+        groups.append(restored)
+    optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+
+def _local_value(value: Any, managed: Managed, fqn: str, name: str, kind: str) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, DTensor):
+        value = value.to_local()
+        kind = "local"
+    if value.dim() == 0 or managed is None:
+        return value
+    _, sp = managed
+    if kind == "full":
+        if tuple(value.shape) != state_shape(sp):
+            raise CheckpointMismatchError(f"'{fqn}'.{name}: full shape {tuple(value.shape)} vs {state_shape(sp)}")
+        pl = sp.layout
+        rows = value.reshape(pl.rows, *pl.row_shape)[pl.row_start : pl.row_start + pl.local_rows]
+        return rows.reshape(pl.local_shape).clone()
+    if tuple(value.shape) != sp.layout.local_shape:
+        raise CheckpointMismatchError(
+            f"'{fqn}'.{name}: local piece {tuple(value.shape)} vs this rank's shard {sp.layout.local_shape} "
+            "(taken at another world size or strategy)"
+        )
+    return value

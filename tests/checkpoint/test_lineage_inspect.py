@@ -1,0 +1,76 @@
+"""The hash-chained ledger and ``shardline lineage``; ``shardline inspect``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from shardline.checkpoint import Ledger, cli, read_manifest
+from shardline.errors import LineageError
+
+
+def test_lineage_prints_and_verifies(saved_run: Path, capsys) -> None:
+    assert cli.main(["lineage", str(saved_run)]) == 0
+    out = capsys.readouterr().out
+    assert "2 committed checkpoint(s)" in out
+    assert "Chain verified" in out
+    assert read_manifest(saved_run / "step-4")[1][:12] in out
+    assert cli.main(["lineage", "--json", str(saved_run.parent)]) == 0  # RUN_DIR/checkpoints/lineage.sqlite
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"]
+    assert [r["step"] for r in report["rows"]] == [2, 4]
+    assert report["rows"][1]["prev_row_sha256"] == report["rows"][0]["row_sha256"]
+
+
+def test_ledger_is_append_only_and_tamper_evident(saved_run: Path, tmp_path: Path, capsys) -> None:
+    ledger_path = tmp_path / "lineage.sqlite"
+    shutil.copy(saved_run / "lineage.sqlite", ledger_path)
+    conn = sqlite3.connect(ledger_path)
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        conn.execute("UPDATE checkpoints SET step = 5 WHERE seq = 2")
+    conn.execute("DROP TRIGGER checkpoints_no_update")  # someone bypasses the guard...
+    conn.execute("UPDATE checkpoints SET step = 5 WHERE seq = 1")
+    conn.commit()
+    conn.close()
+    report = Ledger(ledger_path).verify(check_checkpoints=False)  # ...and the chain shows it
+    assert not report.ok
+    assert any("row 1" in p and "edited" in p for p in report.problems)
+    assert cli.main(["lineage", "--no-check-checkpoints", str(ledger_path)]) == 1
+    assert "BROKEN" in capsys.readouterr().err
+
+
+def test_ledger_detects_swapped_checkpoint(saved_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    shutil.rmtree(run / "step-4")
+    shutil.copytree(saved_run / "step-2", run / "step-4")  # a different (valid) checkpoint under the old name
+    report = Ledger(run / "lineage.sqlite").verify()
+    assert not report.ok
+    assert any("step-4" in p and "manifest hash" in p for p in report.problems)
+
+
+def test_missing_ledger_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(LineageError, match="no lineage ledger"):
+        Ledger(tmp_path / "nothing.sqlite").rows()
+
+
+def test_inspect(saved_run: Path, capsys) -> None:
+    step = saved_run / "step-4"
+    assert cli.main(["inspect", str(step)]) == 0
+    text = capsys.readouterr().out
+    assert "Checkpoint at training step 4 (a regular save) consists of 2 shard files totaling" in text
+    assert "the manifest hash" in text.lower()
+    assert read_manifest(step)[1] in text
+    assert "continues from the checkpoint" in text
+    assert cli.main(["inspect", "--json", str(step)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 4
+    assert summary["shard_files"] == 2
+    assert summary["world_size"] == 2
+    assert summary["total_bytes"] == sum(
+        f.stat().st_size for f in step.iterdir() if f.suffix == ".distcp" or f.name == ".metadata"
+    )
