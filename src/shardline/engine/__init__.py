@@ -1,5 +1,6 @@
 """The sharding engine: ``fully_shard`` and everything it needs."""
 
+from shardline.engine.activation import apply_activation_checkpointing
 from shardline.engine.api import ShardedModule, fully_shard
 from shardline.engine.comm import (
     CollectiveKind,
@@ -29,6 +30,7 @@ __all__ = [
     "ShardedModule",
     "ShardingStrategy",
     "StrategyPolicy",
+    "apply_activation_checkpointing",
     "clip_grad_norm_",
     "comm_stats",
     "count_collectives",

@@ -374,8 +374,12 @@ class ShardUnit:
 
     def materialize(self, device: torch.device) -> None:
         """Give a unit built on the meta device real (zeroed) shard storage on ``device``."""
+        self.reshard()
         self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device)
         self.device = device
+        self._unsharded_flat = None  # gathered parameters are recreated on the new device
+        for sp in self.params:
+            sp.unsharded, sp.hooked = None, False
         for sp, offset in zip(self.params, self.layout.offsets, strict=True):
             piece = self.flat_shard[offset : offset + sp.layout.local_numel].view(sp.layout.local_shape)
             fresh = nn.Parameter(alias(piece), requires_grad=sp.sharded.requires_grad)

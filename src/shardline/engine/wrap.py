@@ -14,7 +14,7 @@ from shardline.engine.state import get_unit
 from shardline.engine.traversal import post_order
 from shardline.errors import ConfigurationError, PolicyMatchError
 
-__all__ = ["LayerPolicy", "layer_policy", "resolve_class", "wrap"]
+__all__ = ["LayerPolicy", "check_policy_matches", "layer_policy", "resolve_class", "wrap"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -75,6 +75,31 @@ def layer_policy(*classes: type[nn.Module] | str) -> LayerPolicy:
     return LayerPolicy(tuple(resolved))
 
 
+def check_policy_matches(
+    model: nn.Module, policy: Callable[[nn.Module], bool], *, purpose: str
+) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module below the root matching ``policy``, innermost first.
+
+    Raises:
+        PolicyMatchError: Nothing matched. The message names the policy and lists the model's
+            module classes, so a misspelled or wrong class is easy to spot.
+    """
+    matched = [(name, m) for name, m in post_order(model) if m is not model and policy(m)]
+    if not matched:
+        classes = sorted({original_class(m).__name__ for m in model.modules()})
+        consequence = (
+            "the model would be one single unit and nothing would be sharded per layer"
+            if purpose == "wrap"
+            else "nothing would be affected"
+        )
+        raise PolicyMatchError(
+            f"{purpose} policy {policy!r} matched no module of {original_class(model).__name__}, so {consequence}. "
+            f"The model's module classes are: {', '.join(classes)}. Pass the class of its repeated blocks "
+            "to layer_policy()."
+        )
+    return matched
+
+
 def wrap(
     model: M,
     policy: Callable[[nn.Module], bool],
@@ -95,14 +120,7 @@ def wrap(
         PolicyMatchError: The policy matched no module besides the root. The message lists the
             model's module classes, so a misspelled or wrong class is easy to spot.
     """
-    matched = [(name, m) for name, m in post_order(model) if m is not model and policy(m)]
-    if not matched:
-        classes = sorted({original_class(m).__name__ for m in model.modules()})
-        raise PolicyMatchError(
-            f"wrap policy {policy!r} matched no module of {original_class(model).__name__}, so the model would "
-            f"be one single unit and nothing would be sharded per layer. The model's module classes are: "
-            f"{', '.join(classes)}. Pass the class of its repeated blocks to layer_policy()."
-        )
+    matched = check_policy_matches(model, policy, purpose="wrap")
     for name, module in matched:
         if get_unit(module) is None:
             fully_shard(module, **fully_shard_kwargs)

@@ -1,0 +1,220 @@
+"""What the user sees and keeps: progress, metrics CSV, TensorBoard, loss plot, summary.
+
+Each callback is configured under ``callbacks.<name>`` with a ``_target_`` and removed with
+``~callbacks.<name>``. Hooks receive the :class:`~shardline.train.trainer.Trainer`; output
+happens on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+__all__ = ["LossPlot", "MetricsCSV", "ProgressBar", "Summary", "TensorBoard"]
+
+log = logging.getLogger("shardline.train")
+
+METRIC_FIELDS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib")
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+class ProgressBar:
+    """A live bar on rank 0 (step, loss, tokens/s, ETA) on a terminal; a line every N steps otherwise."""
+
+    def __init__(self, refresh_per_second: float = 4.0) -> None:
+        self.refresh_per_second = refresh_per_second
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._console = _console()
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if not trainer.is_rank0 or not self._console.is_terminal:
+            return
+        self._progress = Progress(
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("val {task.fields[val]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self._console,
+            refresh_per_second=self.refresh_per_second,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=trainer.max_steps, loss="-", val="-", tps="-")
+
+    def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, val=f"{val_loss:.4f}")
+        elif trainer.is_rank0:
+            self._console.print(f"step {step:>6}  validation loss {val_loss:.4f}")
+
+    def on_step_end(self, trainer: Any, m: Any) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=m.step, loss=f"{m.loss:.4f}", tps=f"{m.tokens_per_s:,.0f}")
+        elif trainer.is_rank0 and (m.step % trainer.cfg.trainer.log_every_n_steps == 0 or m.step == 1):
+            remaining = (trainer.max_steps - m.step) * m.step_time_s
+            self._console.print(
+                f"step {m.step:>6}/{trainer.max_steps}  loss {m.loss:.4f}  lr {m.lr:.2e}  "
+                f"grad norm {m.grad_norm:.3f}  {m.tokens_per_s:,.0f} tok/s  ETA {remaining:.0f}s"
+            )
+
+    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class MetricsCSV:
+    """``metrics.csv`` in the run directory: one row per step, plus the initial evaluation (step 0)."""
+
+    def __init__(self, filename: str = "metrics.csv") -> None:
+        self.filename = filename
+        self._file: IO[str] | None = None
+        self._writer: Any = None
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if not trainer.is_rank0:
+            return
+        path = Path(trainer.run_dir) / self.filename
+        kept: list[dict[str, str]] = []
+        if trainer.start_step and path.is_file():
+            # Resuming: keep the rows up to the checkpoint; later ones belong to the interrupted attempt
+            # and are about to be recomputed (bit-identically).
+            with open(path, newline="") as f:
+                kept = [row for row in csv.DictReader(f) if int(row["step"]) <= trainer.start_step]
+        self._file = open(path, "w", newline="")  # noqa: SIM115 - closed at fit end
+        self._writer = csv.DictWriter(self._file, fieldnames=METRIC_FIELDS)
+        self._writer.writeheader()
+        self._writer.writerows(kept)
+
+    def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
+        if self._writer is not None and step == 0:
+            self._writer.writerow({"step": 0, "val_loss": repr(val_loss)})
+
+    def on_step_end(self, trainer: Any, m: Any) -> None:
+        if self._writer is None:
+            return
+        row = {name: getattr(m, name) for name in METRIC_FIELDS}
+        # repr() keeps every bit of the floats, so two runs can be compared exactly.
+        self._writer.writerow({k: ("" if v is None else repr(v)) for k, v in row.items()})
+        self._file.flush()
+
+    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoard:
+    """TensorBoard event files under ``<run_dir>/tensorboard`` when the ``[tensorboard]`` extra is installed."""
+
+    def __init__(self, subdir: str = "tensorboard") -> None:
+        self.subdir = subdir
+        self._writer: Any = None
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if not trainer.is_rank0:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            log.info("tensorboard is not installed (pip install 'shardline[tensorboard]'); skipping its logs")
+            return
+        self._writer = SummaryWriter(log_dir=str(Path(trainer.run_dir) / self.subdir))
+
+    def on_step_end(self, trainer: Any, m: Any) -> None:
+        if self._writer is None:
+            return
+        for name in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib"):
+            self._writer.add_scalar(f"train/{name}", getattr(m, name), m.step)
+
+    def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
+        if self._writer is not None:
+            self._writer.add_scalar("val/loss", val_loss, step)
+
+    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class LossPlot:
+    """``loss.png``: training loss per step and validation loss at each evaluation (``[plot]`` extra)."""
+
+    def __init__(self, filename: str = "loss.png") -> None:
+        self.filename = filename
+
+    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+        if not trainer.is_rank0:
+            return
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log.info("matplotlib is not installed (pip install 'shardline[plot]'); no loss plot")
+            return
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+        steps = [m.step for m in trainer.metrics]
+        ax.plot(steps, [m.loss for m in trainer.metrics], label="train loss", linewidth=1.0, alpha=0.8)
+        val = trainer.val_history
+        ax.plot([s for s, _ in val], [v for _, v in val], "o-", label="validation loss", linewidth=1.5)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats / byte)")
+        ax.set_title(f"{summary.experiment} - {summary.strategy}, {summary.world_size} ranks")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(Path(trainer.run_dir) / self.filename)
+        plt.close(fig)
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 1024:,.0f} KiB"
+
+
+class Summary:
+    """A final table on rank 0 and ``summary.json`` in the run directory."""
+
+    def __init__(self, filename: str = "summary.json") -> None:
+        self.filename = filename
+
+    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+        if not trainer.is_rank0:
+            return
+        (Path(trainer.run_dir) / self.filename).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        drop = summary.initial_val_loss - summary.final_val_loss
+        rel = drop / summary.initial_val_loss if summary.initial_val_loss else math.nan
+        table = Table(title=f"shardline train - {summary.experiment}", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        rows = [
+            ("run directory", summary.run_dir),
+            ("strategy", f"{summary.strategy}, {summary.world_size} ranks, precision {summary.precision}"),
+            ("model", f"{summary.model_parameters:,} parameters"),
+            ("steps / tokens", f"{summary.steps:,} / {summary.tokens:,}"),
+            ("wall time", f"{summary.wall_time_s:.1f} s ({summary.median_tokens_per_s:,.0f} tokens/s median)"),
+            ("validation loss", f"{summary.initial_val_loss:.4f} -> {summary.final_val_loss:.4f} ({rel:.1%} lower)"),
+            ("best validation loss", f"{summary.best_val_loss:.4f}"),
+            ("final train loss", f"{summary.final_train_loss:.4f} (mean of last 10 steps)"),
+            ("peak memory (rank 0)", _fmt_bytes(summary.peak_mem_mib * 2**20)),
+            ("corpus", f"{summary.corpus}"),
+        ]
+        for key, value in rows:
+            table.add_row(key, value)
+        _console().print(table)

@@ -1,0 +1,125 @@
+"""Checkpoints of a training run: when to save, what trainer state goes in, and resuming.
+
+A run keeps its checkpoints in ``RUN_DIR/checkpoints/step-N`` (see
+:class:`shardline.checkpoint.CheckpointManager`) and its lineage ledger in
+``RUN_DIR/lineage.sqlite``. The trainer state saved with each checkpoint is everything the
+next step depends on besides the model and optimizer: the step (batches are a function of the
+seed and the step, so the step *is* the data position), the LR scheduler, the validation
+history, and every rank's RNG states. Resuming at the same world size therefore continues
+bit-identically to a run that never stopped.
+
+Note: which failures get an ``on_exception`` checkpoint. Saving is a collective, so it is only
+attempted when every rank raised the same error at the same point -- a non-finite loss, which
+every rank sees after the loss all-reduce (:class:`TrainingDiverged`). A single worker's
+crash cannot be checkpointed safely (its peers are blocked in a collective); the launcher stops
+the job and the last committed checkpoint is where ``trainer.resume=auto`` starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from shardline.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from shardline.checkpoint.manager import ON_EXCEPTION
+
+__all__ = ["CHECKPOINT_DIR", "LEDGER_FILE", "TrainingCheckpoints", "TrainingDiverged", "find_resumable_run"]
+
+log = logging.getLogger("shardline.train")
+
+CHECKPOINT_DIR = "checkpoints"
+LEDGER_FILE = "lineage.sqlite"
+
+
+class TrainingDiverged(FloatingPointError):
+    """The global loss became non-finite; raised identically on every rank."""
+
+
+def find_resumable_run(run_root: Path, experiment: str) -> Path | None:
+    """The newest run directory of ``experiment`` that holds a committed checkpoint (for ``resume=auto``)."""
+    base = run_root / experiment
+    if not base.is_dir():
+        return None
+    for run in sorted((p for p in base.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
+        if any((c / "manifest.json").is_file() for c in (run / CHECKPOINT_DIR).glob("step-*")):
+            return run
+    return None
+
+
+class TrainingCheckpoints:
+    """The trainer's side of checkpointing (every method is a collective)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        self.cfg = cfg.checkpoint
+        self.kind = cfg.trainer.strategy.state_dict_type
+        self.config = OmegaConf.to_container(cfg, resolve=True)
+        self.manager = CheckpointManager(
+            run_dir / CHECKPOINT_DIR, ledger_path=run_dir / LEDGER_FILE, async_save=self.cfg.async_save
+        )
+        self.last_saved_step: int | None = None
+
+    def resume(self, trainer: Any, resume: Any) -> int:
+        """Load ``resume`` (``auto``, a path, or None) into the trainer; returns the step to start from."""
+        state = self.manager.load(resume, model=trainer.model, optimizer=trainer.optimizer, verify=self.cfg.verify)
+        if state is None:
+            if resume is not None and str(resume) == "auto":
+                log.info("trainer.resume=auto: no committed checkpoint yet, starting from step 0")
+            return 0
+        step = int(state["step"])
+        trainer.scheduler.load_state_dict(state["scheduler"])
+        trainer.val_history = [(int(s), float(v)) for s, v in state.get("val_history", [])]
+        per_rank = state.get("per_rank")
+        if per_rank is not None:
+            restore_rng_state(per_rank["rng"])
+        else:  # more ranks than were saved: a fresh, reproducible stream for this rank
+            log.warning("rank %d has no saved RNG state (the checkpoint has fewer ranks); reseeding", trainer.info.rank)
+        self.last_saved_step = step
+        log.info("resumed from step %d", step)
+        return step
+
+    def _state(self, trainer: Any, step: int) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "step": step,
+            "scheduler": trainer.scheduler.state_dict(),
+            "data": {"position": step, "seed": int(trainer.cfg.trainer.seed)},
+            "val_history": [[s, v] for s, v in trainer.val_history],
+            "per_rank": {"rng": capture_rng_state()},
+        }
+        hf_config = getattr(getattr(trainer.model, "config", None), "to_dict", None)
+        if callable(hf_config):  # a transformers model: consolidate can write its config.json
+            state["hf_config"] = hf_config()
+        return state
+
+    def save(self, trainer: Any, step: int, *, tag: str | None = None) -> None:
+        """Save ``step`` (sync or async per ``checkpoint.async_save``)."""
+        self.manager.save(
+            step,
+            model=trainer.model,
+            optimizer=trainer.optimizer,
+            state=self._state(trainer, step),
+            config=self.config,
+            data_fingerprint=trainer.corpus.fingerprint,
+            tag=tag,
+            kind=self.kind,
+        )
+        self.last_saved_step = step
+        done = "queued" if self.cfg.async_save else "saved"
+        log.info("checkpoint step %d%s %s", step, f" ({tag})" if tag else "", done)
+
+    def after_step(self, trainer: Any, step: int, *, last: bool) -> None:
+        every = self.cfg.every_n_steps
+        due = (every and step % every == 0) or (last and self.cfg.save_last)
+        if due and self.last_saved_step != step:
+            self.save(trainer, step)
+
+    def on_divergence(self, trainer: Any, step: int) -> None:
+        if self.cfg.save_on_exception:
+            self.save(trainer, step, tag=ON_EXCEPTION)
+            self.close()
+
+    def close(self) -> None:
+        """Wait for an async save in flight (raising its error)."""
+        self.manager.close()

@@ -1,0 +1,171 @@
+"""The default corpus (Python's own standard library sources) and deterministic byte-level batches.
+
+Every machine with Python has the corpus, so the default experiment needs no download. It is
+built deterministically: ``.py`` files under the standard library directory (no
+``site-packages``, no caches), sorted by relative path, each assigned to validation when the
+SHA-256 of its path falls in a fixed bucket, read until the train split holds ``max_bytes``
+and the validation split about ``max_bytes / val_every``. Its fingerprint is the
+SHA-256 of every file's path and bytes in order, so two runs can prove they saw the same data
+(different Python versions have different standard libraries, hence different fingerprints).
+
+Batches are stateless: the batch of step ``s`` depends only on ``(seed, s)``, so resuming at
+step ``s`` continues exactly where an uninterrupted run would be, and the data position of a
+run is just its step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardline.errors import ConfigurationError
+
+__all__ = ["Batches", "Corpus", "build_stdlib_corpus", "load_corpus"]
+
+# Installed packages, caches, test suites and demos are not "the standard library".
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "idlelib", "turtledemo", "test", "tests"}
+# Generated at build time and different on every machine.
+_SKIP_PREFIXES = ("_sysconfigdata",)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Token ids (bytes) of the train and validation splits, and where they came from."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    fingerprint: str
+    source: str
+    files_train: int
+    files_val: int
+
+    def describe(self) -> str:
+        def files(n: int) -> str:
+            return f"{n} file" + ("" if n == 1 else "s")
+
+        return (
+            f"{self.source}: {self.train.numel() / 1e6:.1f} MB train ({files(self.files_train)}), "
+            f"{self.val.numel() / 1e6:.2f} MB validation ({files(self.files_val)}), sha256 {self.fingerprint[:12]}"
+        )
+
+
+def _stdlib_files(root: Path) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py") and not f.startswith(_SKIP_PREFIXES))
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _is_val(relpath: str, val_every: int) -> bool:
+    return int.from_bytes(hashlib.sha256(relpath.encode()).digest()[:4], "big") % val_every == 0
+
+
+def build_stdlib_corpus(*, max_bytes: int, val_every: int = 20, root: str | os.PathLike[str] | None = None) -> Corpus:
+    """Read the standard library's Python sources into a byte corpus (see the module docstring).
+
+    Args:
+        max_bytes: Stop adding training files once the train split holds this many bytes.
+        val_every: About one file in ``val_every`` goes to validation.
+        root: Directory to read (default: this interpreter's standard library).
+    """
+    if max_bytes < 1024:
+        raise ConfigurationError(f"data.max_bytes must be at least 1024, got {max_bytes}")
+    if val_every < 2:
+        raise ConfigurationError(f"data.val_every must be at least 2, got {val_every}")
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    digest = hashlib.sha256()
+    train: list[bytes] = []
+    val: list[bytes] = []
+    n_train = n_val = size = val_size = 0
+    val_target = max(1, max_bytes // val_every)
+    for path in _stdlib_files(base):
+        rel = path.relative_to(base).as_posix()
+        is_val = _is_val(rel, val_every)
+        if (is_val and val_size >= val_target) or (not is_val and size >= max_bytes):
+            continue  # this split is full; keep scanning for the other
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        digest.update(b"val\0" if is_val else b"train\0")
+        digest.update(rel.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+        if is_val:
+            val.append(data + b"\n\n")
+            n_val += 1
+            val_size += len(data) + 2
+        else:
+            train.append(data + b"\n\n")
+            n_train += 1
+            size += len(data) + 2
+        if size >= max_bytes and val_size >= val_target:
+            break
+    if not train or not val:
+        raise ConfigurationError(
+            f"no usable Python sources under {base} (found {n_train} train and {n_val} validation files); "
+            "point data.root at a directory of .py files"
+        )
+    return Corpus(
+        train=_as_tokens(b"".join(train)),
+        val=_as_tokens(b"".join(val)),
+        fingerprint=digest.hexdigest(),
+        source=f"Python {sys.version_info.major}.{sys.version_info.minor} standard library"
+        if root is None
+        else str(base),
+        files_train=n_train,
+        files_val=n_val,
+    )
+
+
+def _as_tokens(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def load_corpus(*, name: str, max_bytes: int, val_every: int, root: str | None) -> Corpus:
+    """The corpus named by the data config (``stdlib`` is the only built-in one)."""
+    if name != "stdlib":
+        raise ConfigurationError(f"unknown corpus data.name={name!r}; available: stdlib")
+    return build_stdlib_corpus(max_bytes=max_bytes, val_every=val_every, root=root)
+
+
+class Batches:
+    """Deterministic random windows of a byte stream, split across ranks and micro-batches.
+
+    The global batch of step ``s`` is ``global_batch`` windows of ``seq_len + 1`` bytes whose
+    start offsets come from a generator seeded with ``(seed, s)``; rank ``r`` takes the ``r``-th
+    contiguous slice of it. One process with the whole global batch sees exactly the union of
+    what ``W`` ranks see.
+    """
+
+    def __init__(self, data: torch.Tensor, *, seq_len: int, global_batch: int, rank: int, world_size: int, seed: int):
+        if global_batch % world_size:
+            raise ConfigurationError(
+                f"the global batch ({global_batch}) must be divisible by the number of ranks ({world_size}); "
+                "change trainer.micro_batch_size, trainer.accumulate_grad_batches or trainer.devices"
+            )
+        if data.numel() <= seq_len + 1:
+            raise ConfigurationError(f"the corpus split has {data.numel()} bytes, fewer than seq_len+1={seq_len + 1}")
+        self.data = data
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.local_batch = global_batch // world_size
+        self.rank = rank
+        self.seed = seed
+
+    def starts(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        high = self.data.numel() - self.seq_len - 1
+        return torch.randint(0, high, (self.global_batch,), generator=g)
+
+    def local(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(inputs, targets)`` for ``step``, each ``(local_batch, seq_len)`` int64."""
+        starts = self.starts(step)[self.rank * self.local_batch : (self.rank + 1) * self.local_batch]
+        offsets = starts[:, None] + torch.arange(self.seq_len + 1)
+        windows = self.data[offsets].long()
+        return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,54 @@
+"""``trainer.precision`` (autocast) and the strategy's ``mixed_precision`` (parameter dtypes).
+
+Two knobs, two jobs:
+
+* ``trainer.precision`` decides **autocast** around forward and loss: ``32-true`` runs ops in
+  the parameters' dtype, ``bf16-mixed`` runs autocast-eligible ops (matmuls, convolutions) in
+  bf16 while parameters stay as they are.
+* ``trainer.strategy.mixed_precision`` (a :class:`shardline.MixedPrecision`) decides the dtype
+  parameters are **gathered and computed in**, the dtype gradients are **reduced in**, and
+  the buffers' dtype. It wins for those: with it set, gathered parameters are in its
+  ``param_dtype`` whatever ``trainer.precision`` says.
+
+With ``bf16-mixed`` and no ``mixed_precision``, parameters are gathered and gradients reduced
+in fp32, and only the ops run in bf16. With both set, parameters are bf16 and autocast also
+covers ops that would otherwise see fp32 inputs. The diagnostics flag the two disagreeing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from shardline.engine.mixed_precision import MixedPrecision
+from shardline.errors import ConfigurationError
+
+__all__ = ["PRECISIONS", "autocast", "bf16_mixed_precision", "check_precision"]
+
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def bf16_mixed_precision() -> MixedPrecision:
+    """Parameters gathered and used in bf16; gradients reduced and buffers kept in fp32."""
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ConfigurationError(
+            f"trainer.precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)} "
+            "(bf16-mixed autocasts forward to bf16; 16-mixed would need loss scaling and is not offered)"
+        )
+    return precision
+
+
+@contextlib.contextmanager
+def autocast(precision: str, device_type: str) -> Iterator[None]:
+    """The autocast context ``trainer.precision`` asks for (a no-op for ``32-true``)."""
+    if precision == "bf16-mixed":
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+            yield
+    else:
+        yield

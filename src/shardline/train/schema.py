@@ -1,0 +1,159 @@
+"""Typed schemas behind every config node of ``shardline train``.
+
+Composed YAML is merged onto these dataclasses in struct mode, so a misspelled key or a value
+of the wrong type is an error naming the key -- never a silently ignored setting. Each field's
+docstring is its documentation (``shardline train --help`` lists the groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "StrategyConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "register_schemas",
+]
+
+
+@dataclass
+class StrategyConfig:
+    """How the model is distributed (the ``trainer_strategy`` group; model-agnostic)."""
+
+    name: str = "fsdp"
+    """Which base strategy config this is: fsdp, zero2, ddp or single_device."""
+    sharding_strategy: str = "full_shard"
+    """full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (ZeRO-0 / DDP) or none (single device, no wrapping)."""
+    reshard_after_forward: Any = None
+    """Free gathered parameters after forward: true, false, or null for the strategy's default."""
+    state_dict_type: str = "sharded"
+    """Checkpoint layout: sharded (torch DCP, any world size) or full (gathered on rank 0)."""
+    cpu_offload: bool = False
+    """Offload shards to CPU between uses (not supported yet; rejected)."""
+    auto_wrap_policy: Any = None
+    """Which modules become units, e.g. {_target_: shardline.layer_policy, _args_: [pkg.Block]} (model-specific)."""
+    activation_checkpointing_policy: Any = None
+    """Which modules recompute activations in backward, same form as auto_wrap_policy."""
+    mixed_precision: Any = None
+    """A shardline.MixedPrecision (via _target_); decides parameter, reduction and buffer dtypes."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop and how it is launched."""
+
+    devices: int = 2
+    """Workers on this node (processes; one per GPU on CUDA)."""
+    num_nodes: int = 1
+    """Nodes in the job; more than one requires launching with torchrun on every node."""
+    accelerator: str = "auto"
+    """auto (cuda if available, else cpu), cpu or cuda; decides the backend (gloo or nccl)."""
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    precision: str = "32-true"
+    """32-true (no autocast) or bf16-mixed (autocast to bf16 around forward and loss)."""
+    max_steps: int = 600
+    """Optimizer steps to run."""
+    micro_batch_size: int = 8
+    """Sequences per rank per micro-batch."""
+    accumulate_grad_batches: int = 2
+    """Micro-batches per optimizer step; all but the last run under no_sync."""
+    gradient_clip_val: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
+    val_check_interval: int = 100
+    """Evaluate on the validation split every this many steps (and at the first and last step)."""
+    val_batches: int = 4
+    """Global validation batches per evaluation."""
+    log_every_n_steps: int = 10
+    """How often the plain-text progress line is printed when the output is not a terminal."""
+    seed: int = 1234
+    """Seed for model initialization, data order and dropout."""
+    init_device: str = "cpu"
+    """cpu: build the model on CPU; meta: build on the meta device and materialize only local shards."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective may wait before the job fails instead of hanging."""
+    run_root: str = "runs"
+    """Run directories are created as <run_root>/<experiment>/<timestamp>/."""
+    run_dir: Any = None
+    """Use exactly this run directory instead (must not exist or be empty, unless resuming)."""
+    resume: Any = None
+    """null; auto (continue the newest run of this experiment, or trainer.run_dir, from its newest committed
+    checkpoint; start fresh if there is none); or the path of a committed checkpoint (a new run branches from it)."""
+
+
+@dataclass
+class DataConfig:
+    """The corpus and how batches are cut from it."""
+
+    name: str = "stdlib"
+    """Corpus: stdlib (this Python's standard library sources; offline)."""
+    root: Any = None
+    """Directory of .py files to read instead of the standard library."""
+    max_bytes: int = 4_000_000
+    """Size of the training split in bytes (the validation split is about 1/val_every of it)."""
+    val_every: int = 20
+    """About one file in val_every goes to the validation split."""
+    seq_len: int = 128
+    """Bytes per training sequence."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW hyper-parameters."""
+
+    lr: float = 3e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule: linear warmup, then cosine decay."""
+
+    warmup_steps: int = 60
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of optimizer.lr."""
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written (into RUN_DIR/checkpoints) and how they are checked on load."""
+
+    every_n_steps: int = 0
+    """Save every this many steps (0: no periodic checkpoints)."""
+    save_last: bool = True
+    """Save after the last step."""
+    save_on_exception: bool = True
+    """Save a step-N-on_exception checkpoint when the loss diverges (seen by every rank)."""
+    async_save: bool = False
+    """Write checkpoints in a background thread while training continues."""
+    verify: str = "manifest"
+    """On resume: manifest (files present, sizes, manifest hash), full (also re-hash every file) or none."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``shardline train`` needs."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: Any = None
+    """The model: {_target_: dotted.factory, ...kwargs} (set by the experiment)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Named callbacks {name: {_target_: ..., ...}}; remove one with ~callbacks.NAME."""
+
+
+def register_schemas() -> None:
+    """Register the root schema with Hydra's ConfigStore (idempotent)."""
+    ConfigStore.instance().store(name="shardline_schema", node=TrainConfig)

@@ -1,0 +1,359 @@
+"""The training loop: one class that sets up the model, data and optimizer, then fits."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import logging
+import math
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+import shardline
+from shardline.distributed import DistInfo
+from shardline.engine.activation import apply_activation_checkpointing
+from shardline.engine.state import subtree_units
+from shardline.train.build import Policies, build_model
+from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
+from shardline.train.data import Batches, Corpus, load_corpus
+from shardline.train.precision import autocast
+
+__all__ = ["StepMetrics", "Summary", "Trainer"]
+
+log = logging.getLogger("shardline.train")
+
+_EVAL_SEED = 0x5EED
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step measured (``val_loss`` only at evaluation steps)."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time_s: float
+    peak_mem_mib: float
+    val_loss: float | None = None
+
+
+@dataclass
+class Summary:
+    """The outcome of a run (written to ``summary.json``)."""
+
+    experiment: str
+    run_dir: str
+    world_size: int
+    strategy: str
+    precision: str
+    model_parameters: int
+    steps: int
+    tokens: int
+    wall_time_s: float
+    median_tokens_per_s: float
+    initial_val_loss: float
+    final_val_loss: float
+    best_val_loss: float
+    final_train_loss: float
+    peak_mem_mib: float
+    corpus: str
+    corpus_sha256: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _peak_mem_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _read_metrics(path: Path, *, upto: int) -> list[StepMetrics]:
+    """The rows of an earlier attempt's ``metrics.csv`` up to ``upto`` (the resumed step)."""
+    if not path.is_file():
+        return []
+    out = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"])
+            if 0 < step <= upto and row["loss"]:
+                out.append(
+                    StepMetrics(
+                        step=step,
+                        loss=float(row["loss"]),
+                        lr=float(row["lr"]),
+                        grad_norm=float(row["grad_norm"]),
+                        tokens_per_s=float(row["tokens_per_s"]),
+                        step_time_s=float(row["step_time_s"]),
+                        peak_mem_mib=float(row["peak_mem_mib"]),
+                        val_loss=float(row["val_loss"]) if row["val_loss"] else None,
+                    )
+                )
+    return out
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Builds everything from the config on every rank and runs the loop.
+
+    Attributes readable by callbacks: ``cfg``, ``info`` (rank, world size, device), ``run_dir``,
+    ``experiment``, ``model``, ``corpus``, ``metrics`` (all :class:`StepMetrics` so far),
+    ``is_rank0``.
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        *,
+        info: DistInfo,
+        run_dir: Path,
+        experiment: str,
+        policies: Policies,
+        callbacks: list[Any],
+    ) -> None:
+        self.cfg = cfg
+        self.info = info
+        self.run_dir = run_dir
+        self.experiment = experiment
+        self.policies = policies
+        self.callbacks = callbacks
+        self.is_rank0 = info.rank == 0
+        self.metrics: list[StepMetrics] = []
+        self.val_history: list[tuple[int, float]] = []
+        self.sharded = cfg.trainer.strategy.sharding_strategy != "none"
+        self.device = info.device
+        self.precision = cfg.trainer.precision
+        self.max_steps = cfg.trainer.max_steps
+        self.accumulate = cfg.trainer.accumulate_grad_batches
+        self.global_batch = cfg.trainer.micro_batch_size * self.accumulate * info.world_size
+        self.tokens_per_step = self.global_batch * cfg.data.seq_len
+
+        torch.manual_seed(cfg.trainer.seed)
+        self.corpus: Corpus = load_corpus(
+            name=cfg.data.name, max_bytes=cfg.data.max_bytes, val_every=cfg.data.val_every, root=cfg.data.root
+        )
+        log.info("corpus: %s", self.corpus.describe())
+        self.model = self._build_model()
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_lambda(
+                s, warmup=cfg.scheduler.warmup_steps, total=self.max_steps, min_ratio=cfg.scheduler.min_lr_ratio
+            ),
+        )
+        self.train_batches = Batches(
+            self.corpus.train,
+            seq_len=cfg.data.seq_len,
+            global_batch=self.global_batch,
+            rank=info.rank,
+            world_size=info.world_size,
+            seed=cfg.trainer.seed,
+        )
+        self.val_batches = Batches(
+            self.corpus.val,
+            seq_len=cfg.data.seq_len,
+            global_batch=cfg.trainer.micro_batch_size * info.world_size,
+            rank=info.rank,
+            world_size=info.world_size,
+            seed=_EVAL_SEED,
+        )
+        # Dropout and other per-rank randomness: distinct per rank, reproducible per seed.
+        torch.manual_seed(cfg.trainer.seed + 1 + info.rank)
+        self.checkpoints = TrainingCheckpoints(cfg, run_dir)
+        self.start_step = self.checkpoints.resume(self, cfg.trainer.resume)
+        if self.start_step:
+            self.metrics = _read_metrics(run_dir / "metrics.csv", upto=self.start_step)
+
+    # ------------------------------------------------------------------ setup
+    def _build_model(self) -> nn.Module:
+        cfg, policies = self.cfg, self.policies
+        init_on_meta = cfg.trainer.init_device == "meta"
+        model = build_model(cfg, device="meta" if init_on_meta else "cpu")
+        self.model_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        if not init_on_meta and self.device.type != "cpu":
+            model.to(self.device)
+        if policies.checkpointing is not None:
+            names = apply_activation_checkpointing(model, policies.checkpointing)
+            log.info("activation checkpointing on %d modules", len(names))
+        if self.sharded:
+            strategy = cfg.trainer.strategy
+            kwargs = {
+                "strategy": strategy.sharding_strategy,
+                "reshard_after_forward": strategy.reshard_after_forward,
+                "mixed_precision": policies.mixed_precision,
+            }
+            if policies.wrap is not None:
+                shardline.wrap(model, policies.wrap, **kwargs)
+            else:
+                log.warning("no trainer.strategy.auto_wrap_policy: the whole model is one unit")
+                shardline.fully_shard(model, **kwargs)
+            units = subtree_units(model)
+            log.info("sharded into %d units (%s)", len(units), strategy.sharding_strategy)
+        if init_on_meta:
+            torch.manual_seed(cfg.trainer.seed)  # the same draws a CPU build would make
+            shardline.materialize(model, device=self.device)
+        return model
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.cfg.optimizer
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": opt.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
+
+    # ------------------------------------------------------------------ loop
+    def _loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with autocast(self.precision, self.device.type):
+            out = self.model(tokens.to(self.device))
+            logits = out.logits if hasattr(out, "logits") else out
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().to(self.device, torch.float32).clone()
+        if self.info.world_size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= self.info.world_size
+        return float(value)
+
+    def evaluate(self) -> float:
+        """Mean loss over ``trainer.val_batches`` fixed validation batches (all ranks)."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        with torch.no_grad():
+            for i in range(self.cfg.trainer.val_batches):
+                total += self._loss(*self.val_batches.local(i))
+        self.model.train()
+        return self._global_mean(total / self.cfg.trainer.val_batches)
+
+    def _train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step; returns (global mean loss, global grad norm).
+
+        Raises TrainingDiverged -- on every rank alike, before the optimizer touches the
+        weights -- if the global loss is not finite.
+        """
+        tokens, targets = self.train_batches.local(step)
+        micro = zip(tokens.chunk(self.accumulate), targets.chunk(self.accumulate), strict=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro):
+            last = i == self.accumulate - 1
+            sync = contextlib.nullcontext() if last or not self.sharded else self.model.no_sync()
+            with sync:
+                loss = self._loss(x, y) / self.accumulate
+                loss.backward()
+            loss_sum += loss.detach()
+        loss = self._global_mean(loss_sum)
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(
+                f"training loss became {loss} at step {step + 1}; lower optimizer.lr or enable gradient clipping "
+                "(trainer.gradient_clip_val)"
+            )
+        max_norm = self.cfg.trainer.gradient_clip_val or math.inf
+        if self.sharded:
+            grad_norm = self.model.clip_grad_norm_(max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, float(grad_norm)
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(self, *args)
+
+    def fit(self) -> Summary:
+        """Train up to ``trainer.max_steps`` steps (from the resumed step), evaluating and saving on schedule."""
+        cfg = self.cfg.trainer
+        self._call("on_fit_start")
+        if self.start_step == 0:
+            initial_val = self.evaluate()
+            self.val_history.append((0, initial_val))
+            self._call("on_validation_end", 0, initial_val)
+        start = time.perf_counter()
+        done = self.start_step
+        try:
+            for step in range(self.start_step, self.max_steps):
+                lr = self.optimizer.param_groups[0]["lr"]
+                t0 = time.perf_counter()
+                loss, grad_norm = self._train_step(step)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                dt = time.perf_counter() - t0
+                done = step + 1
+                val_loss = None
+                if done % cfg.val_check_interval == 0 or done == self.max_steps:
+                    val_loss = self.evaluate()
+                    self.val_history.append((done, val_loss))
+                metrics = StepMetrics(
+                    step=done,
+                    loss=loss,
+                    lr=lr,
+                    grad_norm=grad_norm,
+                    tokens_per_s=self.tokens_per_step / dt,
+                    step_time_s=dt,
+                    peak_mem_mib=_peak_mem_mib(self.device),
+                    val_loss=val_loss,
+                )
+                self.metrics.append(metrics)
+                self._call("on_step_end", metrics)
+                if val_loss is not None:
+                    self._call("on_validation_end", done, val_loss)
+                self.checkpoints.after_step(self, done, last=done == self.max_steps)
+            self.checkpoints.close()
+        except TrainingDiverged:
+            self.checkpoints.on_divergence(self, done)
+            raise
+        wall = time.perf_counter() - start
+        summary = self._summary(wall)
+        self._call("on_fit_end", summary)
+        return summary
+
+    def _summary(self, wall: float) -> Summary:
+        vals = [v for _, v in self.val_history] or [math.nan]
+        tail = [m.loss for m in self.metrics[-10:]] or [math.nan]
+        return Summary(
+            experiment=self.experiment,
+            run_dir=str(self.run_dir),
+            world_size=self.info.world_size,
+            strategy=f"{self.cfg.trainer.strategy.name} ({self.cfg.trainer.strategy.sharding_strategy})",
+            precision=self.precision,
+            model_parameters=self.model_parameters,
+            steps=len(self.metrics),
+            tokens=len(self.metrics) * self.tokens_per_step,
+            wall_time_s=wall,
+            median_tokens_per_s=statistics.median([m.tokens_per_s for m in self.metrics] or [0.0]),
+            initial_val_loss=vals[0],
+            final_val_loss=vals[-1],
+            best_val_loss=min(vals),
+            final_train_loss=sum(tail) / len(tail),
+            peak_mem_mib=max([m.peak_mem_mib for m in self.metrics] or [_peak_mem_mib(self.device)]),
+            corpus=self.corpus.describe(),
+            corpus_sha256=self.corpus.fingerprint,
+        )

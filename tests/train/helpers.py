@@ -1,0 +1,43 @@
+"""Callbacks injected through the config (+callbacks.NAME._target_=...) to make a worker misbehave."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class CrashOnRank:
+    """Raise on one rank after a given step: the job must stop and show this error."""
+
+    def __init__(self, rank: int = 1, step: int = 2) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if trainer.info.rank == self.rank and metrics.step == self.step:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+class HangOnRank:
+    """Stop participating on one rank (sleep) so its peers wait in a collective until the timeout."""
+
+    def __init__(self, rank: int = 1, step: int = 2) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if trainer.info.rank == self.rank and metrics.step == self.step:
+            time.sleep(3600)
+
+
+class PoisonWeights:
+    """Overwrite every local shard with NaN after a step, on every rank: the next loss diverges everywhere."""
+
+    def __init__(self, step: int = 2) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if metrics.step == self.step:
+            import torch
+
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.fill_(float("nan"))

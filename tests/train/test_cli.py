@@ -1,0 +1,208 @@
+"""``shardline train`` end to end: real workers, real files, failures that surface fast."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = [
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.val_batches=2",
+    "trainer.micro_batch_size=4",
+    "data.max_bytes=300000",
+    "data.seq_len=64",
+]
+GPT_SMALL = ["model.dim=64", "model.n_layers=2"]
+
+
+def shardline_train(*args: str, run_root: Path, timeout: float = 110) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "shardline.cli", "train", f"trainer.run_root={run_root}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def only_run_dir(run_root: Path) -> Path:
+    dirs = [p for p in run_root.glob("*/*") if p.is_dir()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_default_experiment_trains_on_two_workers(tmp_path: Path) -> None:
+    proc = shardline_train(*SMALL, *GPT_SMALL, run_root=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = only_run_dir(tmp_path)
+    assert run_dir.parent.name == "tiny_gpt"
+    for name in ("config.yaml", "metrics.csv", "summary.json", "loss.png", "logs/rank0.log", "logs/rank1.log"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tensorboard").iterdir()), "tensorboard events are written when it is installed"
+    rows = read_metrics(run_dir)
+    assert [int(r["step"]) for r in rows] == list(range(7))
+    losses = [float(r["loss"]) for r in rows[1:]]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
+    vals = [float(r["val_loss"]) for r in rows if r["val_loss"]]
+    assert len(vals) == 3
+    assert vals[-1] < vals[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["steps"] == 6
+    assert len(summary["corpus_sha256"]) == 64
+    assert re.search(r"step\s+6\s+validation loss", proc.stdout)
+    assert "rank 1 of 2" in (run_dir / "logs" / "rank1.log").read_text()
+
+
+def test_same_seed_same_config_same_loss_curve(tmp_path: Path) -> None:
+    curves = []
+    for name in ("a", "b"):
+        proc = shardline_train(
+            *SMALL, *GPT_SMALL, "~callbacks.tensorboard", "~callbacks.loss_plot", run_root=tmp_path / name
+        )
+        assert proc.returncode == 0, proc.stderr
+        rows = read_metrics(only_run_dir(tmp_path / name))
+        curves.append([(r["loss"], r["val_loss"], r["grad_norm"]) for r in rows])
+    assert curves[0] == curves[1], "bit-identical loss curves (repr of every float)"
+
+
+def test_the_documented_override_line_runs(tmp_path: Path) -> None:
+    proc = shardline_train(
+        "experiment=[tiny_gpt,fsdp_args]",
+        "trainer.devices=2",
+        "trainer.strategy=fsdp",
+        "++trainer.precision=bf16-mixed",
+        "~callbacks.progress",
+        *SMALL,
+        *GPT_SMALL,
+        run_root=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    run_dir = only_run_dir(tmp_path)
+    assert run_dir.parent.name == "tiny_gpt+fsdp_args"
+    assert not re.search(r"step\s+\d+\s+validation loss", proc.stdout), "the progress callback was removed"
+    assert json.loads((run_dir / "summary.json").read_text())["precision"] == "bf16-mixed"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_other_strategies(tmp_path: Path, strategy: str) -> None:
+    proc = shardline_train(f"trainer.strategy={strategy}", *SMALL, *GPT_SMALL, run_root=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert strategy in json.loads((only_run_dir(tmp_path) / "summary.json").read_text())["strategy"]
+
+
+def test_single_device_runs_in_process(tmp_path: Path) -> None:
+    proc = shardline_train("trainer.strategy=single_device", "trainer.devices=1", *SMALL, *GPT_SMALL, run_root=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((only_run_dir(tmp_path) / "summary.json").read_text())["world_size"] == 1
+
+
+def test_hugging_face_llama_experiment(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    proc = shardline_train("experiment=hf_llama", *SMALL, run_root=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = only_run_dir(tmp_path)
+    assert run_dir.parent.name == "hf_llama"
+    assert "sharded into 3 units" in (run_dir / "logs" / "rank0.log").read_text()
+
+
+def test_a_failing_worker_stops_the_job_with_its_error(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = shardline_train(
+        *SMALL, *GPT_SMALL, "+callbacks.crash._target_=tests.train.helpers.CrashOnRank", run_root=tmp_path
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    assert "worker rank 1 failed: RuntimeError: injected failure on rank 1 at step 2" in proc.stderr
+    assert "helpers.py" in proc.stderr, "the worker's traceback is shown"
+    assert "logs of every rank" in proc.stderr
+    assert elapsed < 60
+
+
+def test_a_hung_worker_fails_at_the_collective_timeout(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = shardline_train(
+        *SMALL,
+        *GPT_SMALL,
+        "trainer.collective_timeout_s=8",
+        "+callbacks.hang._target_=tests.train.helpers.HangOnRank",
+        run_root=tmp_path,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    assert "worker rank 0 failed" in proc.stderr
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+
+
+def _curve(run_dir: Path) -> list[tuple[str, ...]]:
+    return [(r["step"], r["loss"], r["val_loss"], r["lr"], r["grad_norm"]) for r in read_metrics(run_dir)]
+
+
+def test_resume_after_a_crash_continues_bit_identically(tmp_path: Path) -> None:
+    common = [*SMALL, *GPT_SMALL, "checkpoint.every_n_steps=2", "~callbacks.tensorboard", "~callbacks.loss_plot"]
+    straight = shardline_train(*common, "trainer.run_dir=" + str(tmp_path / "a"), run_root=tmp_path)
+    assert straight.returncode == 0, straight.stderr
+
+    crashed = shardline_train(
+        *common,
+        "trainer.run_dir=" + str(tmp_path / "b"),
+        "+callbacks.crash._target_=tests.train.helpers.CrashOnRank",
+        "+callbacks.crash.step=5",
+        run_root=tmp_path,
+    )
+    assert crashed.returncode == 1
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step-*")) == ["step-2", "step-4"]
+
+    resumed = shardline_train(
+        *common, "trainer.run_dir=" + str(tmp_path / "b"), "trainer.resume=auto", run_root=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from step 4" in (tmp_path / "b" / "logs" / "rank0.log").read_text()
+    assert _curve(tmp_path / "b") == _curve(tmp_path / "a"), "the resumed run must equal the uninterrupted one"
+    assert (tmp_path / "b" / "config.resume-1.yaml").is_file(), "the first attempt's config is kept"
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    lineage = subprocess.run(
+        [sys.executable, "-m", "shardline.cli", "lineage", str(tmp_path / "b"), "--json"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
+    rows = json.loads(lineage.stdout)["rows"]
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    assert rows[2]["parent_manifest_sha256"] == rows[1]["manifest_sha256"], "step 6 descends from step 4"
+
+
+def test_divergence_saves_an_on_exception_checkpoint(tmp_path: Path) -> None:
+    proc = shardline_train(
+        *SMALL,
+        *GPT_SMALL,
+        "trainer.run_dir=" + str(tmp_path / "run"),
+        "+callbacks.poison._target_=tests.train.helpers.PoisonWeights",
+        run_root=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "TrainingDiverged: training loss became nan at step 3" in proc.stderr
+    ckpt = tmp_path / "run" / "checkpoints" / "step-2-on_exception"
+    assert (ckpt / "manifest.json").is_file()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    verify = subprocess.run(
+        [sys.executable, "-m", "shardline.cli", "verify", str(ckpt)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
