@@ -8,6 +8,7 @@ from shardline.engine import (
     CommCounter,
     CommStats,
     LayerPolicy,
+    MemoryStats,
     MixedPrecision,
     ShardedModule,
     ShardingStrategy,
@@ -22,7 +23,9 @@ from shardline.engine import (
     layer_policy,
     load_full_state_dict,
     materialize,
+    memory_stats,
     reset_comm_stats,
+    reset_peak_memory_stats,
     wrap,
 )
 from shardline.errors import (
@@ -43,6 +46,7 @@ __all__ = [
     "DistInfo",
     "DistributedNotInitializedError",
     "LayerPolicy",
+    "MemoryStats",
     "MixedPrecision",
     "PolicyMatchError",
     "ShardUnit",
@@ -63,6 +67,8 @@ __all__ = [
     "layer_policy",
     "load_full_state_dict",
     "materialize",
+    "memory_stats",
     "reset_comm_stats",
+    "reset_peak_memory_stats",
     "wrap",
 ]

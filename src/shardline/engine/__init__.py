@@ -13,6 +13,7 @@ from shardline.engine.comm import (
 )
 from shardline.engine.grad import clip_grad_norm_
 from shardline.engine.init import materialize
+from shardline.engine.memory import MemoryStats, memory_stats, reset_peak_memory_stats
 from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.state_dict import full_state_dict, load_full_state_dict
 from shardline.engine.strategy import ShardingStrategy, StrategyPolicy
@@ -25,6 +26,7 @@ __all__ = [
     "CommCounter",
     "CommStats",
     "LayerPolicy",
+    "MemoryStats",
     "MixedPrecision",
     "ShardUnit",
     "ShardedModule",
@@ -39,6 +41,8 @@ __all__ = [
     "layer_policy",
     "load_full_state_dict",
     "materialize",
+    "memory_stats",
     "reset_comm_stats",
+    "reset_peak_memory_stats",
     "wrap",
 ]

@@ -86,6 +86,7 @@ class ShardedModule:
 
 
 _CLASS_CACHE: dict[type, type] = {}
+_BACKWARD_PREFETCH = ("backward_pre", "backward_post", None)
 
 
 def _sharded_class(cls: type) -> type:
@@ -104,6 +105,8 @@ def fully_shard(
     reshard_after_forward: bool | None = None,
     mixed_precision: MixedPrecision | None = None,
     sync_module_states: bool = False,
+    forward_prefetch: bool = True,
+    backward_prefetch: str | None = "backward_pre",
 ) -> M:
     """Shard ``module``'s parameters across data-parallel ranks; returns the same module.
 
@@ -128,6 +131,13 @@ def fully_shard(
         mixed_precision: Compute / reduce / buffer dtypes; shards stay in the original dtype.
         sync_module_states: Broadcast rank 0's parameters and buffers first, for ranks that
             initialized the model differently.
+        forward_prefetch: When this unit's forward starts, start gathering the unit that ran
+            after it in the previous step, so that transfer overlaps this unit's compute.
+        backward_prefetch: When to start gathering the unit whose backward comes next:
+            ``"backward_pre"`` (when this unit's backward starts; most overlap, one more unit
+            gathered at a time), ``"backward_post"`` (when this unit's gradients are reduced;
+            less memory) or ``None``. Prefetching never changes numerics; at most one gather
+            per direction is in flight.
 
     Raises:
         DistributedNotInitializedError: No process group is initialized.
@@ -149,6 +159,10 @@ def fully_shard(
         raise ConfigurationError(
             f"mixed_precision must be a shardline.MixedPrecision or None, got {type(mixed_precision).__name__}"
         )
+    if backward_prefetch not in _BACKWARD_PREFETCH:
+        raise ConfigurationError(
+            f"backward_prefetch must be one of 'backward_pre', 'backward_post' or None, got {backward_prefetch!r}"
+        )
     shard_mesh = resolve_mesh(mesh, strategy.policy)
 
     owned, buffers, sub_units = _collect(module, original_class(module).__name__)
@@ -169,6 +183,8 @@ def fully_shard(
     for (fqn, original, _), sp in zip(owned, unit.params, strict=True):
         setattr(original, _OWNER_ATTR, (unit, fqn))
         setattr(sp.sharded, _OWNER_ATTR, (unit, fqn))
+    unit.forward_prefetch = bool(forward_prefetch)
+    unit.backward_prefetch = backward_prefetch
     _cast_buffers(unit, buffers)
     for _, sub in sub_units:
         sub.is_root = False

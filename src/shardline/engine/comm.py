@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "CommStats",
     "comm_stats",
     "count_collectives",
+    "delay_collectives",
     "reset_comm_stats",
 ]
 
@@ -118,6 +120,57 @@ class CommCounter:
         return sum(r.bytes for r in self.select(kind, unit=unit, phase=phase))
 
 
+class _DelayedWork:
+    """Testing aid: an async collective whose result only appears, late, when waited on."""
+
+    def __init__(self, work: Any, seconds: float, land: Any) -> None:
+        self._work, self._seconds, self._land = work, seconds, land
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._work is not None:
+            time.sleep(self._seconds)
+            self._work.wait()
+            self._land()
+            self._work = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None
+
+
+_delay: list[float] = []  # seconds; non-empty inside delay_collectives()
+delayed_count = 0
+
+
+@contextlib.contextmanager
+def delay_collectives(seconds: float) -> Iterator[None]:
+    """Testing aid: make every asynchronous collective look slow and land late.
+
+    Inside the block an async collective writes into a scratch buffer while its real output
+    holds NaN; the result is copied over only when the work is waited on, after ``seconds``.
+    Code that reads a result before waiting for it -- a missing ``wait()`` or a wrong
+    ordering between overlapped steps -- then computes with NaN, which a numerics test sees.
+    """
+    _delay.append(seconds)
+    try:
+        yield
+    finally:
+        _delay.pop()
+
+
+def _maybe_delay(output: torch.Tensor, issue: Any) -> Any:
+    """Issue an async collective through ``issue(target)``, delayed per :func:`delay_collectives`."""
+    global delayed_count
+    if not _delay:
+        return issue(output)
+    scratch = output.clone()
+    work = issue(scratch)
+    if output.is_floating_point():
+        output.fill_(float("nan"))
+    delayed_count += 1
+    return _DelayedWork(work, _delay[-1], lambda: output.copy_(scratch))
+
+
 _counts: dict[CollectiveKind, int] = {}
 _bytes: dict[CollectiveKind, int] = {}
 _wire: dict[CollectiveKind, int] = {}
@@ -186,7 +239,9 @@ def all_gather(
 ) -> Any:
     """All-gather ``input`` into ``output`` (rank-major), recorded."""
     _record(CollectiveKind.ALL_GATHER, _nbytes(output), output.dtype, dist.get_world_size(group), unit, phase)
-    return _torch_compat.all_gather_into(output, input, group, async_op=async_op)
+    if async_op:
+        return _maybe_delay(output, lambda out: _torch_compat.all_gather_into(out, input, group, async_op=True))
+    return _torch_compat.all_gather_into(output, input, group)
 
 
 def reduce_scatter(
@@ -201,7 +256,11 @@ def reduce_scatter(
 ) -> Any:
     """Reduce-scatter ``input`` (rank-major) into ``output``, recorded."""
     _record(CollectiveKind.REDUCE_SCATTER, _nbytes(input), input.dtype, dist.get_world_size(group), unit, phase)
-    return _torch_compat.reduce_scatter_into(output, input, group, op=op, async_op=async_op)
+    if async_op:
+        return _maybe_delay(
+            output, lambda out: _torch_compat.reduce_scatter_into(out, input, group, op=op, async_op=True)
+        )
+    return _torch_compat.reduce_scatter_into(output, input, group, op=op)
 
 
 def all_reduce(
@@ -215,7 +274,9 @@ def all_reduce(
 ) -> Any:
     """All-reduce ``tensor`` in place, recorded."""
     _record(CollectiveKind.ALL_REDUCE, _nbytes(tensor), tensor.dtype, dist.get_world_size(group), unit, phase)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    if async_op:
+        return _maybe_delay(tensor, lambda out: dist.all_reduce(out, op=op, group=group, async_op=True))
+    return dist.all_reduce(tensor, op=op, group=group)
 
 
 def broadcast(

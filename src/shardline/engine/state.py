@@ -55,6 +55,17 @@ class _Engine:
         self.callback_queued = False
         self.touched: dict[int, ShardUnit] = {}  # units forwarded or backwarded since the last final callback
         self.pending: list[PendingReduce] = []
+        self.order: dict[int, ShardUnit] = {}  # units in pre-forward order during the current root forward
+        self.prefetched: dict[int, ShardUnit] = {}  # units with a gather in flight
+
+    def prefetch(self, unit: ShardUnit | None, phase: str) -> None:
+        if unit is not None and unit.prefetch(phase):
+            self.prefetched[id(unit)] = unit
+
+    def cancel_prefetches(self) -> None:
+        prefetched, self.prefetched = self.prefetched, {}
+        for unit in prefetched.values():
+            unit.cancel_prefetch()
 
     def touch(self, unit: ShardUnit) -> None:
         self.touched.setdefault(id(unit), unit)
@@ -110,8 +121,12 @@ class _PreForward:
             if ENGINE.forward_root is None:
                 ENGINE.forward_root = unit
                 _root_pre_forward(unit)
+            ENGINE.order.setdefault(id(unit), unit)
             unit.state = TrainingState.FORWARD
+            ENGINE.prefetched.pop(id(unit), None)
             unit.unshard(phase="forward")
+            if unit.forward_prefetch:
+                ENGINE.prefetch(_neighbor(unit, +1), "forward")
         mp = unit.mixed_precision
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = map_tensors(_Cast(mp.param_dtype), (args, kwargs))
@@ -143,6 +158,8 @@ class _PostForward:
             unit.reshard()
         if ENGINE.forward_root is unit:
             ENGINE.forward_root = None
+            unit.set_forward_order(list(ENGINE.order.values()))
+            ENGINE.order = {}
         mp = unit.mixed_precision
         if mp.output_dtype is not None:
             output = map_tensors(_Cast(mp.output_dtype), output)
@@ -161,7 +178,10 @@ class _PreBackward:
         ENGINE.touch(unit)
         if unit.state is not TrainingState.POST_BACKWARD:
             unit.state = TrainingState.PRE_BACKWARD
+        ENGINE.prefetched.pop(id(unit), None)
         unit.unshard(phase="backward")
+        if unit.backward_prefetch == "backward_pre":
+            ENGINE.prefetch(_neighbor(unit, -1), "backward")
 
 
 class _Cast:
@@ -174,7 +194,21 @@ class _Cast:
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
 
+def _neighbor(unit: ShardUnit, step: int) -> ShardUnit | None:
+    """The unit ``step`` places after ``unit`` in its root's forward order of the previous step."""
+    root = unit.root
+    if root is None or root.forward_order is None:
+        return None
+    position = root.forward_position.get(id(unit))
+    if position is None:
+        return None
+    index = position + step
+    return root.forward_order[index] if 0 <= index < len(root.forward_order) else None
+
+
 def _root_pre_forward(root: ShardUnit) -> None:
+    ENGINE.order = {}
+    ENGINE.cancel_prefetches()
     if ENGINE.callback_queued:  # a backward raised before its final callback ran
         log.warning("shardline: the previous backward pass did not finish; resetting unit states")
         ENGINE.callback_queued = False
@@ -185,6 +219,7 @@ def _root_pre_forward(root: ShardUnit) -> None:
     if root.subtree is None:
         root.subtree = subtree_units(root.module)
     for unit in root.subtree:
+        unit.root = root
         if unit.forward_leftover and unit.sync_gradients:
             unit.reshard()
 
@@ -210,6 +245,8 @@ def post_backward(unit: ShardUnit) -> None:
         unit.accumulate_unsynced()
     if unit.policy.reshard_after_backward and unit.sync_gradients and not unit.pinned:
         unit.reshard()
+    if unit.backward_prefetch == "backward_post":
+        ENGINE.prefetch(_neighbor(unit, -1), "backward")
 
 
 def finalize_backward() -> None:
@@ -221,6 +258,7 @@ def finalize_backward() -> None:
         if not unit.post_backward_done and unit.has_unsharded_grads():
             post_backward(unit)
     ENGINE.land_pending()
+    ENGINE.cancel_prefetches()
     for unit in units:
         if unit.sync_gradients and not unit.pinned:
             unit.reshard()

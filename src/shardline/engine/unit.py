@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardline.engine import comm
 from shardline.engine.layout import FlatLayout, ParamLayout
+from shardline.engine.memory import TRACKER, nbytes
 from shardline.engine.mesh import ShardMesh
 from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.param import ShardedParam, alias
@@ -37,6 +38,21 @@ class TrainingState(enum.Enum):
 
 
 @dataclass
+class PendingGather:
+    """An all-gather of a unit's shards that was started (possibly asynchronously) and not yet copied out."""
+
+    work: Any
+    gathered: torch.Tensor
+    send: torch.Tensor
+    buffer_bytes: int
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+@dataclass
 class PendingReduce:
     """A gradient reduction that was issued asynchronously and still has to land in ``.grad``."""
 
@@ -45,11 +61,15 @@ class PendingReduce:
     output: torch.Tensor
     params: list[ShardedParam]
     layout: FlatLayout
+    packed: torch.Tensor | None = None  # the collective's input: alive until it completes
+    buffer_bytes: int = 0  # what this reduction added to the tracked communication buffers
 
     def finish(self) -> None:
         """Wait for the collective and accumulate this rank's reduced shard into the shard grads."""
         if self.work is not None:
             self.work.wait()
+        self.packed = None
+        TRACKER.add("comm_buffers", -self.buffer_bytes)
         out = self.output
         master = self.unit.master_dtype
         if out.dtype != master:
@@ -114,6 +134,12 @@ class ShardUnit:
                 self.params.append(sp)
 
         self._unsharded_flat: torch.Tensor | None = None
+        self._pending_gather: PendingGather | None = None
+        self.forward_prefetch = True
+        self.backward_prefetch: str | None = "backward_pre"
+        self.forward_order: list[ShardUnit] | None = None  # a root's units in forward order (last step)
+        self.forward_position: dict[int, int] = {}
+        self.root: ShardUnit | None = None  # the root whose forward last ran this unit
         self.is_unsharded = False
         self.pinned = False  # gathered by an explicit unshard(); only reshard() frees it
         self.sync_gradients = True
@@ -126,6 +152,11 @@ class ShardUnit:
         self.subtree: list[ShardUnit] | None = None  # units under this one, computed lazily
         # Original dtypes of buffers that MixedPrecision.buffer_dtype cast, keyed by (module, name).
         self.buffer_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
+
+    def set_forward_order(self, order: list[ShardUnit]) -> None:
+        """Record (on a root) the order its units ran in, which drives prefetching next step."""
+        self.forward_order = order
+        self.forward_position = {id(u): i for i, u in enumerate(order)}
 
     # ------------------------------------------------------------------ policy
     @property
@@ -149,25 +180,50 @@ class ShardUnit:
 
     # ------------------------------------------------------------------ gather / free
     def unshard(self, phase: str) -> None:
-        """Gather full parameters (in the compute dtype) and register them on the modules."""
+        """Gather full parameters (in the compute dtype) and register them on the modules.
+
+        Finishes a gather that :meth:`prefetch` started, if there is one.
+        """
         if self.is_unsharded:
             return
         if self.params:
-            self._check_shards_in_place()
             if self.aliased:
+                self._check_shards_in_place()
                 flat = self.flat_shard
             else:
                 flat = self._alloc_unsharded_flat()
                 if self.mesh.shard_size == 1:
+                    self._check_shards_in_place()
                     flat.copy_(self.flat_shard)  # a cast only
                 else:
-                    self._all_gather_into(flat, self.compute_dtype, phase)
+                    pending, self._pending_gather = self._pending_gather, None
+                    if pending is None:
+                        pending = self._start_all_gather(self.compute_dtype, phase, async_op=False)
+                    self._finish_all_gather(pending, flat)
             if self.params[0].unsharded is None:
                 self._create_unsharded_params(flat)
             self._sync_requires_grad()
             for sp in self.params:
                 sp.register(sp.unsharded)
         self.is_unsharded = True
+
+    def prefetch(self, phase: str) -> bool:
+        """Start gathering this unit asynchronously, so the transfer overlaps other work.
+
+        A no-op (False) when the unit is gathered, a gather is already in flight, or there is
+        nothing to communicate. The next :meth:`unshard` finishes it.
+        """
+        if self.is_unsharded or self._pending_gather is not None or not self.params or self.mesh.shard_size == 1:
+            return False
+        self._pending_gather = self._start_all_gather(self.compute_dtype, phase, async_op=True)
+        return True
+
+    def cancel_prefetch(self) -> None:
+        """Drop a gather that was started but will not be used (it completes first: collectives must)."""
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is not None:
+            pending.wait()
+            TRACKER.add("comm_buffers", -pending.buffer_bytes)
 
     def reshard(self) -> None:
         """Register the shards again and free the gathered parameters' memory."""
@@ -176,7 +232,9 @@ class ShardUnit:
         for sp in self.params:
             sp.register(sp.sharded)
         if self._unsharded_flat is not None:
-            self._unsharded_flat.untyped_storage().resize_(0)
+            storage = self._unsharded_flat.untyped_storage()
+            TRACKER.add("unsharded_params", -storage.nbytes())
+            storage.resize_(0)
         self.is_unsharded = False
         self.forward_leftover = False
 
@@ -186,21 +244,34 @@ class ShardUnit:
             flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
             self._unsharded_flat = flat
         else:
-            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            flat.untyped_storage().resize_(nbytes(flat))
+        TRACKER.add("unsharded_params", nbytes(flat))
         return flat
 
-    def _all_gather_into(self, flat: torch.Tensor, dtype: torch.dtype, phase: str) -> None:
-        """All-gather the shards into the parameter-major buffer ``flat`` (in ``dtype``)."""
-        layout, world = self.layout, self.mesh.shard_size
+    def _start_all_gather(self, dtype: torch.dtype, phase: str, *, async_op: bool) -> PendingGather:
+        """Issue the all-gather of the shards (cast to ``dtype``) into a rank-major buffer."""
+        self._check_shards_in_place()
+        world = self.mesh.shard_size
         send = self.flat_shard if dtype == self.master_dtype else self.flat_shard.to(dtype)
-        gathered = torch.empty(world * layout.shard_numel, dtype=dtype, device=self.device)
-        comm.all_gather(gathered, send, self.mesh.shard_group, unit=self.display_name, phase=phase)
+        gathered = torch.empty(world * self.layout.shard_numel, dtype=dtype, device=self.device)
+        buffers = nbytes(gathered) + (nbytes(send) if send is not self.flat_shard else 0)
+        TRACKER.add("comm_buffers", buffers)
+        work = comm.all_gather(
+            gathered, send, self.mesh.shard_group, unit=self.display_name, phase=phase, async_op=async_op
+        )
+        return PendingGather(work, gathered, send, buffers)
+
+    def _finish_all_gather(self, pending: PendingGather, flat: torch.Tensor) -> None:
+        """Wait for ``pending`` and copy it out into the parameter-major buffer ``flat``."""
+        pending.wait()
+        layout, world = self.layout, self.mesh.shard_size
         # Copy-out: column block i of the (world, S) view is parameter i's padded rows in order.
         outs = [
             flat[offset : offset + world * pl.padded_numel].view(world, pl.padded_numel)
             for pl, offset in zip(layout.params, layout.unsharded_offsets, strict=True)
         ]
-        torch.split_with_sizes_copy(gathered.view(world, -1), layout.padded_sizes, dim=1, out=outs)
+        torch.split_with_sizes_copy(pending.gathered.view(world, -1), layout.padded_sizes, dim=1, out=outs)
+        TRACKER.add("comm_buffers", -pending.buffer_bytes)
 
     def _create_unsharded_params(self, flat: torch.Tensor) -> None:
         for sp, offset in zip(self.params, self.layout.unsharded_offsets, strict=True):
@@ -276,6 +347,7 @@ class ShardUnit:
         layout = self.grad_layout(params)
         dtype, world = self.reduce_dtype, self.mesh.shard_size
         name = self.display_name
+        packed = None
         if world > 1:
             packed = torch.empty(world, layout.shard_numel, dtype=dtype, device=self.device)
             torch.cat(
@@ -292,8 +364,8 @@ class ShardUnit:
                 work.wait()
                 work = None
         else:
-            if len(grads) == 1 and grads[0] is not None and grads[0].dtype == dtype:
-                output = grads[0].reshape(-1)
+            if len(grads) == 1 and grads[0] is not None and grads[0].dtype == dtype and grads[0].is_contiguous():
+                output = grads[0].view(-1)  # the gradient itself: no copy, nothing new allocated
             else:
                 output = torch.cat(
                     [
@@ -356,7 +428,7 @@ class ShardUnit:
             flat = self.flat_shard.to(dtype, copy=True)
         else:
             flat = torch.empty(self.layout.unsharded_numel, dtype=dtype, device=self.device)
-            self._all_gather_into(flat, dtype, phase="state_dict")
+            self._finish_all_gather(self._start_all_gather(dtype, "state_dict", async_op=False), flat)
         return [
             flat[offset : offset + sp.layout.numel].view(sp.layout.shape)
             for sp, offset in zip(self.params, self.layout.unsharded_offsets, strict=True)
@@ -374,6 +446,7 @@ class ShardUnit:
 
     def materialize(self, device: torch.device) -> None:
         """Give a unit built on the meta device real (zeroed) shard storage on ``device``."""
+        self.cancel_prefetch()
         self.reshard()
         self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device)
         self.device = device
@@ -423,6 +496,10 @@ class _GradReadyHook:
 
     def __call__(self, _param: torch.Tensor) -> None:
         self.callback(self.unit, self.index)
+
+
+def _ptr(tensor: torch.Tensor | None) -> int:
+    return tensor.untyped_storage().data_ptr() if tensor is not None else -1
 
 
 def pack_rows(
