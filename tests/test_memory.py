@@ -56,7 +56,6 @@ def _grid(rank: int, world_size: int) -> dict:
 def test_memory_accounting_matches_the_layout() -> None:
     res = run_distributed(_grid, 2)[0]
     for strategy, r in res.items():
-        g = r["gathered"]
         assert r["after_unsharded"] == 0, f"{strategy}: everything is freed after backward"
         assert r["after_comm"] == 0, f"{strategy}: every communication buffer is released"
         assert r["grads"] == r["grad_bytes"], strategy

@@ -5,7 +5,8 @@ A torch upgrade that moves any of these should only require edits in this file.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,11 +14,13 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_into",
+    "fake_tensor_mode",
     "group_timeout",
     "in_backward",
     "queue_backward_callback",
     "reduce_scatter_into",
     "set_writer_filesystem",
+    "storage_key",
 ]
 
 # torch 2.13 renamed the single-tensor collectives (``*_into_tensor`` -> ``*_single``) and
@@ -81,3 +84,22 @@ def group_timeout(group: dist.ProcessGroup | None) -> Any:
             return group._get_backend(torch.device("cuda")).options._timeout
         except (AttributeError, RuntimeError, ValueError):
             return None
+
+
+@contextlib.contextmanager
+def fake_tensor_mode() -> Iterator[None]:
+    """Tensors created inside carry shapes, dtypes and devices but no data (torch's FakeTensorMode).
+
+    Unlike the meta device, fake CPU/CUDA tensors dispatch to the kernels the real device would
+    pick (e.g. CPU flash attention, which saves far less for backward than the math path), so
+    a dry run measures what a real step would hold.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity for the storage behind ``tensor`` (shared by its views), valid for fake tensors too."""
+    return tensor.untyped_storage()._cdata

@@ -64,6 +64,20 @@ def test_default_experiment_trains_on_two_workers(tmp_path: Path) -> None:
     assert summary["steps"] == 6
     assert len(summary["corpus_sha256"]) == 64
     assert re.search(r"step\s+6\s+validation loss", proc.stdout)
+    # Diagnostics: the resolved setup on screen, per-phase memory of the first steps in a CSV.
+    assert "wrap policy layer_policy(Block) matched 2 modules: 2 x Block" in proc.stdout
+    assert "[rank 0] 3 units" in proc.stdout
+    with open(run_dir / "memory_phases.csv", newline="") as f:
+        phases = list(csv.DictReader(f))
+    assert [(int(r["step"]), r["phase"]) for r in phases[:4]] == [
+        (1, "batch_start"),
+        (1, "after_backward"),
+        (1, "before_optimizer_step"),
+        (1, "batch_end"),
+    ]
+    assert len(phases) == 12
+    assert all(float(r["peak_rss_mib"]) > 0 for r in phases)
+    assert "memory per phase" in (run_dir / "logs" / "rank1.log").read_text()
     assert "rank 1 of 2" in (run_dir / "logs" / "rank1.log").read_text()
 
 

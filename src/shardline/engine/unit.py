@@ -383,7 +383,10 @@ class ShardUnit:
                 phase="backward",
                 async_op=True,
             )
-        return PendingReduce(self, work, output, params, layout)
+        fresh_output = all(_ptr(output) != _ptr(g) for g in grads)
+        held = (nbytes(packed) if packed is not None else 0) + (nbytes(output) if fresh_output else 0)
+        TRACKER.add("comm_buffers", held)
+        return PendingReduce(self, work, output, params, layout, packed=packed, buffer_bytes=held)
 
     def accumulate_unsynced(self) -> None:
         """Under ``no_sync``: keep gradients unreduced; widen them to the reduce dtype if it is wider."""

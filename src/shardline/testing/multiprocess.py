@@ -9,8 +9,10 @@
 
 Ranks are forked from a forkserver that has already imported torch and shardline, so a
 group starts in tens of milliseconds instead of seconds. Each rank runs with
-``OMP_NUM_THREADS=1`` and one intra-op thread, joins the group through a TCP store on a free
-port, and reports its return value or its exception (with traceback) to the parent.
+``OMP_NUM_THREADS=1`` and one intra-op thread, joins the group through a file store in a
+private temporary directory (no port to race for; ``MASTER_ADDR``/``MASTER_PORT`` are still set
+to a free port for code that reads them), and reports its return value or its exception (with
+traceback) to the parent.
 
 Failure modes, all bounded by ``timeout``:
 
@@ -81,6 +83,7 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
+    init_method: str,
     backend: str,
     pg_timeout_s: float,
     stack_file: str,
@@ -108,7 +111,7 @@ def _worker(
             torch.set_num_threads(1)
             dist.init_process_group(
                 backend=backend,
-                init_method=f"tcp://127.0.0.1:{port}",
+                init_method=init_method,
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -152,6 +155,9 @@ def run_distributed(
     dump_after = max(1.0, timeout - 4.0)
     with tempfile.TemporaryDirectory(prefix="shardline-ranks-") as tmp:
         stack_files = [str(Path(tmp) / f"rank{r}.stack") for r in range(world_size)]
+        # Rendezvous through a file, not a TCP port: a port picked as free can be taken by another
+        # process before rank 0 binds it, which made runs fail at random on a busy machine.
+        init_method = f"file://{Path(tmp) / 'rendezvous'}"
         procs = [
             ctx.Process(
                 target=_worker,
@@ -160,6 +166,7 @@ def run_distributed(
                     r,
                     world_size,
                     port,
+                    init_method,
                     backend,
                     pg_timeout,
                     stack_files[r],

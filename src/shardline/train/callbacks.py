@@ -22,7 +22,17 @@ __all__ = ["LossPlot", "MetricsCSV", "ProgressBar", "Summary", "TensorBoard"]
 
 log = logging.getLogger("shardline.train")
 
-METRIC_FIELDS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib")
+METRIC_FIELDS = (
+    "step",
+    "loss",
+    "val_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "peak_mem_mib",
+    "comm_mib",
+)
 
 
 def _console() -> Console:
@@ -139,7 +149,7 @@ class TensorBoard:
     def on_step_end(self, trainer: Any, m: Any) -> None:
         if self._writer is None:
             return
-        for name in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib"):
+        for name in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib", "comm_mib"):
             self._writer.add_scalar(f"train/{name}", getattr(m, name), m.step)
 
     def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:

@@ -46,6 +46,7 @@ class StepMetrics:
     tokens_per_s: float
     step_time_s: float
     peak_mem_mib: float
+    comm_mib: float = 0.0
     val_loss: float | None = None
 
 
@@ -100,6 +101,7 @@ def _read_metrics(path: Path, *, upto: int) -> list[StepMetrics]:
                         tokens_per_s=float(row["tokens_per_s"]),
                         step_time_s=float(row["step_time_s"]),
                         peak_mem_mib=float(row["peak_mem_mib"]),
+                        comm_mib=float(row.get("comm_mib") or 0.0),
                         val_loss=float(row["val_loss"]) if row["val_loss"] else None,
                     )
                 )
@@ -255,6 +257,7 @@ class Trainer:
         Raises TrainingDiverged -- on every rank alike, before the optimizer touches the
         weights -- if the global loss is not finite.
         """
+        self._call("on_train_batch_start", step + 1)
         tokens, targets = self.train_batches.local(step)
         micro = zip(tokens.chunk(self.accumulate), targets.chunk(self.accumulate), strict=True)
         loss_sum = torch.zeros((), device=self.device)
@@ -265,6 +268,7 @@ class Trainer:
                 loss = self._loss(x, y) / self.accumulate
                 loss.backward()
             loss_sum += loss.detach()
+        self._call("on_after_backward", step + 1)
         loss = self._global_mean(loss_sum)
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
@@ -277,6 +281,7 @@ class Trainer:
             grad_norm = self.model.clip_grad_norm_(max_norm)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self._call("on_before_optimizer_step", step + 1)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -301,6 +306,7 @@ class Trainer:
         try:
             for step in range(self.start_step, self.max_steps):
                 lr = self.optimizer.param_groups[0]["lr"]
+                comm_before = shardline.comm_stats().total_bytes
                 t0 = time.perf_counter()
                 loss, grad_norm = self._train_step(step)
                 if self.device.type == "cuda":
@@ -319,6 +325,7 @@ class Trainer:
                     tokens_per_s=self.tokens_per_step / dt,
                     step_time_s=dt,
                     peak_mem_mib=_peak_mem_mib(self.device),
+                    comm_mib=(shardline.comm_stats().total_bytes - comm_before) / 2**20,
                     val_loss=val_loss,
                 )
                 self.metrics.append(metrics)

@@ -1,0 +1,335 @@
+"""Predict per-rank memory before running: ZeRO formulas on the real unit layout, activations by dry run.
+
+Nothing is allocated: the model is built on fake tensors, the wrap policy is applied to
+find the units (the same bottom-up ownership ``fully_shard`` uses), and each unit's sizes come
+from the same layout arithmetic the engine uses (``torch.chunk`` rows padded to a flat
+buffer). With ``Ψ`` parameters, world size ``W``, fp32 master weights and AdamW:
+
+=====================  =====================================  ==========================
+component              FULL_SHARD / SHARD_GRAD_OP (ZeRO-3/2)  NO_SHARD (ZeRO-0)
+=====================  =====================================  ==========================
+parameters (shards)    4Ψ/W                                   4Ψ
+gradients (shards)     4Ψ/W                                   4Ψ
+optimizer state        8Ψ/W (+4 B step per tensor)            8Ψ
+gathered parameters    root + largest unit (ZeRO-3),          0 (computes on the
+                       every unit (ZeRO-2), in param dtype    replicas), or a cast copy
+communication          max(one all-gather, one all-gather    one all-reduce output
+                       (ZeRO-3 only) + one reduction)         (a fresh buffer)
+activations            saved tensors of one micro-batch, measured by running forward and the
+                       loss on fake tensors (exact shapes, no memory)
+=====================  =====================================  ==========================
+
+Padding makes the real numbers slightly above ``Ψ/W``; the estimate includes it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardline import _torch_compat
+from shardline.engine.activation import apply_activation_checkpointing
+from shardline.engine.layout import FlatLayout, ParamLayout
+from shardline.engine.mixed_precision import MixedPrecision
+from shardline.engine.strategy import ShardingStrategy
+from shardline.engine.traversal import post_order
+from shardline.errors import ConfigurationError
+
+__all__ = ["MemoryEstimate", "UnitSizes", "estimate_memory", "measure_activations", "plan_units"]
+
+_MASTER_BYTES = 4  # fp32 master shards and their gradients
+
+
+@dataclass(frozen=True)
+class UnitSizes:
+    """One unit's sizes on rank 0 (the rank with the most rows)."""
+
+    name: str
+    is_root: bool
+    numel: int
+    shard_numel: int
+    grad_shard_numel: int
+    local_trainable_numel: int
+    trainable_tensors: int
+    unsharded_numel: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes per rank, by component. ``peak`` is the steady state plus transients."""
+
+    strategy: str
+    world_size: int
+    parameters: int
+    sharded_params: int
+    sharded_grads: int
+    optimizer_state: int
+    unsharded_params: int
+    unsharded_grads: int
+    comm_buffers: int
+    activations: int
+    units: list[UnitSizes] = field(default_factory=list)
+
+    @property
+    def steady(self) -> int:
+        """Held between steps: shards, their gradients, optimizer state."""
+        return self.sharded_params + self.sharded_grads + self.optimizer_state
+
+    @property
+    def peak(self) -> int:
+        """Steady state plus the transients of a step (gathered parameters and gradients, buffers, activations)."""
+        return self.steady + self.unsharded_params + self.unsharded_grads + self.comm_buffers + self.activations
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(steady=self.steady, peak=self.peak)
+        return out
+
+
+def plan_units(model: nn.Module, policy: Callable[[nn.Module], bool] | None) -> list[tuple[str, list[nn.Parameter]]]:
+    """``(unit name, parameters)`` as ``wrap(model, policy)`` would group them; the root last."""
+    owner: dict[int, str] = {}
+    params: dict[int, nn.Parameter] = {}
+    names = [name for name, m in post_order(model) if m is not model and policy is not None and policy(m)]
+    modules = dict(model.named_modules())
+    for name in [*names, ""]:
+        module = modules[name]
+        for p in module.parameters():
+            if id(p) not in owner:
+                owner[id(p)] = name
+                params[id(p)] = p
+    units: dict[str, list[nn.Parameter]] = {name: [] for name in [*names, ""]}
+    for key, name in owner.items():
+        units[name].append(params[key])
+    return [(name, units[name]) for name in [*names, ""] if units[name] or name == ""]
+
+
+def _unit_sizes(name: str, params: list[nn.Parameter], world: int) -> UnitSizes:
+    layouts = [ParamLayout.build(p.shape, world, 0) for p in params]
+    trainable = [pl for p, pl in zip(params, layouts, strict=True) if p.requires_grad]
+    flat = FlatLayout.build(layouts, world)
+    return UnitSizes(
+        name=name or "<root>",
+        is_root=name == "",
+        numel=sum(pl.numel for pl in layouts),
+        shard_numel=flat.shard_numel,
+        grad_shard_numel=FlatLayout.build(trainable, world).shard_numel,
+        local_trainable_numel=sum(pl.local_numel for pl in trainable),
+        trainable_tensors=len(trainable),
+        unsharded_numel=flat.unsharded_numel,
+    )
+
+
+def measure_activations(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    attribute: Callable[[int, int], None] | None = None,
+) -> int:
+    """Bytes autograd saves for backward in one forward (and loss) of ``model`` on ``tokens``.
+
+    Counted per storage (a tensor saved twice, or several views of one buffer, count once);
+    parameters are not activations. Works on real and on fake tensors. ``attribute(key,
+    nbytes)`` is also called for every saved storage.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_leaf and t.requires_grad):
+            key, size = _torch_compat.storage_key(t), t.untyped_storage().nbytes()
+            seen[key] = size
+            if attribute is not None:
+                attribute(key, size)
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = model(tokens)
+        logits = out.logits if hasattr(out, "logits") else out
+        loss = (loss_fn or _lm_loss)(logits, tokens)
+    del loss
+    return sum(seen.values())
+
+
+def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+
+def estimate_memory(
+    model_fn: Callable[[], nn.Module],
+    *,
+    policy: Callable[[nn.Module], bool] | None,
+    strategy: ShardingStrategy | str,
+    world_size: int,
+    micro_batch_size: int,
+    seq_len: int,
+    mixed_precision: MixedPrecision | None = None,
+    checkpointing_policy: Callable[[nn.Module], bool] | None = None,
+) -> MemoryEstimate:
+    """Predict one rank's memory for training the model ``model_fn()`` builds, with AdamW.
+
+    The model is built under torch's fake-tensor mode: shapes and dtypes, no memory, so this
+    works for models that do not fit anywhere.
+
+    Args:
+        model_fn: Builds the model (e.g. ``lambda: GPT(cfg)``); called once, in fake mode.
+        policy: The wrap policy (``None``: the whole model is one unit).
+        strategy: full_shard, shard_grad_op or no_shard (or an alias).
+        world_size: Data-parallel ranks.
+        micro_batch_size, seq_len: One rank's micro-batch (token ids).
+        mixed_precision: The strategy's mixed precision (parameter / reduction dtypes).
+        checkpointing_policy: Modules whose activations are recomputed in backward. Activations
+            are then what the checkpointed forward keeps plus one checkpointed module's
+            activations, re-created during its backward.
+    """
+    strategy = ShardingStrategy.parse(strategy)
+    with _torch_compat.fake_tensor_mode():
+        model = model_fn()
+        estimate = _estimate(model, policy, strategy, world_size, micro_batch_size, seq_len, mixed_precision)
+        if checkpointing_policy is None:
+            return estimate
+        tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        recompute = max(_per_module_activations(model, tokens, checkpointing_policy, mixed_precision), default=0)
+        checkpointed = model_fn()
+        apply_activation_checkpointing(checkpointed, checkpointing_policy)
+        kept = _dry_activations(checkpointed, tokens, mixed_precision or MixedPrecision())
+        return dataclasses.replace(estimate, activations=kept + recompute)
+
+
+def _estimate(
+    model: nn.Module,
+    policy: Callable[[nn.Module], bool] | None,
+    strategy: ShardingStrategy,
+    world_size: int,
+    micro_batch_size: int,
+    seq_len: int,
+    mixed_precision: MixedPrecision | None,
+) -> MemoryEstimate:
+    if world_size < 1:
+        raise ConfigurationError(f"world_size must be >= 1, got {world_size}")
+    policy_knobs = strategy.policy
+    shard_world = world_size if policy_knobs.shard_params else 1
+    mp = mixed_precision or MixedPrecision()
+    units = [_unit_sizes(name, params, shard_world) for name, params in plan_units(model, policy)]
+    if not units:
+        raise ConfigurationError("the model has no parameters to estimate")
+    master = next(iter(model.parameters())).dtype
+    param_bytes = torch.empty((), dtype=mp.compute_dtype(master)).element_size()
+    reduce_bytes = torch.empty((), dtype=mp.gradient_reduce_dtype(master)).element_size()
+    cast = param_bytes != _MASTER_BYTES
+    aliased = shard_world == 1 and not cast
+
+    sharded_params = sum(u.shard_numel for u in units) * _MASTER_BYTES
+    sharded_grads = sum(u.grad_shard_numel for u in units) * _MASTER_BYTES
+    optimizer_state = sum(2 * u.local_trainable_numel + u.trainable_tensors for u in units) * _MASTER_BYTES
+
+    gathered = [0 if aliased else u.unsharded_numel * param_bytes for u in units]
+    root_gathered = sum(g for u, g in zip(units, gathered, strict=True) if u.is_root)
+    block_gathered = [g for u, g in zip(units, gathered, strict=True) if not u.is_root]
+    if aliased:
+        unsharded = 0
+    elif strategy is ShardingStrategy.FULL_SHARD:
+        unsharded = root_gathered + max(block_gathered, default=0)
+    else:  # kept from forward through backward: every unit at once
+        unsharded = sum(gathered)
+
+    # Full-size gradients exist between autograd computing them and the reduction packing them:
+    # at most the root (whose backward ends last) and one block at a time.
+    full_grad = [u.numel * param_bytes for u in units]
+    unsharded_grads = sum(g for u, g in zip(units, full_grad, strict=True) if u.is_root) + max(
+        (g for u, g in zip(units, full_grad, strict=True) if not u.is_root), default=0
+    )
+
+    def all_gather(u: UnitSizes) -> int:
+        if shard_world == 1:
+            return 0
+        return shard_world * u.shard_numel * param_bytes + (u.shard_numel * param_bytes if cast else 0)
+
+    def reduction(u: UnitSizes) -> int:
+        packed = shard_world * u.grad_shard_numel * reduce_bytes if shard_world > 1 else 0
+        return packed + u.grad_shard_numel * reduce_bytes
+
+    # Forward: a unit's gather is copied out and freed before the next one is prefetched, so one
+    # all-gather buffer at a time. Backward: the prefetched gather of the next unit can be in flight
+    # while this unit's gradients are packed and reduced (one reduction in flight at a time).
+    largest_gather = max(all_gather(u) for u in units)
+    largest_reduction = max(reduction(u) for u in units)
+    regather = strategy is ShardingStrategy.FULL_SHARD and any(not u.is_root for u in units)
+    comm_buffers = max(largest_gather, (largest_gather if regather else 0) + largest_reduction)
+
+    device = next(iter(model.parameters())).device
+    tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=device)
+    activations = _dry_activations(model, tokens, mp)
+    return MemoryEstimate(
+        strategy=strategy.value,
+        world_size=world_size,
+        parameters=sum(u.numel for u in units),
+        sharded_params=sharded_params,
+        sharded_grads=sharded_grads,
+        optimizer_state=optimizer_state,
+        unsharded_params=unsharded,
+        unsharded_grads=unsharded_grads,
+        comm_buffers=comm_buffers,
+        activations=activations,
+        units=units,
+    )
+
+
+def _per_module_activations(
+    model: nn.Module, tokens: torch.Tensor, policy: Callable[[nn.Module], bool], mp: MixedPrecision | None
+) -> list[int]:
+    """Activations saved inside each module matching ``policy`` (forward without checkpointing)."""
+    sizes: dict[int, dict[int, int]] = {}
+    stack: list[int] = []
+    handles = []
+
+    def enter(module: nn.Module, _args: Any) -> None:
+        stack.append(id(module))
+
+    def leave(module: nn.Module, _args: Any, _out: Any) -> None:
+        stack.pop()
+
+    for module in model.modules():
+        if module is not model and policy(module):
+            sizes[id(module)] = {}
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave))
+
+    def attribute(key: int, size: int) -> None:
+        if stack:
+            sizes[stack[-1]][key] = size
+
+    try:
+        _dry_activations(model, tokens, mp or MixedPrecision(), attribute=attribute)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [sum(per.values()) for per in sizes.values()]
+
+
+def _dry_activations(
+    model: nn.Module, tokens: torch.Tensor, mp: MixedPrecision, attribute: Callable[[int, int], None] | None = None
+) -> int:
+    """Activations of one micro-batch, with parameters temporarily in the compute dtype."""
+    if mp.param_dtype is None:
+        return measure_activations(model, tokens, attribute=attribute)
+    originals = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_floating_point():
+                originals[(module, name)] = p
+                module._parameters[name] = nn.Parameter(p.detach().to(mp.param_dtype), requires_grad=p.requires_grad)
+    try:
+        return measure_activations(model, tokens, attribute=attribute)
+    finally:
+        for (module, name), p in originals.items():
+            module._parameters[name] = p

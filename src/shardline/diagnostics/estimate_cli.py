@@ -1,0 +1,110 @@
+"""``shardline estimate``: predicted per-rank memory for a training config, before running it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from shardline.diagnostics.estimate import MemoryEstimate, estimate_memory
+from shardline.errors import ShardlineError
+
+__all__ = ["main", "register", "run"]
+
+_ROWS = (
+    ("sharded_params", "parameters (this rank's shards, fp32)"),
+    ("sharded_grads", "gradients (shards, fp32)"),
+    ("optimizer_state", "optimizer state (AdamW moments + step)"),
+    ("unsharded_params", "gathered parameters (peak)"),
+    ("unsharded_grads", "full gradients before reduction (peak)"),
+    ("comm_buffers", "communication buffers (peak)"),
+    ("activations", "activations (one micro-batch)"),
+)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEstimate:
+    """Estimate for the ``shardline train`` config selected by ``overrides`` (Hydra syntax)."""
+    from shardline.train.build import build_model, build_policies
+    from shardline.train.config import compose_config
+
+    cfg = compose_config(overrides)
+    policies = build_policies(cfg)
+    strategy = cfg.trainer.strategy.sharding_strategy
+    world = world_size or cfg.trainer.devices * cfg.trainer.num_nodes
+    if strategy == "none":
+        strategy, world = "no_shard", 1
+    return estimate_memory(
+        lambda: build_model(cfg, device="cpu"),
+        policy=policies.wrap,
+        strategy=strategy,
+        world_size=world,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        seq_len=cfg.data.seq_len,
+        mixed_precision=policies.mixed_precision,
+        checkpointing_policy=policies.checkpointing,
+    )
+
+
+def render(est: MemoryEstimate, console: Console) -> None:
+    table = Table(
+        title=f"Estimated memory per rank: {est.strategy}, {est.world_size} ranks, {est.parameters:,} parameters",
+        title_justify="left",
+    )
+    table.add_column("component")
+    table.add_column("bytes", justify="right")
+    table.add_column("share of peak", justify="right")
+    for key, label in _ROWS:
+        value = getattr(est, key)
+        table.add_row(label, _mib(value), f"{value / est.peak:.0%}" if est.peak else "-")
+    table.add_row("[bold]held between steps[/]", _mib(est.steady), f"{est.steady / est.peak:.0%}" if est.peak else "-")
+    table.add_row("[bold]peak during a step[/]", _mib(est.peak), "100%")
+    console.print(table)
+    units = Table(title="units (rank 0)", title_justify="left")
+    for column in ("unit", "parameters", "shard elements", "gathered elements"):
+        units.add_column(column, justify="left" if column == "unit" else "right")
+    for u in est.units:
+        units.add_row(escape(u.name), f"{u.numel:,}", f"{u.shard_numel:,}", f"{u.unsharded_numel:,}")
+    console.print(units)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        est = run(args.overrides, world_size=args.world_size)
+    except ShardlineError as exc:
+        Console(stderr=True, highlight=False, soft_wrap=True).print("[bold red]error:[/]", escape(str(exc)))
+        return 2
+    if args.json:
+        print(json.dumps(est.as_dict(), indent=2, default=lambda o: o.__dict__))
+    else:
+        render(est, console)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``estimate`` to the ``shardline`` command."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="predict per-rank memory for a training config (no memory used)",
+        description="Predict per-rank memory by component for the config `shardline train` would run "
+        "(same overrides), from the ZeRO formulas on the real unit layout and a dry run on fake tensors.",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="the same overrides as shardline train")
+    parser.add_argument("--world-size", type=int, help="ranks to estimate for (default: devices x num_nodes)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(func=_cmd)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardline")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["estimate", *(argv or [])])
+    return int(args.func(args))

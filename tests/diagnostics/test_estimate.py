@@ -1,0 +1,104 @@
+"""The memory estimator predicts what the engine then measures, within 10%, on the default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardline
+from shardline.diagnostics.estimate import estimate_memory
+from shardline.models import GPT, Block
+from shardline.testing import run_distributed
+
+MICRO, SEQ = 8, 128
+TOL = 0.10
+
+
+def _default_model() -> GPT:
+    return GPT(dim=128, n_layers=4, n_heads=4, seq_len=SEQ)
+
+
+def _measured_activations(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes held by autograd's saved tensors in a real step of the sharded model, counted by address."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_leaf and t.requires_grad):
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+    loss.backward()
+    return sum(storages.values())
+
+
+def _measure(rank: int, world_size: int, strategy: str, bf16: bool) -> dict:
+    mp = shardline.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    torch.manual_seed(0)
+    model = shardline.wrap(_default_model(), shardline.layer_policy(Block), strategy=strategy, mixed_precision=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (MICRO, SEQ))
+    F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten()).backward()  # warm-up step
+    opt.step()
+    opt.zero_grad()
+    shardline.reset_peak_memory_stats()
+    activations = _measured_activations(model, tokens)
+    opt.step()
+    stats = shardline.memory_stats(model, optimizer=opt)
+    return {
+        "sharded_params": stats.sharded_params,
+        "sharded_grads": stats.sharded_grads,
+        "optimizer_state": stats.optimizer_state,
+        "unsharded_params": stats.peak_unsharded_params,
+        "comm_buffers": stats.peak_comm_buffers,
+        "activations": activations,
+    }
+
+
+def _grid(rank: int, world_size: int) -> dict:
+    return {
+        (s, bf16): _measure(rank, world_size, s, bf16)
+        for s in ("full_shard", "shard_grad_op", "no_shard")
+        for bf16 in (False, True)
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_estimate_matches_measured_accounting(world_size: int) -> None:
+    measured = run_distributed(_grid, world_size, timeout=110)[0]
+    for (strategy, bf16), got in measured.items():
+        mp = shardline.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        est = estimate_memory(
+            _default_model,
+            policy=shardline.layer_policy(Block),
+            strategy=strategy,
+            world_size=world_size,
+            micro_batch_size=MICRO,
+            seq_len=SEQ,
+            mixed_precision=mp,
+        )
+        for component, value in got.items():
+            predicted = getattr(est, component)
+            if value == 0:
+                assert predicted == 0, f"{strategy} bf16={bf16} {component}: predicted {predicted}, measured 0"
+                continue
+            error = abs(predicted - value) / value
+            assert error <= TOL, (
+                f"{strategy} bf16={bf16} {component}: predicted {predicted:,} vs measured {value:,} ({error:.1%})"
+            )
+
+
+def test_estimate_scales_with_world_size_like_zero() -> None:
+    policy = shardline.layer_policy(Block)
+    kw = {"policy": policy, "micro_batch_size": MICRO, "seq_len": SEQ}
+    one = estimate_memory(_default_model, strategy="zero3", world_size=1, **kw)
+    four = estimate_memory(_default_model, strategy="zero3", world_size=4, **kw)
+    ddp = estimate_memory(_default_model, strategy="ddp", world_size=4, **kw)
+    assert one.parameters == four.parameters == _default_model().config.num_params
+    # ZeRO-3 divides shards, gradients and optimizer state by W (up to padding); ZeRO-0 does not.
+    assert abs(four.steady * 4 - one.steady) / one.steady < 0.01
+    assert ddp.steady == one.steady
+    assert four.activations == one.activations, "activations depend on the micro-batch only"
