@@ -63,6 +63,7 @@ class PendingReduce:
     layout: FlatLayout
     packed: torch.Tensor | None = None  # the collective's input: alive until it completes
     buffer_bytes: int = 0  # what this reduction added to the tracked communication buffers
+    direct: list[torch.Tensor | None] | None = None  # one rank, no replicas: the gradients as they are
 
     def finish(self) -> None:
         """Wait for the collective and accumulate this rank's reduced shard into the shard grads."""
@@ -70,12 +71,28 @@ class PendingReduce:
             self.work.wait()
         self.packed = None
         TRACKER.add("comm_buffers", -self.buffer_bytes)
+        if self.direct is not None:
+            self._finish_direct(self.direct)
+            return
         out = self.output
         master = self.unit.master_dtype
         if out.dtype != master:
             out = out.to(master)
         for sp, pl, offset in zip(self.params, self.layout.params, self.layout.offsets, strict=True):
             grad = out[offset : offset + pl.local_numel].view(pl.local_shape)
+            if sp.sharded.grad is None:
+                sp.sharded.grad = grad
+            else:
+                sp.sharded.grad += grad
+
+    def _finish_direct(self, grads: list[torch.Tensor | None]) -> None:
+        master = self.unit.master_dtype
+        for sp, grad in zip(self.params, grads, strict=True):
+            if grad is None:
+                continue
+            grad = grad.view(sp.layout.local_shape)
+            if grad.dtype != master:
+                grad = grad.to(master)
             if sp.sharded.grad is None:
                 sp.sharded.grad = grad
             else:
@@ -346,6 +363,10 @@ class ShardUnit:
             sp.clear_unsharded_grad()
         layout = self.grad_layout(params)
         dtype, world = self.reduce_dtype, self.mesh.shard_size
+        if world == 1 and self.mesh.replicate_size == 1 and all(g is None or g.is_contiguous() for g in grads):
+            # One rank and no replicas: nothing to reduce or pack; hand the gradients over as they
+            # are (same values as averaging over one rank, bit for bit). Missing ones stay None.
+            return PendingReduce(self, None, grads[0], params, layout, direct=grads)
         name = self.display_name
         packed = None
         if world > 1:
