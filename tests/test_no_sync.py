@@ -70,8 +70,8 @@ def test_no_sync_accumulation_equals_one_big_batch(world_size: int) -> None:
         else:
             # Sharded units gather once, for the first micro-batch's forward, and then stay gathered.
             assert res["inside"] == [("all_gather", "forward")] * 3
-            # The synced micro-batch: no forward gather (still gathered); backward re-gathers the freed blocks
-            # for FULL_SHARD only; one reduce-scatter per unit carries the accumulated total.
+            # The synced micro-batch: no forward gather (still gathered); backward re-gathers the block freed
+            # after forward (FULL_SHARD only; the last block stays); one reduce-scatter per unit carries the total.
             gathers = [p for k, p in res["synced"] if k == "all_gather"]
-            assert gathers == (["backward"] * 2 if strategy == "full_shard" else [])
+            assert gathers == (["backward"] if strategy == "full_shard" else [])
             assert [k for k, _ in res["synced"]].count("reduce_scatter") == 3

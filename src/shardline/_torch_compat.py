@@ -17,6 +17,7 @@ __all__ = [
     "fake_tensor_mode",
     "group_timeout",
     "in_backward",
+    "profiling_enabled",
     "queue_backward_callback",
     "reduce_scatter_into",
     "set_writer_filesystem",
@@ -103,3 +104,8 @@ def fake_tensor_mode() -> Iterator[None]:
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity for the storage behind ``tensor`` (shared by its views), valid for fake tensors too."""
     return tensor.untyped_storage()._cdata
+
+
+def profiling_enabled() -> bool:
+    """Whether the autograd profiler (``torch.profiler``) is recording right now."""
+    return torch.autograd.profiler._is_profiler_enabled

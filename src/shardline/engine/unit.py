@@ -6,6 +6,7 @@ This module moves data (gather, free, reduce); when those happen is decided by t
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,8 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardline import _torch_compat
 from shardline.engine import comm
 from shardline.engine.layout import FlatLayout, ParamLayout
 from shardline.engine.memory import TRACKER, nbytes
@@ -25,7 +28,14 @@ from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.param import ShardedParam, alias
 from shardline.engine.strategy import ShardingStrategy
 
-__all__ = ["PendingReduce", "ShardUnit", "TrainingState"]
+__all__ = ["PendingReduce", "ShardUnit", "TrainingState", "label"]
+
+
+def label(name: str) -> Any:
+    """A ``torch.profiler`` range named ``shardline::<name>`` while profiling; free otherwise."""
+    if _torch_compat.profiling_enabled():
+        return record_function(f"shardline::{name}")
+    return contextlib.nullcontext()
 
 
 class TrainingState(enum.Enum):
@@ -48,7 +58,8 @@ class PendingGather:
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            with label("all_gather_wait"):
+                self.work.wait()
             self.work = None
 
 
@@ -68,7 +79,8 @@ class PendingReduce:
     def finish(self) -> None:
         """Wait for the collective and accumulate this rank's reduced shard into the shard grads."""
         if self.work is not None:
-            self.work.wait()
+            with label(f"reduce_wait {self.unit.display_name}"):
+                self.work.wait()
         self.packed = None
         TRACKER.add("comm_buffers", -self.buffer_bytes)
         if self.direct is not None:
@@ -133,6 +145,7 @@ class ShardUnit:
         # Shard group of one and no cast: gathered parameters can alias the shards themselves.
         self.aliased = mesh.shard_size == 1 and self.compute_dtype == dtype
         self.is_root = True  # until a fully_shard on an ancestor claims this unit
+        self.last_in_forward = False  # ran last in its root's previous forward
 
         world, rank = mesh.shard_size, mesh.shard_rank
         layouts = [ParamLayout.build(p.shape, world, rank) for _, p, _ in params]
@@ -174,16 +187,26 @@ class ShardUnit:
         """Record (on a root) the order its units ran in, which drives prefetching next step."""
         self.forward_order = order
         self.forward_position = {id(u): i for i, u in enumerate(order)}
+        last = next((u for u in reversed(order) if not u.is_root), None)
+        for unit in order:
+            unit.last_in_forward = unit is last
 
     # ------------------------------------------------------------------ policy
     @property
     def reshard_after_forward(self) -> bool:
-        """Whether gathered parameters are freed after forward (root units default to keeping them)."""
+        """Whether gathered parameters are freed after forward.
+
+        With ``reshard_after_forward=None``: the strategy's default, except for root units and for
+        the unit that ran last in the previous forward -- backward starts with exactly these, so
+        freeing them would only mean gathering them again at once.
+        """
         if not self.policy.shard_params:
             return False
         if self.reshard_after_forward_arg is not None:
             return self.reshard_after_forward_arg
-        return False if self.is_root else self.policy.reshard_after_forward
+        if self.is_root or self.last_in_forward:
+            return False
+        return self.policy.reshard_after_forward
 
     @property
     def display_name(self) -> str:
@@ -273,9 +296,10 @@ class ShardUnit:
         gathered = torch.empty(world * self.layout.shard_numel, dtype=dtype, device=self.device)
         buffers = nbytes(gathered) + (nbytes(send) if send is not self.flat_shard else 0)
         TRACKER.add("comm_buffers", buffers)
-        work = comm.all_gather(
-            gathered, send, self.mesh.shard_group, unit=self.display_name, phase=phase, async_op=async_op
-        )
+        with label(f"all_gather {self.display_name}"):
+            work = comm.all_gather(
+                gathered, send, self.mesh.shard_group, unit=self.display_name, phase=phase, async_op=async_op
+            )
         return PendingGather(work, gathered, send, buffers)
 
     def _finish_all_gather(self, pending: PendingGather, flat: torch.Tensor) -> None:
@@ -287,7 +311,8 @@ class ShardUnit:
             flat[offset : offset + world * pl.padded_numel].view(world, pl.padded_numel)
             for pl, offset in zip(layout.params, layout.unsharded_offsets, strict=True)
         ]
-        torch.split_with_sizes_copy(pending.gathered.view(world, -1), layout.padded_sizes, dim=1, out=outs)
+        with label(f"copy_out {self.display_name}"):
+            torch.split_with_sizes_copy(pending.gathered.view(world, -1), layout.padded_sizes, dim=1, out=outs)
         TRACKER.add("comm_buffers", -pending.buffer_bytes)
 
     def _create_unsharded_params(self, flat: torch.Tensor) -> None:
@@ -312,24 +337,32 @@ class ShardUnit:
                     sp.hooked = True
 
     def _check_shards_in_place(self) -> None:
-        """Re-adopt shards whose ``.data`` was replaced (e.g. ``param.data = t``) into the flat buffer."""
-        for sp, offset in zip(self.params, self.layout.offsets, strict=True):
-            data = sp.sharded.data
-            piece = self.flat_shard[offset : offset + sp.layout.local_numel]
-            if data.data_ptr() == piece.data_ptr() or not sp.layout.local_numel:
-                continue
-            if data.shape != sp.layout.local_shape or data.dtype != self.master_dtype or data.device != self.device:
-                from shardline.errors import ShardingError
+        """Re-adopt shards whose ``.data`` was replaced (e.g. ``param.data = t``) into the flat buffer.
 
-                raise ShardingError(
-                    f"the shard of parameter '{sp.fqn}' in unit {self.display_name!r} was replaced by a "
-                    f"tensor of shape {tuple(data.shape)}, dtype {data.dtype}, device {data.device}; expected "
-                    f"shape {sp.layout.local_shape}, {self.master_dtype} on {self.device}. Move or cast the "
-                    "model before calling fully_shard, not after."
-                )
-            with torch.no_grad():
-                piece.copy_(data.reshape(-1))
-            sp.sharded.data = alias(piece).view(sp.layout.local_shape)
+        Runs before every gather, so it only compares addresses (cached per parameter) and does
+        real work only for a shard that moved.
+        """
+        base, size = self.flat_shard.data_ptr(), self.flat_shard.element_size()
+        for sp, offset in zip(self.params, self.layout.offsets, strict=True):
+            if not sp.layout.local_numel or sp.sharded.data_ptr() == base + offset * size:
+                continue
+            self._readopt(sp, offset)
+
+    def _readopt(self, sp: ShardedParam, offset: int) -> None:
+        data = sp.sharded.data
+        if data.shape != sp.layout.local_shape or data.dtype != self.master_dtype or data.device != self.device:
+            from shardline.errors import ShardingError
+
+            raise ShardingError(
+                f"the shard of parameter '{sp.fqn}' in unit {self.display_name!r} was replaced by a "
+                f"tensor of shape {tuple(data.shape)}, dtype {data.dtype}, device {data.device}; expected "
+                f"shape {sp.layout.local_shape}, {self.master_dtype} on {self.device}. Move or cast the "
+                "model before calling fully_shard, not after."
+            )
+        piece = self.flat_shard[offset : offset + sp.layout.local_numel]
+        with torch.no_grad():
+            piece.copy_(data.reshape(-1))
+        sp.sharded.data = alias(piece).view(sp.layout.local_shape)
 
     # ------------------------------------------------------------------ gradients
     def trainable_params(self) -> list[ShardedParam]:
@@ -350,6 +383,10 @@ class ShardUnit:
         )
 
     def reduce_gradients(self) -> PendingReduce | None:
+        with label(f"reduce {self.display_name}"):
+            return self._reduce_gradients()
+
+    def _reduce_gradients(self) -> PendingReduce | None:
         """Pack the gathered gradients and start their reduction (asynchronously).
 
         Returns the pending reduction, or None when no parameter of the unit has a gradient.

@@ -1,0 +1,622 @@
+"""Benchmark: shardline's sharding engine against torch FSDP2, torch DDP and one process.
+
+Two kinds of process groups per model size:
+
+* **the timing run**: every rank builds every configuration (same seed, same weights, each
+  rank its slice of the same global batch) and runs warm-up steps; then timing rounds run
+  ``steps`` steps of each configuration in turn, the order rotated every round, so drift on a
+  shared machine hits all of them alike. A step is forward + cross-entropy backward +
+  ``AdamW.step()`` + ``zero_grad()``, timed on every rank after a barrier; a step lasts as long
+  as its slowest rank, so its time is the maximum over ranks. "One process" is the plain model
+  on the global batch on the first rank while the others wait in a barrier;
+* **a probe run per configuration**: a fresh group that trains only that configuration, for
+  its peak RSS (``/proc/self/clear_refs`` reset after warm-up, ``VmHWM`` after the steps) and
+  its bytes per step (a dispatch mode sums every c10d collective; compared with the theory).
+
+A one-rank timing run compares shardline FULL_SHARD at W=1 with the plain model on the global
+batch. ``docs/benchmarks.md`` explains each choice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import math
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.nn.parallel import DistributedDataParallel
+
+import shardline
+from shardline.diagnostics import bench_report
+from shardline.diagnostics.bench_report import (
+    PHASES,
+    BenchResult,
+    CommVolume,
+    ConfigResult,
+    RankMemory,
+    RunResult,
+    Spread,
+    Target,
+    evaluate_targets,
+)
+from shardline.engine.state import subtree_units
+from shardline.errors import ConfigurationError
+from shardline.models.gpt import GPT, Block, GPTConfig
+from shardline.testing import run_distributed
+
+__all__ = [
+    "CONFIGS",
+    "SIZES",
+    "BenchResult",
+    "BenchSettings",
+    "CommVolume",
+    "ConfigResult",
+    "Configuration",
+    "ModelSize",
+    "RankMemory",
+    "RunResult",
+    "Spread",
+    "Target",
+    "evaluate_targets",
+    "fsdp2_theory",
+    "run_benchmark",
+    "shardline_theory",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSize:
+    """A :class:`~shardline.models.GPT` shape to benchmark."""
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    seq_len: int = 128
+    vocab_size: int = 256
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=self.vocab_size, seq_len=self.seq_len, dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads
+        )
+
+    @property
+    def num_params(self) -> int:
+        return self.gpt_config().num_params
+
+    def describe(self) -> str:
+        return f"GPT dim={self.dim}, {self.n_layers} layers, {self.n_heads} heads, {self.num_params / 1e6:.2f} M params"
+
+
+SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(name="tiny", dim=32, n_layers=2, n_heads=2, seq_len=16),
+    "default": ModelSize(name="default", dim=128, n_layers=4, n_heads=4, seq_len=128),
+    "10x": ModelSize(name="10x", dim=320, n_layers=7, n_heads=10, seq_len=128),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Configuration:
+    """One way of training the model: who shards it, how, and on which ranks."""
+
+    key: str
+    label: str
+    builder: str = "shardline"  # "shardline", "fsdp2", "ddp" or "plain"
+    strategy: str = "full_shard"  # for builder "shardline"
+    first_rank_only: bool = False  # the plain model on the global batch, on the first rank
+
+
+CONFIGS: dict[str, Configuration] = {
+    c.key: c
+    for c in (
+        Configuration(key="shardline_full_shard", label="shardline FULL_SHARD", strategy="full_shard"),
+        Configuration(key="shardline_shard_grad_op", label="shardline SHARD_GRAD_OP", strategy="shard_grad_op"),
+        Configuration(key="shardline_no_shard", label="shardline NO_SHARD", strategy="no_shard"),
+        Configuration(key="torch_fsdp2", label="torch FSDP2", builder="fsdp2"),
+        Configuration(key="torch_ddp", label="torch DDP", builder="ddp"),
+        Configuration(key="one_process", label="one process, global batch", builder="plain", first_rank_only=True),
+        Configuration(key="plain", label="plain model, global batch", builder="plain"),
+    )
+}
+MAIN_RUN = tuple(key for key in CONFIGS if key != "plain")
+W1_RUN = ("plain", "shardline_full_shard")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchSettings:
+    """What to run. The defaults produce the results committed under ``docs/benchmarks/``.
+
+    Attributes:
+        sizes: Model sizes; each gets its own runs.
+        world_size: Ranks of the main run (the W=1 comparison has its own one-rank run).
+        micro_batch: Sequences per rank per step; one process gets ``world_size`` times as many.
+        steps: Consecutive steps of one configuration within a timing round.
+        rounds: Timing rounds; each runs every configuration, in an order rotated by one.
+        warmup: Untimed steps per configuration before timing (and before the memory steps).
+        memory_steps: Steps whose peak RSS is measured in each configuration's probe run.
+        seed: Seed of the initial weights (all configurations) and of the batch.
+        lr: AdamW learning rate.
+        w1: Also compare shardline FULL_SHARD at W=1 with the plain model.
+        timeout_s: Hard deadline of each process group.
+    """
+
+    sizes: tuple[ModelSize, ...] = (SIZES["default"], SIZES["10x"])
+    world_size: int = 2
+    micro_batch: int = 8
+    steps: int = 2
+    rounds: int = 5
+    warmup: int = 2
+    memory_steps: int = 2
+    seed: int = 0
+    lr: float = 3e-4
+    w1: bool = True
+    timeout_s: float = 1800.0
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigurationError` naming the first bad value and the fix."""
+        if not self.sizes:
+            raise ConfigurationError(f"no model size to benchmark; pick some of {sorted(SIZES)}")
+        names = [s.name for s in self.sizes]
+        if len(set(names)) != len(names):
+            raise ConfigurationError(f"model sizes must have distinct names, got {names}")
+        for size in self.sizes:
+            try:
+                size.gpt_config()
+            except ValueError as exc:
+                raise ConfigurationError(f"model size {size.name!r}: {exc}") from exc
+        for name, value, least in (
+            ("world_size", self.world_size, 2),
+            ("micro_batch", self.micro_batch, 1),
+            ("steps", self.steps, 1),
+            ("rounds", self.rounds, 1),
+            ("warmup", self.warmup, 1),
+            ("memory_steps", self.memory_steps, 1),
+        ):
+            if not isinstance(value, int) or value < least:
+                extra = " (W=1 is measured separately, see w1)" if name == "world_size" else ""
+                raise ConfigurationError(f"{name} must be an integer >= {least}{extra}, got {value!r}")
+        if not self.lr > 0 or not self.timeout_s > 0:
+            raise ConfigurationError(f"lr and timeout_s must be positive, got lr={self.lr}, timeout_s={self.timeout_s}")
+
+
+# ---------------------------------------------------------------------------- what one rank runs
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Plan:
+    size: ModelSize
+    configs: tuple[str, ...]
+    micro_batch: int
+    steps: int
+    rounds: int
+    warmup: int
+    memory_steps: int
+    seed: int
+    lr: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Timing:
+    """One rank's timing-run record of one configuration (``times`` None: the rank does not run it)."""
+
+    times: tuple[tuple[float, float, float], ...] | None  # (forward, backward, optimizer) per timed step
+    loss: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Probe:
+    """One rank's probe-run record of one configuration: memory and bytes per step."""
+
+    rss_method: str
+    memory: RankMemory
+    engine_memory: dict[str, int] | None
+    comm: CommVolume
+
+
+@dataclasses.dataclass
+class _Live:
+    """A configuration's model and optimizer on this rank (None where the rank does not run it)."""
+
+    config: Configuration
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    inputs: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    loss: float | None = None
+    times: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
+
+
+def _build(config: Configuration, size: ModelSize, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = GPT(size.gpt_config())
+    if config.builder == "shardline":
+        shardline.wrap(model, shardline.layer_policy(Block), strategy=config.strategy)
+    elif config.builder == "fsdp2":
+        for block in model.blocks:
+            torch_fully_shard(block)
+        torch_fully_shard(model)
+    elif config.builder == "ddp":
+        return DistributedDataParallel(model)
+    return model
+
+
+def _batch(plan: _Plan, config: Configuration, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the global batch (all of it for the first-rank-only configuration)."""
+    generator = torch.Generator().manual_seed(plan.seed + 1)
+    global_batch = plan.micro_batch * world
+    tokens = torch.randint(0, plan.size.vocab_size, (global_batch, plan.size.seq_len + 1), generator=generator)
+    if not config.first_rank_only:
+        tokens = tokens[rank * plan.micro_batch : (rank + 1) * plan.micro_batch]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _setup(config: Configuration, plan: _Plan, rank: int, world: int) -> _Live:
+    """Build one configuration on this rank and run its warm-up steps, keeping the first loss."""
+    live = _Live(config=config)
+    if config.first_rank_only and rank != 0:
+        for _ in range(plan.warmup):
+            dist.barrier()
+        return live
+    live.model = _build(config, plan.size, plan.seed)
+    live.optimizer = torch.optim.AdamW(live.model.parameters(), lr=plan.lr)
+    live.inputs, live.targets = _batch(plan, config, rank, world)
+    for i in range(plan.warmup):
+        dist.barrier()
+        loss = _step(live)[3]
+        if i == 0:
+            live.loss = float(loss)
+    return live
+
+
+def _step(live: _Live, *, zero_grad: bool = True) -> tuple[float, float, float, torch.Tensor]:
+    """One training step; returns (forward, backward, optimizer) seconds and the loss."""
+    assert live.model is not None
+    assert live.optimizer is not None
+    assert live.inputs is not None
+    assert live.targets is not None
+    t0 = time.perf_counter()
+    logits = live.model(live.inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1), live.targets.flatten())
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    live.optimizer.step()
+    if zero_grad:
+        live.optimizer.zero_grad(set_to_none=True)
+    return t1 - t0, t2 - t1, time.perf_counter() - t2, loss.detach()
+
+
+def _timing_main(rank: int, world: int, plan: _Plan) -> dict[str, _Timing]:
+    """The timing run: every configuration built in this process, steps alternating in rotating order."""
+    lives = [_setup(CONFIGS[key], plan, rank, world) for key in plan.configs]
+    for r in range(plan.rounds):
+        shift = r % len(lives)
+        for live in lives[shift:] + lives[:shift]:
+            for _ in range(plan.steps):
+                dist.barrier()
+                if live.model is not None:
+                    live.times.append(_step(live)[:3])
+    return {
+        live.config.key: _Timing(times=tuple(live.times) if live.model is not None else None, loss=live.loss)
+        for live in lives
+    }
+
+
+def _probe_main(rank: int, world: int, plan: _Plan) -> _Probe:
+    """A probe run: a fresh process group that trains one configuration, for its memory and bytes.
+
+    Alone in the process, the configuration's RSS is not mixed up with other models' or with
+    memory the allocator kept from them. Peak RSS is ``VmHWM`` over the steps after warm-up
+    (the high-water mark reset through ``/proc/self/clear_refs`` once the model is built).
+    """
+    (key,) = plan.configs
+    probe = _RssProbe()
+    probe.settle()
+    baseline = probe.rss()
+    live = _setup(CONFIGS[key], plan, rank, world)
+    probe.settle()
+    before = probe.rss()
+    probe.reset_peak()
+    shardline.reset_peak_memory_stats()
+    for i in range(plan.memory_steps):
+        last = i == plan.memory_steps - 1
+        _step(live, zero_grad=not last)
+    hwm = probe.hwm()
+    engine = None
+    if live.config.builder == "shardline":
+        engine = shardline.memory_stats(live.model, optimizer=live.optimizer).as_dict()  # type: ignore[arg-type]
+    live.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+    state = None if before is None or baseline is None else before - baseline
+    step = None if hwm is None or before is None else max(0, hwm - before)
+    memory = RankMemory(rank=rank, baseline=baseline, state=state, step=step, hwm=hwm)
+    return _Probe(rss_method=probe.method, memory=memory, engine_memory=engine, comm=_measure_comm(live, plan, world))
+
+
+def _measure_comm(live: _Live, plan: _Plan, world: int) -> CommVolume:
+    """Bytes per step: every c10d collective of one step, shardline's own log, and the theory."""
+    dist.barrier()
+    with _C10dCounter() as counter, shardline.count_collectives() as log:
+        _step(live)
+    engine = None
+    if live.config.builder == "shardline":
+        engine = {}
+        for record in log.records:
+            engine[record.kind.value] = engine.get(record.kind.value, 0) + record.bytes
+    return CommVolume(theory=_theory(live, plan.size, world), measured=counter.volume, engine=engine)
+
+
+# ---------------------------------------------------------------------------- theory
+def _theory(live: _Live, size: ModelSize, world: int) -> dict[str, int]:
+    if live.config.builder == "shardline":
+        assert live.model is not None
+        return shardline_theory(live.model)
+    if live.config.builder == "plain" or world == 1:
+        return {}
+    with torch.device("meta"):
+        model = GPT(size.gpt_config())
+    if live.config.builder == "ddp":
+        return {"all_reduce": sum(p.numel() * p.element_size() for p in model.parameters())}
+    return fsdp2_theory(model, world)
+
+
+def shardline_theory(model: nn.Module) -> dict[str, int]:
+    """Bytes per step of a shardline-sharded model, from its units' flat layouts (``docs/engine.md``).
+
+    Per unit with ``W`` shard ranks and ``S`` elements per rank's flat buffer: an all-gather of
+    ``W*S`` elements in forward, again in backward for units that free after forward, and a
+    reduce-scatter of ``W*S_trainable``; NO_SHARD units all-reduce their trainable elements.
+    """
+    volume = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for unit in subtree_units(model):
+        world = unit.mesh.shard_size
+        trainable = unit.trainable_params()
+        if world > 1:
+            gathers = 2 if unit.reshard_after_forward else 1
+            volume["all_gather"] += gathers * world * unit.layout.shard_numel * unit.compute_dtype.itemsize
+            grad_numel = unit.grad_layout(trainable).shard_numel if trainable else 0
+            volume["reduce_scatter"] += world * grad_numel * unit.reduce_dtype.itemsize
+        if unit.mesh.replicate_size > 1:
+            volume["all_reduce"] += sum(sp.layout.numel for sp in trainable) * unit.reduce_dtype.itemsize
+    return {kind: n for kind, n in volume.items() if n}
+
+
+def fsdp2_theory(model: GPT, world: int) -> dict[str, int]:
+    """Bytes per step of torch FSDP2 with ``fully_shard`` on every block and the root, from shapes.
+
+    FSDP2 pads every parameter's dim 0 to a multiple of ``W`` and gathers a group's padded
+    parameters in one all-gather: forward for every group, backward again for the blocks (the
+    root keeps its parameters after forward), and reduce-scatters the padded gradients.
+    """
+    blocks = [list(block.parameters()) for block in model.blocks]
+    in_blocks = {id(p) for group in blocks for p in group}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+
+    def padded(group: list[nn.Parameter]) -> int:
+        total = 0
+        for p in group:
+            rows = p.shape[0] if p.dim() else 1
+            total += math.ceil(rows / world) * world * (p.numel() // max(rows, 1)) * p.element_size()
+        return total
+
+    gather = 2 * sum(padded(g) for g in blocks) + padded(root)
+    return {"all_gather": gather, "reduce_scatter": sum(padded(g) for g in blocks) + padded(root)}
+
+
+# ---------------------------------------------------------------------------- measuring
+# c10d op -> (kind, index of the argument holding the collective's full buffer).
+_C10D_OPS = {
+    "c10d::_allgather_base_": ("all_gather", 0),
+    "c10d::allgather_": ("all_gather", 0),
+    "c10d::allgather_coalesced_": ("all_gather", 0),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "c10d::allreduce_": ("all_reduce", 0),
+    "c10d::allreduce_coalesced_": ("all_reduce", 0),
+    "c10d::broadcast_": ("broadcast", 0),
+}
+
+
+class _C10dCounter(CommDebugMode):
+    """Sums the logical bytes of every c10d collective issued inside the block, whoever issues it.
+
+    ``CommDebugMode`` is torch's public dispatch mode for collectives; it counts calls but not
+    bytes, and its module tracker breaks on a module called twice in one forward (``Block``
+    calls its dropout twice), so this subclass enters only the dispatch mode and records sizes.
+    DTensor operations are let through to DTensor first, as ``CommDebugMode`` does, so the
+    collectives they expand to are seen too. Collectives it does not know are counted as
+    ``other:<op>`` with the bytes of all their tensors.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.volume: dict[str, int] = {}
+
+    def __enter__(self) -> _C10dCounter:
+        super(CommDebugMode, self).__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super(CommDebugMode, self).__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        name = func.name() if callable(getattr(func, "name", None)) else ""
+        if name.startswith("c10d::") and name != "c10d::barrier":
+            kind, index = _C10D_OPS.get(name, (f"other:{name}", None))
+            held = args[index] if index is not None and index < len(args) else args
+            self.volume[kind] = self.volume.get(kind, 0) + _tensor_bytes(held)
+        return out
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(x) for x in obj)
+    return 0
+
+
+class _RssProbe:
+    """This process's RSS and its high-water mark (Linux ``/proc``), with a resettable peak."""
+
+    def __init__(self) -> None:
+        self.method = "clear_refs"
+        if self._status("VmRSS") is None:
+            self.method = "unavailable (no /proc/self/status)"
+        try:
+            self._trim: Callable[[int], int] | None = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):  # not glibc
+            self._trim = None
+
+    @staticmethod
+    def _status(key: str) -> int | None:
+        try:
+            text = Path("/proc/self/status").read_text()
+        except OSError:
+            return None
+        match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+        return int(match.group(1)) * 1024 if match else None
+
+    def settle(self) -> None:
+        """Collect garbage and give free heap pages back to the OS, so RSS is what is live."""
+        gc.collect()
+        if self._trim is not None:
+            self._trim(0)
+
+    def rss(self) -> int | None:
+        return self._status("VmRSS")
+
+    def hwm(self) -> int | None:
+        return self._status("VmHWM")
+
+    def reset_peak(self) -> None:
+        if self.method != "clear_refs":
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.method = "VmHWM since process start (writing /proc/self/clear_refs was refused)"
+
+
+# ---------------------------------------------------------------------------- the driver
+def run_benchmark(
+    *,
+    settings: BenchSettings | None = None,
+    out_dir: str | Path | None = None,
+    command: str | None = None,
+    plot: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Run the comparison for every size (and the W=1 comparison); write results if ``out_dir``.
+
+    Writes ``results.json``, ``results.md`` and (with ``plot``) ``results.png`` into ``out_dir``.
+
+    Raises:
+        ConfigurationError: Bad settings, or ``plot`` without matplotlib installed.
+    """
+    settings = settings or BenchSettings()
+    settings.validate()
+    if out_dir is not None:
+        if plot:
+            bench_report.require_matplotlib()
+        bench_report.prepare_out_dir(out_dir)
+    say = progress or (lambda _msg: None)
+    runs: list[RunResult] = []
+    for size in settings.sizes:
+        probes: dict[tuple[Any, ...], list[_Probe]] = {}  # the plain model on one rank serves two rows
+        jobs = [("main", MAIN_RUN, settings.world_size, settings.micro_batch)]
+        if settings.w1:
+            jobs.append(("w1", W1_RUN, 1, settings.micro_batch * settings.world_size))
+        for kind, keys, world, micro_batch in jobs:
+            say(f"{size.name} ({size.describe()}), {world} rank(s): timing {', '.join(keys)} ...")
+            plan = _plan(settings, size, keys, micro_batch)
+            start = time.perf_counter()
+            timing = run_distributed(_timing_main, world, args=(plan,), timeout=settings.timeout_s)
+            wall = time.perf_counter() - start
+            say(f"  {wall:.0f} s; now memory and bytes per step, one process group per configuration ...")
+            by_key = {}
+            for key in keys:
+                config = CONFIGS[key]
+                probe_world = 1 if config.first_rank_only else world
+                probe_plan = _plan(settings, size, (key,), micro_batch * world // probe_world)
+                memo = (config.builder, config.strategy, probe_world, probe_plan.micro_batch)
+                if memo not in probes:
+                    probes[memo] = run_distributed(
+                        _probe_main, probe_world, args=(probe_plan,), timeout=settings.timeout_s
+                    )
+                by_key[key] = probes[memo]
+            runs.append(_combine(kind, plan, world, timing, by_key, wall))
+    result = BenchResult(settings=settings, environment=bench_report.environment(command), runs=tuple(runs))
+    result = dataclasses.replace(result, targets=evaluate_targets(result))
+    if out_dir is not None:
+        bench_report.write_results(result, out_dir=out_dir, plot=plot)
+    return result
+
+
+def _plan(settings: BenchSettings, size: ModelSize, keys: tuple[str, ...], micro_batch: int) -> _Plan:
+    return _Plan(
+        size=size,
+        configs=keys,
+        micro_batch=micro_batch,
+        steps=settings.steps,
+        rounds=settings.rounds,
+        warmup=settings.warmup,
+        memory_steps=settings.memory_steps,
+        seed=settings.seed,
+        lr=settings.lr,
+    )
+
+
+def _combine(
+    kind: str,
+    plan: _Plan,
+    world: int,
+    timing: list[dict[str, _Timing]],
+    probes: dict[str, list[_Probe]],
+    wall: float,
+) -> RunResult:
+    """One :class:`RunResult` from every rank's timing record and each configuration's probe run."""
+    configs = []
+    for key in plan.configs:
+        ran = [t[key] for t in timing if t[key].times is not None]
+        steps = list(zip(*(t.times for t in ran if t.times is not None), strict=True))
+        phases = {name: Spread.of([max(t[i] for t in step) for step in steps]) for i, name in enumerate(PHASES)}
+        losses = [t.loss for t in ran if t.loss is not None]
+        configs.append(
+            ConfigResult(
+                key=key,
+                label=CONFIGS[key].label,
+                ranks=len(ran),
+                tokens_per_step=plan.micro_batch * world * plan.size.seq_len,
+                step=Spread.of([max(sum(t) for t in step) for step in steps]),
+                rank_steps=tuple(tuple(sum(t) for t in r.times) for r in ran if r.times is not None),
+                phases=phases,
+                memory=tuple(p.memory for p in probes[key]),
+                engine_memory=probes[key][0].engine_memory,
+                comm=probes[key][0].comm,
+                first_loss=sum(losses) / len(losses),
+            )
+        )
+    return RunResult(
+        kind=kind,
+        size=plan.size,
+        world_size=world,
+        micro_batch=plan.micro_batch,
+        rss_method=next(iter(probes.values()))[0].rss_method,
+        wall_s=wall,
+        configs=tuple(configs),
+    )

@@ -1,0 +1,136 @@
+"""``shardline bench``: shardline's engine vs torch FSDP2 vs torch DDP vs one process.
+
+``register(subparsers)`` adds the subcommand to the main parser; ``main(argv)`` runs it alone
+(``python -m shardline.diagnostics.bench_cli --out DIR``). Exit codes: 0 done, 1 bad input
+(one line naming the value and the fix), 2 usage errors (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+from shardline.errors import ConfigurationError, ShardlineError
+
+__all__ = ["build_parser", "main", "register"]
+
+_EXAMPLES = """\
+examples:
+  shardline bench --out docs/benchmarks                     # the committed results (about 3.5 minutes on 2 cores)
+  shardline bench --out /tmp/bench --sizes tiny --rounds 1 --steps 2   # a smoke run in seconds
+"""
+
+
+def _sizes(text: str) -> tuple:
+    from shardline.diagnostics.bench import SIZES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SIZES]
+    if unknown or not names:
+        raise ConfigurationError(
+            f"unknown model size(s) {unknown or [text]} in --sizes; choose a comma-separated list of {sorted(SIZES)}"
+        )
+    return tuple(SIZES[n] for n in names)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from shardline.diagnostics.bench import BenchSettings, run_benchmark
+    from shardline.diagnostics.bench_report import load_results, render_summary, write_results
+
+    if args.from_json:
+        try:
+            result = load_results(args.from_json)
+            write_results(result, out_dir=args.out, plot=not args.no_plot)
+        except ShardlineError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print("\n".join(render_summary(result)))
+        print(f"wrote results.json, results.md{'' if args.no_plot else ', results.png'} to {args.out}")
+        return 0
+    try:
+        settings = BenchSettings(
+            sizes=_sizes(args.sizes),
+            world_size=args.world_size,
+            micro_batch=args.micro_batch,
+            steps=args.steps,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            memory_steps=args.memory_steps,
+            seed=args.seed,
+            w1=not args.no_w1,
+            timeout_s=args.timeout,
+        )
+        argv = getattr(args, "argv", None)  # set by main(); under the shardline command, sys.argv has it
+        words = ["bench", *argv] if argv is not None else sys.argv[1:]
+        command = "shardline " + " ".join(shlex.quote(a) for a in words)
+        result = run_benchmark(
+            settings=settings,
+            out_dir=args.out,
+            command=command,
+            plot=not args.no_plot,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+    except ShardlineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(render_summary(result)))
+    for t in result.targets:
+        print(f"target {'met    ' if t.met else 'MISSED '} {t.size:>8}: {t.name}: {t.detail}")
+    print(f"wrote results.json, results.md{'' if args.no_plot else ', results.png'} to {args.out}")
+    return 0
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory for results.json/.md/.png")
+    parser.add_argument("--sizes", default="default,10x", help="comma-separated model sizes: tiny, default, 10x")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks of the main run (default 2)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    parser.add_argument("--steps", type=int, default=2, help="steps per configuration per round (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first (default 2)")
+    parser.add_argument("--memory-steps", type=int, default=2, help="steps measured in each memory probe (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-w1", action="store_true", help="skip the one-rank FULL_SHARD vs plain comparison")
+    parser.add_argument("--no-plot", action="store_true", help="do not draw results.png (no matplotlib needed)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="hard deadline per process group, s")
+    parser.add_argument(
+        "--from-json", metavar="FILE", help="run nothing: re-render the results of an earlier results.json into --out"
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``bench`` to the ``shardline`` command."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark shardline's engine against torch FSDP2, DDP and one process",
+        description=(
+            "Train the same GPT with shardline FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, torch FSDP2 and DDP on gloo "
+            "ranks, alternating in one run, plus one process; report step time, tokens/s, peak RSS, engine "
+            "memory and bytes per step vs theory. See docs/benchmarks.md."
+        ),
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(parser)
+    parser.set_defaults(func=_cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with ``bench`` as its only subcommand (for running this module directly)."""
+    parser = argparse.ArgumentParser(prog="shardline")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``shardline bench`` with ``argv`` (without the subcommand name)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(["bench", *argv])
+    args.argv = argv
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
