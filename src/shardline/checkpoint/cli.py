@@ -16,7 +16,7 @@ from typing import Any
 
 from shardline.errors import LineageError, ShardlineError
 
-__all__ = ["build_parser", "find_ledger", "main", "register"]
+__all__ = ["find_ledger", "main", "register"]
 
 
 def _emit_json(obj: Any) -> None:
@@ -196,21 +196,11 @@ def register(subparsers: Any) -> None:
     lineage.set_defaults(func=_cmd_lineage)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """A standalone parser with just the checkpoint subcommands."""
-    parser = argparse.ArgumentParser(prog="shardline", description="shardline checkpoint tools")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one checkpoint subcommand; returns its exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return int(args.func(args))
+    """Run ``shardline ARGV`` (the checkpoint subcommands are part of the ``shardline`` command)."""
+    from shardline.cli import main as shardline_main
+
+    return shardline_main(argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from rich.table import Table
 from shardline.diagnostics.estimate import MemoryEstimate, estimate_memory
 from shardline.errors import ShardlineError
 
-__all__ = ["main", "register", "run"]
+__all__ = ["register", "run"]
 
 _ROWS = (
     ("sharded_params", "parameters (this rank's shards, fp32)"),
@@ -101,10 +101,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--world-size", type=int, help="ranks to estimate for (default: devices x num_nodes)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=_cmd)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardline")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["estimate", *(argv or [])])
-    return int(args.func(args))

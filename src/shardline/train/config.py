@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from shardline.engine.strategy import ShardingStrategy
@@ -254,12 +254,3 @@ def to_yaml(cfg: DictConfig) -> str:
     """The resolved config as YAML (what ``--cfg job`` prints and the run directory keeps)."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     return OmegaConf.to_yaml(OmegaConf.create(plain))
-
-
-def with_values(cfg: DictConfig, **values: Any) -> DictConfig:
-    """A copy of ``cfg`` with dotted keys set (used to record derived values such as run_dir)."""
-    out = cfg.copy()
-    with open_dict(out):
-        for key, value in values.items():
-            OmegaConf.update(out, key, value, merge=False)
-    return out
