@@ -49,6 +49,7 @@ from shardline.checkpoint.manifest import DCP_METADATA, MANIFEST, manifest_files
 from shardline.checkpoint.model_state import as_dtensor, param_index, reshard_all, state_shape
 from shardline.checkpoint.optim_state import load_optimizer_state_dict, optimizer_params
 from shardline.checkpoint.verify import check_files
+from shardline.engine.state_dict import key_problems
 from shardline.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -170,12 +171,7 @@ def _model_targets(
     index = param_index(model)
     local = model.state_dict(keep_vars=True)
     if strict:
-        missing = [k for k in local if k not in stored]
-        unexpected = [k for k in stored if k not in local]
-        if missing:
-            problems.append(f"model keys missing from the checkpoint ({len(missing)}): {', '.join(missing[:_SHOW])}")
-        if unexpected:
-            problems.append(f"checkpoint keys the model lacks ({len(unexpected)}): {', '.join(unexpected[:_SHOW])}")
+        problems += key_problems(local, stored, missing="the checkpoint lacks", unexpected="the model lacks")
     targets: dict[str, Any] = {}
     after: list[Callable[[], None]] = []
     done: set[int] = set()

@@ -164,15 +164,7 @@ class CheckpointManager:
         known = self.ledger.manifest_hashes()
         for c in committed:
             if c.manifest_hash not in known:
-                self.ledger.append(
-                    step=c.step,
-                    tag=c.tag,
-                    checkpoint=os.path.relpath(c.path, self.ledger.path.parent),
-                    manifest_sha256=c.manifest_hash,
-                    parent_manifest_sha256=c.parent_manifest_hash,
-                    world_size=c.world_size,
-                    recovered=True,
-                )
+                self._ledger_row(c, recovered=True)
         regular = [c for c in committed if c.tag is None]
         if regular and self.latest() != regular[-1].path:
             atomic_write_bytes(self.directory / LATEST_FILE, f"{regular[-1].path.name}\n".encode())
@@ -291,13 +283,18 @@ class CheckpointManager:
         if info.tag is None:
             atomic_write_bytes(self.directory / LATEST_FILE, f"{info.path.name}\n".encode())
         fault.maybe_fail("after_latest", 0)
+        self._ledger_row(info, recovered=False)
+
+    def _ledger_row(self, ckpt: CommittedCheckpoint | CheckpointInfo, *, recovered: bool) -> None:
+        """Append the ledger row of a committed checkpoint (one found on disk, or one just saved)."""
         self.ledger.append(
-            step=info.step,
-            tag=info.tag,
-            checkpoint=os.path.relpath(info.path, self.ledger.path.parent),
-            manifest_sha256=info.manifest_hash,
-            parent_manifest_sha256=info.parent_manifest_hash,
-            world_size=info.world_size,
+            step=ckpt.step,
+            tag=ckpt.tag,
+            checkpoint=os.path.relpath(ckpt.path, self.ledger.path.parent),
+            manifest_sha256=ckpt.manifest_hash,
+            parent_manifest_sha256=ckpt.parent_manifest_hash,
+            world_size=ckpt.world_size,
+            recovered=recovered,
         )
 
     def wait(self) -> CheckpointInfo | None:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardline.engine.param import ShardedParam
 from shardline.engine.state import subtree_units
-from shardline.engine.state_dict import full_state_dict, load_full_state_dict
+from shardline.engine.state_dict import full_state_dict, key_problems, load_full_state_dict
 from shardline.engine.unit import ShardUnit
 from shardline.errors import CheckpointMismatchError, ConfigurationError
 
@@ -160,14 +160,7 @@ def load_model_state_dict(
         raise ConfigurationError(f"load_model_state_dict(kind={kind!r}) needs the state dict on every rank, got None")
     index = param_index(model)
     local = model.state_dict(keep_vars=True)
-    problems: list[str] = []
-    if strict:
-        missing = [k for k in local if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in local]
-        if missing:
-            problems.append(f"missing {len(missing)} key(s): {', '.join(missing[:_SHOW])}")
-        if unexpected:
-            problems.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:_SHOW])}")
+    problems: list[str] = key_problems(local, state_dict) if strict else []
     plan: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key, target in local.items():
         if key not in state_dict:

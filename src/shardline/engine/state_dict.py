@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -13,9 +13,28 @@ from shardline.engine.state import subtree_units
 from shardline.engine.unit import ShardUnit, pack_rows
 from shardline.errors import StateDictError
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
+__all__ = ["full_state_dict", "key_problems", "load_full_state_dict"]
 
 _SHOW = 10  # entries listed per category in error messages
+
+
+def key_problems(
+    expected: Iterable[str], given: Iterable[str], *, missing: str = "missing", unexpected: str = "unexpected"
+) -> list[str]:
+    """``["missing N key(s): a, b", "unexpected M key(s): c"]`` for the keys one side lacks (empty if none).
+
+    ``missing`` and ``unexpected`` word the two kinds in the messages.
+    """
+    expected, given = list(expected), list(given)
+    given_set, expected_set = set(given), set(expected)
+    absent = [k for k in expected if k not in given_set]
+    extra = [k for k in given if k not in expected_set]
+    problems = []
+    if absent:
+        problems.append(f"{missing} {len(absent)} key(s): {', '.join(absent[:_SHOW])}")
+    if extra:
+        problems.append(f"{unexpected} {len(extra)} key(s): {', '.join(extra[:_SHOW])}")
+    return problems
 
 
 def _param_index(units: list[ShardUnit]) -> dict[int, tuple[ShardUnit, int]]:
@@ -153,11 +172,12 @@ def _validate(
     *,
     require_params: bool,
 ) -> str | None:
-    missing = [k for k in local if k not in given]
-    if require_params and not strict:
-        missing = [k for k in missing if id(local[k]) in index]
-        strict = True  # sharded parameters cannot keep their values without a gather on rank 0
-    unexpected = [k for k in given if k not in local]
+    if strict:
+        parts = key_problems(local, given)
+    elif require_params:  # sharded parameters cannot keep their values without a gather on rank 0
+        parts = key_problems([k for k in local if id(local[k]) in index], [k for k in given if k in local])
+    else:
+        parts = []
     mismatched = []
     for key, value in local.items():
         if key not in given:
@@ -167,11 +187,6 @@ def _validate(
         got = tuple(given[key].shape)
         if got != tuple(shape):
             mismatched.append(f"{key}: checkpoint {got} vs model {tuple(shape)}")
-    parts = []
-    if strict and missing:
-        parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:_SHOW])}")
-    if strict and unexpected:
-        parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:_SHOW])}")
     if mismatched:
         parts.append(f"{len(mismatched)} shape mismatch(es): {'; '.join(mismatched[:_SHOW])}")
     if not parts:
