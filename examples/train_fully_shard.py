@@ -81,11 +81,11 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     local = args.batch // info.world_size
     if info.rank == 0:
-        units = shardline.engine.state.subtree_units(model)
+        units = shardline.engine.subtree_units(model)
         print(f"world size {info.world_size}, {len(units)} units, strategy {args.strategy}, "
               f"{sum(p.numel() for p in model.parameters())} parameters on this rank")  # fmt: skip
 
-    shardline.reset_comm_stats()
+    shardline.reset_comm_stats(model)
     start = time.perf_counter()
     for step in range(args.steps):
         tokens, targets = make_batch(step, args.batch, args.seq)
@@ -107,7 +107,7 @@ def main() -> None:
             print(f"step {step:4d}  loss {total.item():.4f}  grad norm {norm.item():.3f}")
     elapsed = time.perf_counter() - start
 
-    stats = shardline.comm_stats()
+    stats = shardline.comm_stats(model)
     state = shardline.full_state_dict(model, rank0_only=True)
     if info.rank == 0:
         per_step = {k.value: f"{v / args.steps:.0f}" for k, v in stats.counts.items()}

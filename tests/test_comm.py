@@ -51,11 +51,11 @@ def _one_step(rank: int, world_size: int, strategy: str) -> list[tuple[str, str,
     loss_fn(model(tokens), targets).backward()  # warm-up step: lazy creation must not change counts
     opt.step()
     opt.zero_grad()
-    shardline.reset_comm_stats()
-    with shardline.count_collectives() as counter:
+    shardline.reset_comm_stats(model)
+    with shardline.count_collectives(model) as counter:
         loss_fn(model(tokens), targets).backward()
         opt.step()
-    totals = shardline.comm_stats()
+    totals = shardline.comm_stats(model)
     assert totals.total_count == len(counter.records)
     assert totals.total_bytes == sum(r.bytes for r in counter.records)
     return [(r.kind.value, r.unit, r.phase, r.bytes, str(r.dtype)) for r in counter.records]
@@ -98,20 +98,23 @@ def test_collectives_per_step_match_theory(world_size: int) -> None:
 
 
 def _counter_filters(rank: int, world_size: int) -> None:
-    shardline.reset_comm_stats()
     model = shardline.fully_shard(torch.nn.Linear(4, 6))
-    with shardline.count_collectives() as outer:
+    other = shardline.fully_shard(torch.nn.Linear(4, 6))
+    with shardline.count_collectives(model) as outer:
         model(torch.ones(2, 4)).sum().backward()
-        with shardline.count_collectives() as inner:
+        other(torch.ones(2, 4)).sum().backward()  # another model: counted by its own root only
+        with shardline.count_collectives(model) as inner:
             model(torch.ones(2, 4)).sum().backward()
     assert outer.count() == 2 * inner.count() == 4
     assert inner.count("all_gather", unit="<root>", phase="forward") == 1
     assert inner.nbytes("reduce_scatter") == world_size * (3 * 4 + 3) * 4
-    stats = shardline.comm_stats()
+    stats = shardline.comm_stats(model)
     assert stats.count("all_gather") == 2
     assert stats.count(shardline.CollectiveKind.REDUCE_SCATTER) == 2
-    shardline.reset_comm_stats()
-    assert shardline.comm_stats().total_count == 0
+    assert shardline.comm_stats(other).count("all_gather") == 1, "each model accounts for its own collectives"
+    shardline.reset_comm_stats(model)
+    assert shardline.comm_stats(model).total_count == 0
+    assert shardline.comm_stats(other).total_count == 2
 
 
 def test_counters_nest_and_filter() -> None:

@@ -58,11 +58,10 @@ class TiedAcross(nn.Module):
         self.blocks[1].fc1.weight = self.blocks[0].fc1.weight
 
 
-class MixedDtypes(nn.Module):
+class IntegerParam(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(2, 2)
-        self.b = nn.Linear(2, 2).double()
+        self.count = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
 
 
 def _misuse(rank: int, world_size: int) -> None:
@@ -86,8 +85,8 @@ def _misuse(rank: int, world_size: int) -> None:
     ):
         shardline.wrap(ParityModel(), shardline.layer_policy(nn.Conv2d))
 
-    with pytest.raises(ShardingError, match=r"must share a dtype.*torch.float32.*torch.float64"):
-        shardline.fully_shard(MixedDtypes())
+    with pytest.raises(ShardingError, match=r"parameter 'count' has dtype torch.int64; only floating-point"):
+        shardline.fully_shard(IntegerParam())
 
     half_meta = nn.Linear(3, 3)
     half_meta.bias = nn.Parameter(torch.empty(3, device="meta"))

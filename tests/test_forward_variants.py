@@ -71,19 +71,19 @@ def _parity(rank: int, world_size: int, strategy: str, use_checkpoint: bool) -> 
     model = _wrap(Fancy(use_checkpoint), strategy)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    units = shardline.engine.state.subtree_units(model)
+    units = shardline.engine.subtree_units(model)
     for step in range(3):
         tokens, targets = batch(step)
         loss_fn(reference(tokens), targets).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size)).backward()
-        assert not any(u.is_unsharded for u in units), "every unit is freed at the end of backward"
+        assert not any(u.is_gathered for u in units), "every unit is freed at the end of backward"
         assert model.probe.w.grad is None, "a parameter used only outside autograd gets no gradient"
         # An evaluation forward without grad frees everything it gathered.
         with torch.no_grad():
             model(local_slice(tokens, rank, world_size))
-        assert not any(u.is_unsharded for u in units), "no_grad forward must not leave parameters gathered"
+        assert not any(u.is_gathered for u in units), "no_grad forward must not leave parameters gathered"
         # A forward whose backward never comes, right before the optimizer step: what it leaves
         # gathered must not be used by the next step's forward.
         model(local_slice(tokens, rank, world_size))
@@ -134,7 +134,7 @@ def _two_backwards_and_freezing(rank: int, world_size: int) -> dict:
     for p in model[0].parameters():
         p.requires_grad_(False)
         p.grad = None
-    with shardline.count_collectives() as counter:
+    with shardline.count_collectives(model) as counter:
         model(mine).sum().backward()
     assert all(p.grad is None for p in model[0].parameters())
     assert all(p.grad is not None for p in model[1].parameters() if p.requires_grad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import shardline
-from shardline.engine.state import subtree_units
+from shardline.engine import subtree_units
 from shardline.testing import run_distributed
 from tests.models import Block, ParityModel, batch, local_slice, loss_fn
 
@@ -17,9 +17,12 @@ def _measure(rank: int, world_size: int, strategy: str) -> dict:
     model = shardline.wrap(ParityModel(n_blocks=3), shardline.layer_policy(Block), strategy=strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     units = subtree_units(model)
-    shard_bytes = sum(u.layout.shard_numel for u in units) * FP32
-    gathered = {u.display_name: (0 if u.aliased else u.layout.unsharded_numel * FP32) for u in units}
-    grad_bytes = sum(u.grad_layout(u.trainable_params()).shard_numel for u in units) * FP32
+    groups = [(u, g) for u in units for g in u.groups]
+    shard_bytes = sum(g.layout.shard_numel for _, g in groups) * FP32
+    gathered = {
+        u.display_name: sum(0 if g.aliased else g.layout.unsharded_numel * FP32 for g in u.groups) for u in units
+    }
+    grad_bytes = sum(g._grad_layout(g.trainable()).shard_numel for _, g in groups) * FP32
 
     before = shardline.memory_stats(model)
     assert before.sharded_params == shard_bytes
@@ -27,7 +30,7 @@ def _measure(rank: int, world_size: int, strategy: str) -> dict:
 
     during = []
     model.blocks[1].fc2.register_forward_hook(lambda *_: during.append(shardline.memory_stats(model).unsharded_params))
-    shardline.reset_peak_memory_stats()
+    shardline.reset_peak_memory_stats(model)
     tokens, targets = batch(0)
     loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size)).backward()
     after = shardline.memory_stats(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ def _run(rank: int, world_size: int, strategy: str, reduce_dtype: torch.dtype | 
         ref_losses.append(_reference_step(master, tokens, targets))
         ref_opt.step()
         ref_opt.zero_grad()
-        with shardline.count_collectives() as counter:
+        with shardline.count_collectives(model) as counter:
             loss = loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size))
             loss.backward()
         assert all(p.dtype == FP32 for p in model.parameters()), "master shards must stay fp32"
@@ -76,12 +77,25 @@ def _run(rank: int, world_size: int, strategy: str, reduce_dtype: torch.dtype | 
         "errs": errs,
         "seen": {k: str(v) for k, v in seen.items()},
         "records": [(r.kind.value, str(r.dtype), r.bytes, r.unit) for r in counter.records],
-        "grad_numel": {u.display_name: u.grad_layout(u.trainable_params()).shard_numel for u in _units(model)},
+        "grad_numel": _padded_grad_numel(master, world_size if strategy != "no_shard" else 1),
     }
 
 
-def _units(model):
-    return shardline.engine.state.subtree_units(model)
+def _padded_grad_numel(reference: torch.nn.Module, world: int) -> dict[str, int]:
+    """Per-rank gradient elements of each unit: each trainable parameter's torch.chunk rows, padded."""
+
+    def padded(p: torch.Tensor) -> int:
+        rows = p.shape[0] if p.dim() else 1
+        return math.ceil(rows / world) * (p.numel() // rows)
+
+    out = {
+        f"blocks.{i}": sum(padded(p) for p in block.parameters() if p.requires_grad)
+        for i, block in enumerate(reference.blocks)
+    }
+    out["<root>"] = sum(
+        padded(p) for name, p in reference.named_parameters() if not name.startswith("blocks.") and p.requires_grad
+    )
+    return out
 
 
 def _grid(rank: int, world_size: int) -> dict:

@@ -23,15 +23,15 @@ def _accumulate(rank: int, world_size: int, strategy: str, reduce_dtype: torch.d
 
     mine_t, mine_y = local_slice(tokens, rank, world_size), local_slice(targets, rank, world_size)
     micro_t, micro_y = mine_t.chunk(MICRO), mine_y.chunk(MICRO)
-    with shardline.count_collectives() as inside, model.no_sync():
+    with shardline.count_collectives(model) as inside, model.no_sync():
         for t, y in zip(micro_t[:-1], micro_y[:-1], strict=True):
             (loss_fn(model(t), y) / MICRO).backward()
-    with shardline.count_collectives() as synced:
+    with shardline.count_collectives(model) as synced:
         (loss_fn(model(micro_t[-1]), micro_y[-1]) / MICRO).backward()
 
     # Every sharded gradient equals the reference's rows for this rank.
     errors = {}
-    for unit in shardline.engine.state.subtree_units(model):
+    for unit in shardline.engine.subtree_units(model):
         for sp in unit.params:
             ref_param = reference.get_parameter(f"{unit.name + '.' if unit.name else ''}{sp.fqn}")
             if not sp.sharded.requires_grad:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import shardline
-from shardline.engine import comm
-from shardline.testing import run_distributed
+from shardline.engine import use_collectives
+from shardline.testing import DelayedCollectives, run_distributed
 from tests.models import Block, ParityModel, batch, local_slice, loss_fn
 
 PREFETCH = {
@@ -16,7 +16,9 @@ PREFETCH = {
 }
 
 
-def _train(rank: int, world_size: int, strategy: str, prefetch: dict, delay: float) -> tuple[list[float], dict]:
+def _train(
+    rank: int, world_size: int, strategy: str, prefetch: dict, backend: DelayedCollectives | None
+) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = shardline.wrap(ParityModel(n_blocks=3), shardline.layer_policy(Block), strategy=strategy, **prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -24,7 +26,7 @@ def _train(rank: int, world_size: int, strategy: str, prefetch: dict, delay: flo
     for step in range(4):
         tokens, targets = batch(step)
         x, y = local_slice(tokens, rank, world_size), local_slice(targets, rank, world_size)
-        with comm.delay_collectives(delay) if delay else torch.enable_grad():
+        with use_collectives(model, backend) if backend else torch.enable_grad():
             with model.no_sync():
                 loss_fn(model(x[:1]), y[:1]).backward()
             loss = loss_fn(model(x[1:]), y[1:])
@@ -39,12 +41,12 @@ def _train(rank: int, world_size: int, strategy: str, prefetch: dict, delay: flo
 def _grid(rank: int, world_size: int) -> dict:
     out = {}
     for strategy in ("full_shard", "shard_grad_op", "no_shard"):
-        ref_losses, ref_state = _train(rank, world_size, strategy, PREFETCH["none"], 0.0)
+        ref_losses, ref_state = _train(rank, world_size, strategy, PREFETCH["none"], None)
         for name, prefetch in PREFETCH.items():
-            before = comm.delayed_count
-            losses, state = _train(rank, world_size, strategy, prefetch, 0.005)
+            backend = DelayedCollectives(0.005)
+            losses, state = _train(rank, world_size, strategy, prefetch, backend)
             same = losses == ref_losses and all(torch.equal(state[k], ref_state[k]) for k in ref_state)
-            out[(strategy, name)] = (same, comm.delayed_count - before)
+            out[(strategy, name)] = (same, backend.delayed)
     return out
 
 
@@ -56,11 +58,11 @@ def test_prefetch_and_late_collectives_are_bit_identical() -> None:
 
 def _premature_read_is_caught(rank: int, world_size: int) -> bool:
     out = torch.zeros(4)
-    with comm.delay_collectives(0.01):
-        work = comm.all_reduce(out, torch.distributed.group.WORLD, async_op=True)
-        early = out.clone()
-        work.wait()
-    return bool(torch.isnan(early).all()) and bool(torch.equal(out, torch.zeros(4)))
+    backend = DelayedCollectives(0.01)
+    work = backend.all_reduce(out, torch.distributed.group.WORLD, op=torch.distributed.ReduceOp.SUM, async_op=True)
+    early = out.clone()
+    work.wait()
+    return bool(torch.isnan(early).all()) and bool(torch.equal(out, torch.zeros(4))) and backend.delayed == 1
 
 
 def test_the_delay_injector_exposes_reads_before_wait() -> None:

@@ -22,7 +22,7 @@ def _round_trip(rank: int, world_size: int, strategy: str) -> dict:
     model = _make(strategy)
     expected = reference.state_dict()
 
-    with shardline.count_collectives() as counter:
+    with shardline.count_collectives(model) as counter:
         full = shardline.full_state_dict(model)
     gathers = [r.unit for r in counter.records if r.kind.value == "all_gather"]
     assert list(full) == list(expected), "keys and order must equal the unsharded model's state_dict()"
@@ -39,7 +39,7 @@ def _round_trip(rank: int, world_size: int, strategy: str) -> dict:
     loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size)).backward()
     opt.step()
     assert not torch.equal(shardline.full_state_dict(model)["blocks.0.fc1.weight"], expected["blocks.0.fc1.weight"])
-    with shardline.count_collectives() as load_counter:
+    with shardline.count_collectives(model) as load_counter:
         shardline.load_full_state_dict(model, expected)
     assert load_counter.records == [], "loading a full state dict on every rank needs no communication"
     back = shardline.full_state_dict(model)
@@ -55,7 +55,7 @@ def _round_trip(rank: int, world_size: int, strategy: str) -> dict:
     # Only rank 0 holds the dict: it is scattered unit by unit.
     scrambled = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in expected.items()}
     shardline.load_full_state_dict(model, scrambled)
-    with shardline.count_collectives() as bcast_counter:
+    with shardline.count_collectives(model) as bcast_counter:
         shardline.load_full_state_dict(model, expected if rank == 0 else None, broadcast_from_rank0=True)
     back = shardline.full_state_dict(model)
     assert all(torch.equal(back[k], expected[k]) for k in expected)

@@ -18,11 +18,11 @@ def _unshard_reshard(rank: int, world_size: int) -> None:
     model = shardline.wrap(ParityModel(), shardline.layer_policy(Block))
     block = model.blocks[0]
     assert block.fc1.weight.shape[0] < 7
-    with shardline.count_collectives() as counter:
+    with shardline.count_collectives(model) as counter:
         block.unshard()
     assert block.fc1.weight.shape == (7, 10)
     assert counter.count("all_gather", unit="blocks.0") == 1
-    with shardline.count_collectives() as counter:
+    with shardline.count_collectives(model) as counter:
         model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()
     assert counter.count("all_gather", unit="blocks.0") == 0, "an explicitly gathered unit is not gathered again"
     assert block.fc1.weight.shape == (7, 10), "it stays gathered until reshard()"
@@ -39,14 +39,13 @@ def _sync_states(rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # every rank initializes differently
     model = ParityModel()
     model.pos_scale.fill_(float(rank))
-    with shardline.count_collectives() as counter:
-        shardline.wrap(model, shardline.layer_policy(Block), sync_module_states=True)
+    shardline.wrap(model, shardline.layer_policy(Block), sync_module_states=True)
     torch.manual_seed(0)
     expected = ParityModel().state_dict()
     full = shardline.full_state_dict(model)
     assert all(torch.equal(full[k], expected[k]) for k in expected if k != "pos_scale")
     assert torch.equal(full["pos_scale"], torch.zeros(10)), "buffers come from rank 0 too"
-    assert counter.count("broadcast") == 3, "one broadcast per unit (one dtype each)"
+    assert shardline.comm_stats(model).count("broadcast") == 3, "one broadcast per unit (one dtype each)"
 
     with torch.device("meta"):
         meta = nn.Linear(2, 2)
@@ -63,7 +62,7 @@ def _dtensor_pieces(rank: int, world_size: int) -> None:
     expected = ParityModel().state_dict()
     torch.manual_seed(0)
     model = shardline.wrap(ParityModel(), shardline.layer_policy(Block), root_kwargs={"strategy": "no_shard"})
-    for unit in shardline.engine.state.subtree_units(model):
+    for unit in shardline.engine.subtree_units(model):
         prefix = f"{unit.name}." if unit.name else ""
         for sp in unit.params:
             dt = unit.to_dtensor(sp)

@@ -44,7 +44,7 @@ def _measure(rank: int, world_size: int, strategy: str, bf16: bool) -> dict:
     F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten()).backward()  # warm-up step
     opt.step()
     opt.zero_grad()
-    shardline.reset_peak_memory_stats()
+    shardline.reset_peak_memory_stats(model)
     activations = _measured_activations(model, tokens)
     opt.step()
     stats = shardline.memory_stats(model, optimizer=opt)

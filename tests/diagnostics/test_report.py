@@ -6,7 +6,7 @@ import torch
 
 import shardline
 from shardline.diagnostics.report import policy_report, precision_report, rank_report, unit_report
-from shardline.engine.state import subtree_units
+from shardline.engine import subtree_units
 from shardline.testing import run_distributed
 from tests.models import Block, ParityModel
 

@@ -22,7 +22,7 @@ def _observe(rank: int, world_size: int, precision: str, use_mp: bool) -> dict:
         lambda m, args, out: seen.update(weight=str(m.weight.dtype), output=str(out.dtype))
     )
     tokens = torch.randint(0, 256, (2, 16))
-    with shardline.count_collectives() as counter:
+    with shardline.count_collectives(model) as counter:
         with autocast(precision, "cpu"):
             logits = model(tokens)
         logits.float().sum().backward()

@@ -1,4 +1,4 @@
-"""Small control messages between ranks (go/no-go verdicts, paths), sent through ``engine.comm``.
+"""Small control messages between ranks (go/no-go verdicts, paths), sent with ``torch.distributed``.
 
 Note: objects travel as ``torch.save`` bytes in a uint8 tensor (a length broadcast, then the
 payload) and are read back with ``torch.load(weights_only=True)``, so only plain data (dicts,
@@ -14,11 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardline.engine import comm
+from shardline import _torch_compat
 
 __all__ = ["all_gather_object", "broadcast_object", "control_device", "group_rank", "group_size"]
-
-_PHASE = "checkpoint"
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -65,12 +63,12 @@ def broadcast_object(obj: Any, group: dist.ProcessGroup | None, *, src_rank: int
     is_src = dist.get_rank(pg) == src_rank
     data = _encode(obj) if is_src else b""
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    comm.broadcast(length, pg, src_rank=src_rank, phase=_PHASE)
+    dist.broadcast(length, src=dist.get_global_rank(pg, src_rank), group=pg)
     if is_src:
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    comm.broadcast(payload, pg, src_rank=src_rank, phase=_PHASE)
+    dist.broadcast(payload, src=dist.get_global_rank(pg, src_rank), group=pg)
     return obj if is_src else _decode(payload.cpu().numpy().tobytes())
 
 
@@ -84,12 +82,12 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     data = _encode(obj)
     mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = torch.empty(n, dtype=torch.int64, device=device)
-    comm.all_gather(lengths, mine, pg, phase=_PHASE)
+    _torch_compat.all_gather_into(lengths, mine, pg)
     width = int(lengths.max().item())
     send = torch.zeros(width, dtype=torch.uint8, device=device)
     if data:
         send[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     out = torch.empty(n * width, dtype=torch.uint8, device=device)
-    comm.all_gather(out, send, pg, phase=_PHASE)
+    _torch_compat.all_gather_into(out, send, pg)
     rows = out.view(n, width).cpu()
     return [_decode(rows[r, : int(lengths[r].item())].numpy().tobytes()) for r in range(n)]

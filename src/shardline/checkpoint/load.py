@@ -1,7 +1,7 @@
 """``load``: check a checkpoint, then load it into a model of any world size and strategy.
 
 Note: how resharding works. Every parameter target is the live shard exposed as a DTensor
-piece (``unit.to_dtensor``, no copy); DCP's planner intersects the pieces each rank asks for
+piece (``ManagedParam.to_dtensor``, no copy); DCP's planner intersects the pieces each rank asks for
 with the chunks each file holds and reads exactly the overlapping rows into the shards in
 place. So W -> W' and FULL_SHARD <-> NO_SHARD (a ``Replicate`` piece asks for all rows) need
 no gather, and a checkpoint saved with kind ``full`` (one chunk per tensor) loads the same way.
@@ -46,10 +46,10 @@ from shardline.checkpoint.dcp_io import (
 )
 from shardline.checkpoint.fsutil import is_tmp_name
 from shardline.checkpoint.manifest import DCP_METADATA, MANIFEST, manifest_files, read_manifest
-from shardline.checkpoint.model_state import as_dtensor, param_index, reshard_all, state_shape
+from shardline.checkpoint.model_state import param_index
 from shardline.checkpoint.optim_state import load_optimizer_state_dict, optimizer_params
 from shardline.checkpoint.verify import check_files
-from shardline.engine.state_dict import key_problems
+from shardline.engine import key_problems, registered_state_dict, release_all
 from shardline.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -169,7 +169,7 @@ def _model_targets(
     if not prefix:  # a flat (plain DCP) model state dict: tensors at the top level only
         stored = {k: md for k, md in stored.items() if isinstance(md, TensorStorageMetadata)}
     index = param_index(model)
-    local = model.state_dict(keep_vars=True)
+    local = registered_state_dict(model)
     if strict:
         problems += key_problems(local, stored, missing="the checkpoint lacks", unexpected="the model lacks")
     targets: dict[str, Any] = {}
@@ -192,20 +192,18 @@ def _model_targets(
             targets[key] = temp
             after.append(lambda v=value, t=temp: v.data.copy_(t.to(device=v.device, dtype=v.dtype)))
             continue
-        unit, sp = found
-        if id(sp) in done:
+        if id(found.shard) in done:
             continue
-        if size == state_shape(sp):
-            targets[key] = unit.to_dtensor(sp)
-        elif size == () and sp.layout.shape == ():
+        if size == found.global_shape:
+            targets[key] = found.to_dtensor()
+        elif size == () and found.shape == ():
             temp = torch.empty((), dtype=md.properties.dtype)
             targets[key] = temp
-            i = unit.params.index(sp)
-            after.append(lambda u=unit, i=i, t=temp: u.load_full(i, t.to(device=u.device, dtype=u.master_dtype)))
+            after.append(lambda h=found, t=temp: h.load_full(t))
         else:
-            problems.append(f"{key}: checkpoint shape {size} vs model {sp.layout.shape}")
+            problems.append(f"{key}: checkpoint shape {size} vs model {found.shape}")
             continue
-        done.add(id(sp))
+        done.add(id(found.shard))
     return targets, after
 
 
@@ -232,14 +230,12 @@ def _optim_targets(
         size, dtype, managed = tuple(md.size), md.properties.dtype, by_fqn[fqn]
         if managed is None or size == ():
             placed.append((path, torch.empty(size, dtype=dtype)))
-        elif size == state_shape(managed[1]):
-            unit, sp = managed
-            placed.append(
-                (path, as_dtensor(unit, sp, torch.empty(sp.layout.local_shape, dtype=dtype, device=unit.device)))
-            )
+        elif size == managed.global_shape:
+            local = torch.empty(managed.local_shape, dtype=dtype, device=managed.shard.device)
+            placed.append((path, managed.to_dtensor(local)))
         else:
             problems.append(
-                f"optimizer state '{name}' of '{fqn}': checkpoint shape {size} vs parameter {state_shape(managed[1])}"
+                f"optimizer state '{name}' of '{fqn}': checkpoint shape {size} vs parameter {managed.global_shape}"
             )
     return build_tree(placed)
 
@@ -292,7 +288,7 @@ def load(
     verdicts = coord.all_gather_object(problems, process_group)
     if any(verdicts):
         raise _mismatch(path, next(v for v in verdicts if v))
-    reshard_all(model)
+    release_all(model)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(

@@ -28,7 +28,7 @@ from torch import nn
 from shardline._version import __version__
 from shardline.checkpoint.canonical import HASH_ALGORITHM, canonical_json, manifest_hash, sha256_hex
 from shardline.checkpoint.hashing import FileDigest
-from shardline.engine.state import subtree_units
+from shardline.engine import subtree_units
 from shardline.errors import CheckpointNotFoundError, IntegrityError
 
 __all__ = [
@@ -83,10 +83,10 @@ def describe_units(model: nn.Module) -> list[dict[str, Any]]:
                 "strategy": unit.strategy.value,
                 "shard_size": unit.mesh.shard_size,
                 "replicate_size": unit.mesh.replicate_size,
-                "master_dtype": _dtype_name(unit.master_dtype),
+                "master_dtype": "+".join(_dtype_name(d) or "" for d in unit.dtypes),
                 "mixed_precision": _mixed_precision_json(unit.mixed_precision),
                 "params": len(unit.params),
-                "numel": sum(sp.layout.numel for sp in unit.params),
+                "numel": unit.numel,
             }
         )
     return units

@@ -19,24 +19,27 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from shardline.engine.param import ShardedParam
-from shardline.engine.state import subtree_units
-from shardline.engine.state_dict import full_state_dict, key_problems, load_full_state_dict
-from shardline.engine.unit import ShardUnit
+from shardline.engine import (
+    ManagedParam,
+    buffer_original_dtypes,
+    full_state_dict,
+    key_problems,
+    load_full_state_dict,
+    managed_parameters,
+    registered_state_dict,
+    release_all,
+)
 from shardline.errors import CheckpointMismatchError, ConfigurationError
 
 __all__ = [
     "KINDS",
     "StateDictKind",
-    "as_dtensor",
     "check_kind",
     "load_model_state_dict",
     "model_state_dict",
     "param_index",
-    "reshard_all",
-    "state_shape",
 ]
 
 StateDictKind = Literal["sharded", "full", "local"]
@@ -51,60 +54,9 @@ def check_kind(kind: str) -> StateDictKind:
     return kind  # type: ignore[return-value]
 
 
-def param_index(model: nn.Module) -> dict[int, tuple[ShardUnit, ShardedParam]]:
-    """``id(tensor) -> (unit, sharded param)`` for the shard and the gathered tensor of every managed parameter."""
-    index: dict[int, tuple[ShardUnit, ShardedParam]] = {}
-    for unit in subtree_units(model):
-        for sp in unit.params:
-            index[id(sp.sharded)] = (unit, sp)
-            if sp.unsharded is not None:
-                index[id(sp.unsharded)] = (unit, sp)
-    return index
-
-
-def buffer_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
-    """``id(buffer) -> original dtype`` for buffers that ``MixedPrecision.buffer_dtype`` cast."""
-    return {
-        id(m._buffers[name]): dtype
-        for unit in subtree_units(model)
-        for (m, name), dtype in unit.buffer_dtypes.items()
-        if m._buffers.get(name) is not None
-    }
-
-
-def state_shape(sp: ShardedParam) -> tuple[int, ...]:
-    """Global shape of ``sp`` as DTensors and optimizer state show it: its shape, ``(1,)`` for 0-d."""
-    return (sp.layout.rows, *sp.layout.row_shape)
-
-
-def as_dtensor(unit: ShardUnit, sp: ShardedParam, local: torch.Tensor) -> DTensor:
-    """``local`` (shaped like ``sp``'s shard) as a DTensor placed like ``unit.to_dtensor(sp)``, sharing memory."""
-    if tuple(local.shape) != sp.layout.local_shape:
-        raise CheckpointMismatchError(
-            f"tensor of shape {tuple(local.shape)} cannot be placed like parameter '{sp.fqn}' of unit "
-            f"{unit.display_name!r}, whose local shard has shape {sp.layout.local_shape}"
-        )
-    shape = state_shape(sp)
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    placement = Shard(0) if unit.mesh.shard_size > 1 else Replicate()
-    return DTensor.from_local(
-        local,
-        unit.mesh.device_mesh_for(local.device.type),
-        [placement],
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=tuple(reversed(stride)),
-    )
-
-
-def reshard_all(model: nn.Module) -> None:
-    """Free gathered parameters of every unit, so loads write shards that nothing stale shadows."""
-    for unit in subtree_units(model):
-        unit.pinned = False
-        unit.reshard()
+def param_index(model: nn.Module) -> dict[int, ManagedParam]:
+    """``id(tensor) -> ManagedParam`` for the shard and the gathered tensor of every managed parameter."""
+    return managed_parameters(model)
 
 
 def model_state_dict(model: nn.Module, *, kind: StateDictKind = "sharded") -> dict[str, Any]:
@@ -117,16 +69,15 @@ def model_state_dict(model: nn.Module, *, kind: StateDictKind = "sharded") -> di
     if kind == "full":
         return full_state_dict(model, rank0_only=True, cpu_offload=True)
     index = param_index(model)
-    original = buffer_dtypes(model)
+    original = buffer_original_dtypes(model)
     out: dict[str, Any] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        found = index.get(id(value))
-        if found is None:
+    for key, value in registered_state_dict(model).items():
+        handle = index.get(id(value))
+        if handle is None:
             tensor = value.detach()
             out[key] = tensor.to(original[id(value)]) if id(value) in original else tensor
             continue
-        unit, sp = found
-        out[key] = unit.to_dtensor(sp) if kind == "sharded" else sp.sharded.detach()
+        out[key] = handle.to_dtensor() if kind == "sharded" else handle.shard.detach()
     return out
 
 
@@ -159,40 +110,39 @@ def load_model_state_dict(
     if state_dict is None:
         raise ConfigurationError(f"load_model_state_dict(kind={kind!r}) needs the state dict on every rank, got None")
     index = param_index(model)
-    local = model.state_dict(keep_vars=True)
+    local = registered_state_dict(model)
     problems: list[str] = key_problems(local, state_dict) if strict else []
     plan: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key, target in local.items():
         if key not in state_dict:
             continue
         value = state_dict[key]
-        found = index.get(id(target))
-        if found is None:
+        handle = index.get(id(target))
+        if handle is None:
             if tuple(value.shape) != tuple(target.shape):
                 problems.append(f"{key}: given {tuple(value.shape)} vs model {tuple(target.shape)}")
             else:
                 plan.append((target, value.to_local() if isinstance(value, DTensor) else value))
             continue
-        _, sp = found
         piece = value
         if kind == "sharded":
             if not isinstance(value, DTensor):
                 problems.append(f"{key}: expected a DTensor piece (sharded kind), got {type(value).__name__}")
                 continue
-            if tuple(value.shape) != state_shape(sp):
-                problems.append(f"{key}: given {tuple(value.shape)} vs model {state_shape(sp)}")
+            if tuple(value.shape) != handle.global_shape:
+                problems.append(f"{key}: given {tuple(value.shape)} vs model {handle.global_shape}")
                 continue
             piece = value.to_local()
-        if tuple(piece.shape) != sp.layout.local_shape:
+        if tuple(piece.shape) != handle.local_shape:
             problems.append(
-                f"{key}: local piece {tuple(piece.shape)} vs this rank's shard {sp.layout.local_shape} "
+                f"{key}: local piece {tuple(piece.shape)} vs this rank's shard {handle.local_shape} "
                 "(taken at another world size or strategy)"
             )
             continue
-        plan.append((sp.sharded, piece))
+        plan.append((handle.shard, piece))
     if problems:
         raise _mismatch(problems, f"{kind} model state dict")
-    reshard_all(model)
+    release_all(model)
     with torch.no_grad():
         for target, value in plan:
             target.data.copy_(value.to(device=target.device, dtype=target.dtype))

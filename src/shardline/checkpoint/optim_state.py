@@ -24,28 +24,26 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardline.checkpoint import coord
-from shardline.checkpoint.model_state import StateDictKind, as_dtensor, check_kind, param_index, state_shape
-from shardline.engine import comm
-from shardline.engine.param import ShardedParam
-from shardline.engine.unit import ShardUnit
+from shardline.checkpoint.model_state import StateDictKind, check_kind, param_index
+from shardline.engine import ManagedParam, gather_full_tensors, registered_state_dict
 from shardline.errors import CheckpointMismatchError, ConfigurationError
 
 __all__ = ["load_optimizer_state_dict", "optimizer_params", "optimizer_state_dict"]
 
 _SHOW = 10
-Managed = tuple[ShardUnit, ShardedParam] | None
+Managed = ManagedParam | None
 
 
 def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, str, Managed]]:
-    """``(param, fqn, (unit, sharded param) or None)`` for each parameter the optimizer holds, in group order.
+    """``(param, fqn, ManagedParam or None)`` for each parameter the optimizer holds, in group order.
 
     The FQN is the parameter's first name in ``model.state_dict()`` (tied parameters have one).
     """
     index = param_index(model)
     names: dict[int, str] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in registered_state_dict(model).items():
         found = index.get(id(value))
-        target = id(found[1].sharded) if found else id(value)
+        target = id(found.shard) if found else id(value)
         names.setdefault(target, key)
     out = []
     for group in optimizer.param_groups:
@@ -67,11 +65,11 @@ def _kind_of(value: Any, managed: Managed, fqn: str, name: str) -> str:
         return "value"
     if value.dim() == 0:
         return "scalar"
-    if managed is None or tuple(value.shape) == managed[1].layout.local_shape:
+    if managed is None or tuple(value.shape) == managed.local_shape:
         return "elementwise"
     raise CheckpointMismatchError(
         f"optimizer state '{name}' of parameter '{fqn}' has shape {tuple(value.shape)}, neither the parameter "
-        f"shard's shape {managed[1].layout.local_shape} nor a scalar; shardline checkpoints support optimizers "
+        f"shard's shape {managed.local_shape} nor a scalar; shardline checkpoints support optimizers "
         "whose state is elementwise (SGD, Adam, AdamW, RMSprop, ...)"
     )
 
@@ -106,7 +104,7 @@ def optimizer_state_dict(
         for name, value in entry.items():
             form = _kind_of(value, managed, fqn, name)
             if form == "elementwise" and managed is not None and kind == "sharded":
-                out[name] = as_dtensor(managed[0], managed[1], value.detach())
+                out[name] = managed.to_dtensor(value.detach())
             elif isinstance(value, torch.Tensor):
                 out[name] = value.detach()
             else:
@@ -138,61 +136,32 @@ def _gather_full(params: list[tuple[torch.Tensor, str, Managed]], result: dict[s
             "optimizer state dict cannot be gathered; run the same optimizer steps on every rank"
         )
     rank0 = coord.group_rank(None) == 0
-    by_unit: dict[int, tuple[ShardUnit, list[tuple[str, ShardedParam]]]] = {}
-    for _, fqn, managed in params:
-        if managed is not None:
-            by_unit.setdefault(id(managed[0]), (managed[0], []))[1].append((fqn, managed[1]))
     full_state: dict[str, dict[str, Any]] = {
         fqn: {n: (v.cpu().clone() if isinstance(v, torch.Tensor) else v) for n, v in entry.items()}
         for fqn, entry in state.items()
     }
-    for unit, members in by_unit.values():
-        keys = sorted(
-            {
-                (name, value.dtype)
-                for fqn, _ in members
-                for name, value in state.get(fqn, {}).items()
-                if isinstance(value, torch.Tensor) and value.dim() > 0
-            },
-            key=lambda item: (item[0], str(item[1])),
-        )
-        for name, dtype in keys:
-            fulls = _gather_unit_tensors(unit, [state.get(fqn, {}).get(name) for fqn, _ in members], members, dtype)
-            for (fqn, _), full in zip(members, fulls, strict=True):
-                if full is not None:
-                    full_state[fqn][name] = full.cpu()
+    managed = [(fqn, handle) for _, fqn, handle in params if handle is not None]
+    keys = sorted(
+        {
+            (name, value.dtype)
+            for fqn, _ in managed
+            for name, value in state.get(fqn, {}).items()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        },
+        key=lambda item: (item[0], str(item[1])),
+    )
+    for name, dtype in keys:
+        # Only parameters that hold this state (identical on every rank: the signatures agree).
+        members = [
+            (fqn, handle, state[fqn][name])
+            for fqn, handle in managed
+            if isinstance(state.get(fqn, {}).get(name), torch.Tensor) and state[fqn][name].dtype == dtype
+        ]
+        fulls = gather_full_tensors([(handle, tensor) for _, handle, tensor in members], dtype=dtype)
+        for (fqn, _, _), full in zip(members, fulls, strict=True):
+            if full is not None:
+                full_state[fqn][name] = full.cpu()
     return {"state": full_state, "param_groups": result["param_groups"]} if rank0 else {}
-
-
-def _gather_unit_tensors(
-    unit: ShardUnit,
-    tensors: list[torch.Tensor | None],
-    members: list[tuple[str, ShardedParam]],
-    dtype: torch.dtype,
-) -> list[torch.Tensor | None]:
-    """All-gather elementwise state of a unit's parameters, packed like the unit's flat shard."""
-    layout, world = unit.layout, unit.mesh.shard_size
-    offsets = {id(sp): off for sp, off in zip(unit.params, layout.offsets, strict=True)}
-    flat = torch.zeros(layout.shard_numel, dtype=dtype, device=unit.device)
-    for t, (_, sp) in zip(tensors, members, strict=True):
-        if t is not None and t.dtype == dtype and sp.layout.local_numel:
-            off = offsets[id(sp)]
-            flat[off : off + sp.layout.local_numel].copy_(t.reshape(-1))
-    if world > 1:
-        gathered = torch.empty(world * layout.shard_numel, dtype=dtype, device=unit.device)
-        comm.all_gather(gathered, flat, unit.mesh.shard_group, unit=unit.display_name, phase="checkpoint")
-        rows = gathered.view(world, layout.shard_numel)
-    else:
-        rows = flat.view(1, layout.shard_numel)
-    out: list[torch.Tensor | None] = []
-    for t, (_, sp) in zip(tensors, members, strict=True):
-        if t is None or t.dtype != dtype:
-            out.append(None)
-            continue
-        pl, off = sp.layout, offsets[id(sp)]
-        block = rows[:, off : off + pl.padded_numel].reshape(world * pl.chunk, *pl.row_shape)
-        out.append(block[: pl.rows].clone().reshape(state_shape(sp)))
-    return out
 
 
 def _broadcast_full(state_dict: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -229,7 +198,7 @@ def _broadcast_full(state_dict: Mapping[str, Any] | None) -> dict[str, Any]:
                 tensor = state_dict["state"][fqn][name].to(device).contiguous()  # type: ignore[index]
             else:
                 tensor = torch.empty(spec[1], dtype=getattr(torch, spec[2]), device=device)
-            comm.broadcast(tensor, dist.group.WORLD, phase="checkpoint")
+            dist.broadcast(tensor, src=0, group=dist.group.WORLD)
             state[fqn][name] = tensor
     return {"state": state, "param_groups": skeleton["param_groups"]}
 
@@ -316,16 +285,13 @@ def _local_value(value: Any, managed: Managed, fqn: str, name: str, kind: str) -
         kind = "local"
     if value.dim() == 0 or managed is None:
         return value
-    _, sp = managed
     if kind == "full":
-        if tuple(value.shape) != state_shape(sp):
-            raise CheckpointMismatchError(f"'{fqn}'.{name}: full shape {tuple(value.shape)} vs {state_shape(sp)}")
-        pl = sp.layout
-        rows = value.reshape(pl.rows, *pl.row_shape)[pl.row_start : pl.row_start + pl.local_rows]
-        return rows.reshape(pl.local_shape).clone()
-    if tuple(value.shape) != sp.layout.local_shape:
+        if tuple(value.shape) != managed.global_shape:
+            raise CheckpointMismatchError(f"'{fqn}'.{name}: full shape {tuple(value.shape)} vs {managed.global_shape}")
+        return managed.local_rows(value).clone()
+    if tuple(value.shape) != managed.local_shape:
         raise CheckpointMismatchError(
-            f"'{fqn}'.{name}: local piece {tuple(value.shape)} vs this rank's shard {sp.layout.local_shape} "
+            f"'{fqn}'.{name}: local piece {tuple(value.shape)} vs this rank's shard {managed.local_shape} "
             "(taken at another world size or strategy)"
         )
     return value

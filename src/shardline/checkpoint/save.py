@@ -53,6 +53,7 @@ from shardline.checkpoint.manifest import (
 )
 from shardline.checkpoint.model_state import model_state_dict, param_index
 from shardline.checkpoint.optim_state import optimizer_state_dict
+from shardline.engine import registered_state_dict
 from shardline.errors import CheckpointError, CheckpointExistsError, ConfigurationError
 
 __all__ = ["CheckpointInfo", "StagedCheckpoint", "preflight", "save", "stage", "stage_agreed", "write_and_commit"]
@@ -99,13 +100,13 @@ def _model_info(model: nn.Module) -> dict[str, Any]:
     groups: dict[int, list[str]] = {}
     scalars: list[str] = []
     params = 0
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in registered_state_dict(model).items():
         found = index.get(id(value))
-        ident = id(found[1].sharded) if found else id(value)
+        ident = id(found.shard) if found else id(value)
         groups.setdefault(ident, []).append(key)
         if len(groups[ident]) > 1:
             continue
-        shape = found[1].layout.shape if found else tuple(value.shape)
+        shape = found.shape if found else tuple(value.shape)
         if found is not None or isinstance(value, nn.Parameter):
             params += int(torch.Size(shape).numel())
             if shape == ():

@@ -19,6 +19,7 @@ batch. ``docs/benchmarks.md`` explains each choice.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -51,7 +52,7 @@ from shardline.diagnostics.bench_report import (
     Target,
     evaluate_targets,
 )
-from shardline.engine.state import subtree_units
+from shardline.engine import subtree_units
 from shardline.errors import ConfigurationError
 from shardline.models.gpt import GPT, Block, GPTConfig
 from shardline.testing import run_distributed
@@ -327,7 +328,8 @@ def _probe_main(rank: int, world: int, plan: _Plan) -> _Probe:
     probe.settle()
     before = probe.rss()
     probe.reset_peak()
-    shardline.reset_peak_memory_stats()
+    if live.config.builder == "shardline":
+        shardline.reset_peak_memory_stats(live.model)
     for i in range(plan.memory_steps):
         last = i == plan.memory_steps - 1
         _step(live, zero_grad=not last)
@@ -345,7 +347,12 @@ def _probe_main(rank: int, world: int, plan: _Plan) -> _Probe:
 def _measure_comm(live: _Live, plan: _Plan, world: int) -> CommVolume:
     """Bytes per step: every c10d collective of one step, shardline's own log, and the theory."""
     dist.barrier()
-    with _C10dCounter() as counter, shardline.count_collectives() as log:
+    engine_log = (
+        shardline.count_collectives(live.model)
+        if live.config.builder == "shardline"
+        else contextlib.nullcontext(shardline.CommCounter())
+    )
+    with _C10dCounter() as counter, engine_log as log:
         _step(live)
     engine = None
     if live.config.builder == "shardline":
@@ -370,23 +377,37 @@ def _theory(live: _Live, size: ModelSize, world: int) -> dict[str, int]:
 
 
 def shardline_theory(model: nn.Module) -> dict[str, int]:
-    """Bytes per step of a shardline-sharded model, from its units' flat layouts (``docs/engine.md``).
+    """Bytes per step of a shardline-sharded model, from its parameters' shapes (``docs/engine.md``).
 
-    Per unit with ``W`` shard ranks and ``S`` elements per rank's flat buffer: an all-gather of
-    ``W*S`` elements in forward, again in backward for units that free after forward, and a
-    reduce-scatter of ``W*S_trainable``; NO_SHARD units all-reduce their trainable elements.
+    A parameter of ``R`` rows sharded over ``W`` ranks takes ``ceil(R/W)`` rows per rank
+    (``torch.chunk``). Per unit and dtype group, with ``S`` the group's padded elements per rank:
+    an all-gather of ``W*S`` elements in forward, again in backward for units that free after
+    forward, and a reduce-scatter of ``W*S_trainable``; NO_SHARD units all-reduce their
+    trainable elements.
     """
     volume = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     for unit in subtree_units(model):
         world = unit.mesh.shard_size
-        trainable = unit.trainable_params()
-        if world > 1:
-            gathers = 2 if unit.reshard_after_forward else 1
-            volume["all_gather"] += gathers * world * unit.layout.shard_numel * unit.compute_dtype.itemsize
-            grad_numel = unit.grad_layout(trainable).shard_numel if trainable else 0
-            volume["reduce_scatter"] += world * grad_numel * unit.reduce_dtype.itemsize
-        if unit.mesh.replicate_size > 1:
-            volume["all_reduce"] += sum(sp.layout.numel for sp in trainable) * unit.reduce_dtype.itemsize
+        groups: dict[int, list] = {}
+        for sp in unit.params:
+            groups.setdefault(id(sp.group), []).append(sp)
+        for members in groups.values():
+            group = members[0].group
+            trainable = [sp for sp in members if sp.sharded.requires_grad]
+
+            def padded(sps: list, world: int = world) -> int:
+                total = 0
+                for sp in sps:
+                    rows = sp.layout.shape[0] if sp.layout.shape else 1
+                    total += math.ceil(rows / world) * (math.prod(sp.layout.shape) // max(rows, 1))
+                return total
+
+            if world > 1:
+                gathers = 2 if unit.reshard_after_forward else 1
+                volume["all_gather"] += gathers * world * padded(members) * group.compute_dtype.itemsize
+                volume["reduce_scatter"] += world * padded(trainable) * group.reduce_dtype.itemsize
+            if unit.mesh.replicate_size > 1:
+                volume["all_reduce"] += padded(trainable, 1) * group.reduce_dtype.itemsize
     return {kind: n for kind, n in volume.items() if n}
 
 

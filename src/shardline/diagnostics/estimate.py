@@ -34,11 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline import _torch_compat
-from shardline.engine.activation import apply_activation_checkpointing
-from shardline.engine.layout import FlatLayout, ParamLayout
-from shardline.engine.mixed_precision import MixedPrecision
-from shardline.engine.strategy import ShardingStrategy
-from shardline.engine.traversal import post_order
+from shardline.engine import (
+    FlatLayout,
+    MixedPrecision,
+    ParamLayout,
+    ShardingStrategy,
+    apply_activation_checkpointing,
+    post_order,
+)
 from shardline.errors import ConfigurationError
 
 __all__ = ["MemoryEstimate", "UnitSizes", "estimate_memory", "measure_activations", "plan_units"]

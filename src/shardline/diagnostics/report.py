@@ -21,11 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardline.engine.activation import is_checkpointed
-from shardline.engine.api import original_class
-from shardline.engine.comm import CollectiveRecord
-from shardline.engine.mixed_precision import MixedPrecision
-from shardline.engine.unit import ShardUnit
+from shardline.engine import CollectiveRecord, MixedPrecision, ShardUnit, is_checkpointed, original_class
 
 __all__ = [
     "PhaseMemory",
@@ -59,7 +55,7 @@ def unit_report(units: Sequence[ShardUnit], world_size: int) -> list[str]:
             u.strategy.value,
             u.reshard_after_forward,
             _dtype(mp.param_dtype, "as stored"),
-            _dtype(mp.gradient_reduce_dtype(u.master_dtype), ""),
+            "+".join(_dtype(mp.gradient_reduce_dtype(d), "") for d in u.dtypes) or "none",
             u.forward_prefetch,
             u.backward_prefetch,
         )

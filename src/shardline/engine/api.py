@@ -9,20 +9,24 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from shardline.engine import comm
+from shardline.engine.context import RootContext
 from shardline.engine.grad import clip_grad_norm_
+from shardline.engine.guards import ddp_ignored_names, install_optimizer_guard
+from shardline.engine.hooks import install_hooks
 from shardline.engine.mesh import MeshLike, ShardMesh, resolve_mesh
 from shardline.engine.mixed_precision import MixedPrecision
-from shardline.engine.state import get_unit, install_hooks, subtree_units
+from shardline.engine.param import OWNER_ATTR, REPLACED_ATTR
+from shardline.engine.registry import get_unit, subtree_units
+from shardline.engine.state_dict import install_state_dict_hooks
 from shardline.engine.strategy import ShardingStrategy
-from shardline.engine.unit import ShardUnit
+from shardline.engine.unit import ShardUnit, check_single_device
 from shardline.errors import ConfigurationError, ShardingError
 
 __all__ = ["ShardedModule", "fully_shard"]
 
 M = TypeVar("M", bound=nn.Module)
 
-_OWNER_ATTR = "_shardline_owner"  # set on original and sharded parameters: (unit, fqn)
+_DDP_EXTRA = "_shardline_ddp_extra_ignore"
 
 
 class ShardedModule:
@@ -74,15 +78,26 @@ class ShardedModule:
 
         Gathered parameters are copies: changes to them are not written back to the shards.
         """
-        unit = self.shard_unit
-        unit.unshard(phase="explicit")
-        unit.pinned = True
+        self.shard_unit.pin()
 
     def reshard(self) -> None:
         """Free this unit's gathered parameters and register the shards again."""
         unit = self.shard_unit
-        unit.pinned = False
+        unit.unpin()
         unit.reshard()
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """What torch ``DistributedDataParallel`` must leave alone: every parameter shardline manages.
+
+        DDP reads this attribute of the module it wraps. Raises ``ShardingError`` when nothing
+        trainable would be left for DDP (see ``shardline.engine.guards``).
+        """
+        return [*ddp_ignored_names(self), *self.__dict__.get(_DDP_EXTRA, [])]  # type: ignore[arg-type]
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names: list[str]) -> None:
+        self.__dict__[_DDP_EXTRA] = list(names)
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -92,9 +107,35 @@ _BACKWARD_PREFETCH = ("backward_pre", "backward_post", None)
 def _sharded_class(cls: type) -> type:
     new = _CLASS_CACHE.get(cls)
     if new is None:
-        new = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+        namespace: dict[str, Any] = {"__module__": cls.__module__}
+        if callable(getattr(cls, "save_pretrained", None)):
+            namespace["save_pretrained"] = _save_pretrained_guard(cls.save_pretrained)
+        new = type(f"Sharded{cls.__name__}", (ShardedModule, cls), namespace)
         _CLASS_CACHE[cls] = new
     return new
+
+
+def _save_pretrained_guard(save_pretrained: Any) -> Any:
+    """``save_pretrained`` of a sharded Hugging Face / PEFT model: only with full weights passed in.
+
+    Without ``state_dict=...`` it would see this rank's DTensor pieces; gathering them inside
+    would hang when, as is usual, only rank 0 calls it.
+    """
+
+    def guarded(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("state_dict") is None:
+            raise ShardingError(
+                f"save_pretrained on a {type(self).__name__} sharded by shardline needs the full weights, which are "
+                "spread over every rank. On every rank run: state_dict = shardline.full_state_dict(model, "
+                "rank0_only=True); model.save_pretrained(path, state_dict=state_dict, "
+                "is_main_process=torch.distributed.get_rank() == 0). (shardline consolidate writes the same from "
+                "a checkpoint, offline.)"
+            )
+        return save_pretrained(self, *args, **kwargs)
+
+    guarded.__doc__ = save_pretrained.__doc__
+    guarded.__name__ = "save_pretrained"
+    return guarded
 
 
 def fully_shard(
@@ -121,7 +162,9 @@ def fully_shard(
     too. The module also gains the methods of :class:`ShardedModule`.
 
     Args:
-        module: The module to shard. Its parameters must share one device and dtype.
+        module: The module to shard. Its parameters must share one device; they may mix dtypes
+            (e.g. a bf16 frozen base with fp32 adapters): each dtype gets its own flat buffer and
+            collectives.
         mesh: A ``ProcessGroup`` or 1-D ``DeviceMesh`` of the data-parallel ranks; default: the world.
         strategy: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2) or ``"no_shard"`` (ZeRO-0),
             or an alias (see :class:`ShardingStrategy`). May differ between units.
@@ -143,7 +186,7 @@ def fully_shard(
         DistributedNotInitializedError: No process group is initialized.
         ConfigurationError: Unknown strategy, a mesh that is not 1-D or not ours, wrong types.
         ShardingError: Sharded twice, applied top-down, a parameter shared with another unit,
-            parameters on several devices or of several dtypes.
+            parameters on several devices or of a non-floating-point dtype.
     """
     if not isinstance(module, nn.Module):
         raise ConfigurationError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
@@ -166,9 +209,10 @@ def fully_shard(
     shard_mesh = resolve_mesh(mesh, strategy.policy)
 
     owned, buffers, sub_units = _collect(module, original_class(module).__name__)
-    device, dtype = _common_device_and_dtype(module, owned, shard_mesh)
+    device = _common_device(owned, shard_mesh)
+    ctx = RootContext()
     if sync_module_states:
-        _broadcast_from_rank0(module, [p for _, p, _ in owned], [b for _, _, b in buffers], shard_mesh)
+        _broadcast_from_rank0(module, [p for _, p, _ in owned], [b for _, _, b in buffers], shard_mesh, ctx)
 
     unit = ShardUnit(
         module,
@@ -178,21 +222,25 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
         mixed_precision=mixed_precision,
         device=device,
-        dtype=dtype,
     )
+    ctx.adopt(unit)
     for (fqn, original, _), sp in zip(owned, unit.params, strict=True):
-        setattr(original, _OWNER_ATTR, (unit, fqn))
-        setattr(sp.sharded, _OWNER_ATTR, (unit, fqn))
+        setattr(original, OWNER_ATTR, (unit, fqn))
+        setattr(original, REPLACED_ATTR, fqn)
+        setattr(sp.sharded, OWNER_ATTR, (unit, fqn))
     unit.forward_prefetch = bool(forward_prefetch)
     unit.backward_prefetch = backward_prefetch
     _cast_buffers(unit, buffers)
     for _, sub in sub_units:
         sub.is_root = False
+        ctx.absorb(sub.ctx)
     for fqn, m in module.named_modules():
         sub = get_unit(m)
         if sub is not None and m is not module:
             sub.name = fqn
     install_hooks(unit)
+    install_state_dict_hooks(unit)
+    install_optimizer_guard()
     module.__class__ = _sharded_class(type(module))
     return module
 
@@ -204,7 +252,7 @@ def original_class(module: nn.Module) -> type:
 
 
 def _owner(param: nn.Parameter) -> tuple[ShardUnit, str] | None:
-    return getattr(param, _OWNER_ATTR, None)
+    return getattr(param, OWNER_ATTR, None)
 
 
 def _collect(
@@ -272,33 +320,18 @@ def _sharded_of(unit: ShardUnit, fqn: str) -> nn.Parameter | None:
     return None
 
 
-def _common_device_and_dtype(
-    module: nn.Module, owned: list[tuple[str, nn.Parameter, Any]], mesh: ShardMesh
-) -> tuple[torch.device, torch.dtype]:
+def _common_device(owned: list[tuple[str, nn.Parameter, Any]], mesh: ShardMesh) -> torch.device:
     if not owned:
-        device = _default_device(mesh)
-        return device, torch.get_default_dtype()
-    fqn0, p0, _ = owned[0]
-    for fqn, p, _ in owned[1:]:
-        if p.device != p0.device:
-            raise ShardingError(
-                f"parameters of one unit must be on one device, but '{fqn0}' is on {p0.device} and '{fqn}' is "
-                f"on {p.device}. Move the module with module.to(device) before fully_shard."
-            )
+        return _default_device(mesh)
+    check_single_device(owned)
     for fqn, p, _ in owned:
         mesh.check_device(p.device, f"parameter '{fqn}'")
-    dtypes = {p.dtype for _, p, _ in owned}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"'{fqn}' ({p.dtype})" for fqn, p, _ in owned[:8])
-        raise ShardingError(
-            f"parameters of one unit must share a dtype, found {sorted(str(d) for d in dtypes)}: {listing}. "
-            "Cast the module (e.g. module.float()) and use MixedPrecision for low-precision compute, or "
-            "shard the differently-typed submodule as its own unit."
-        )
-    dtype = p0.dtype
-    if not dtype.is_floating_point:
-        raise ShardingError(f"parameter '{fqn0}' has dtype {dtype}; only floating-point parameters can be sharded")
-    return p0.device, dtype
+        if not p.dtype.is_floating_point:
+            raise ShardingError(
+                f"parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters can be sharded. Register "
+                "integer state as a buffer (module.register_buffer) instead."
+            )
+    return owned[0][1].device
 
 
 def _default_device(mesh: ShardMesh) -> torch.device:
@@ -309,7 +342,7 @@ def _default_device(mesh: ShardMesh) -> torch.device:
 
 @torch.no_grad()
 def _broadcast_from_rank0(
-    module: nn.Module, params: list[nn.Parameter], buffers: list[torch.Tensor], mesh: ShardMesh
+    module: nn.Module, params: list[nn.Parameter], buffers: list[torch.Tensor], mesh: ShardMesh, ctx: RootContext
 ) -> None:
     tensors = [t for t in [*params, *buffers] if t.numel()]
     if any(t.is_meta for t in tensors):
@@ -325,7 +358,7 @@ def _broadcast_from_rank0(
         by_dtype.setdefault(t.dtype, []).append(t)
     for group in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group])
-        comm.broadcast(flat, mesh.dp_group, unit=type(module).__name__, phase="init")
+        ctx.comm.broadcast(flat, mesh.dp_group, unit=type(module).__name__, phase="init")
         offset = 0
         for t in group:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))

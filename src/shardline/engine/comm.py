@@ -1,10 +1,11 @@
-"""Collectives with accounting.
+"""Collectives with accounting, scoped to one sharded model.
 
-Every collective shardline issues goes through this module, which records its kind, its
-size and which unit and phase issued it. Two views exist:
+Every collective a sharded model issues goes through the :class:`Comm` of its root (one per
+tree of units: see :mod:`shardline.engine.context`), which records its kind, its size and which
+unit and phase issued it. Two views exist (per model: :mod:`shardline.engine.accounting`):
 
-* process-wide totals, always on and O(1) memory: :func:`comm_stats` / :func:`reset_comm_stats`;
-* an itemized log while a :func:`count_collectives` block is active (tests and diagnostics).
+* running totals, always on and O(1) memory: ``comm_stats`` / ``reset_comm_stats``;
+* an itemized log while a ``count_collectives`` block is active (tests and diagnostics).
 
 ``bytes`` is the logical size of the collective's full buffer: the gathered output of an
 all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce or broadcast,
@@ -12,32 +13,26 @@ and the full (all ranks) buffer of a scatter. ``wire_bytes`` is what one rank se
 bandwidth-optimal ring algorithms: ``(n-1)/n`` of that for all-gather, reduce-scatter and
 scatter, ``2(n-1)/n`` for all-reduce, and ``(n-1)/n`` for broadcast (pipelined), where ``n`` is the
 group size.
+
+Note: injecting communication behaviour. :class:`Comm` does the accounting and hands the
+actual transfer to a :class:`Collectives` backend (:class:`TorchCollectives` by default).
+Tests and fault drills swap the backend of one model (``use_collectives``) -- e.g.
+``shardline.testing.DelayedCollectives``, whose asynchronous results land late -- so the
+production path carries no test switches.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from shardline import _torch_compat
 
-__all__ = [
-    "CollectiveKind",
-    "CollectiveRecord",
-    "CommCounter",
-    "CommStats",
-    "comm_stats",
-    "count_collectives",
-    "delay_collectives",
-    "reset_comm_stats",
-]
+__all__ = ["CollectiveKind", "CollectiveRecord", "Collectives", "Comm", "CommCounter", "CommStats", "TorchCollectives"]
 
 
 class CollectiveKind(str, enum.Enum):
@@ -65,7 +60,7 @@ class CollectiveRecord:
 
 @dataclass(frozen=True)
 class CommStats:
-    """Process-wide totals per collective kind since the last reset."""
+    """Totals per collective kind since the last reset."""
 
     counts: dict[CollectiveKind, int]
     bytes: dict[CollectiveKind, int]
@@ -120,89 +115,71 @@ class CommCounter:
         return sum(r.bytes for r in self.select(kind, unit=unit, phase=phase))
 
 
-class _DelayedWork:
-    """Testing aid: an async collective whose result only appears, late, when waited on."""
+class Collectives(Protocol):
+    """What shardline needs from a communication backend. Async calls return a work handle with ``wait()``."""
 
-    def __init__(self, work: Any, seconds: float, land: Any) -> None:
-        self._work, self._seconds, self._land = work, seconds, land
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+        """All-gather ``input`` of every rank into ``output`` (rank-major)."""
+        ...
 
-    def wait(self, timeout: Any = None) -> bool:
-        if self._work is not None:
-            time.sleep(self._seconds)
-            self._work.wait()
-            self._land()
-            self._work = None
-        return True
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool,
+    ) -> Any:
+        """Reduce ``input`` (rank-major) over the group; keep this rank's slice in ``output``."""
+        ...
 
-    def is_completed(self) -> bool:
-        return self._work is None
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
+    ) -> Any:
+        """Reduce ``tensor`` over the group, in place."""
+        ...
 
+    def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
+        """Broadcast ``tensor`` from global rank ``src``."""
+        ...
 
-_delay: list[float] = []  # seconds; non-empty inside delay_collectives()
-delayed_count = 0
-
-
-@contextlib.contextmanager
-def delay_collectives(seconds: float) -> Iterator[None]:
-    """Testing aid: make every asynchronous collective look slow and land late.
-
-    Inside the block an async collective writes into a scratch buffer while its real output
-    holds NaN; the result is copied over only when the work is waited on, after ``seconds``.
-    Code that reads a result before waiting for it -- a missing ``wait()`` or a wrong
-    ordering between overlapped steps -- then computes with NaN, which a numerics test sees.
-    """
-    _delay.append(seconds)
-    try:
-        yield
-    finally:
-        _delay.pop()
+    def scatter(
+        self, output: torch.Tensor, chunks: list[torch.Tensor] | None, group: dist.ProcessGroup, *, src: int
+    ) -> None:
+        """Scatter ``chunks`` (given on global rank ``src``) into ``output`` on every rank."""
+        ...
 
 
-def _maybe_delay(output: torch.Tensor, issue: Any) -> Any:
-    """Issue an async collective through ``issue(target)``, delayed per :func:`delay_collectives`."""
-    global delayed_count
-    if not _delay:
-        return issue(output)
-    scratch = output.clone()
-    work = issue(scratch)
-    if output.is_floating_point():
-        output.fill_(float("nan"))
-    delayed_count += 1
-    return _DelayedWork(work, _delay[-1], lambda: output.copy_(scratch))
+class TorchCollectives:
+    """The default backend: ``torch.distributed`` itself."""
 
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+        return _torch_compat.all_gather_into(output, input, group, async_op=async_op)
 
-_counts: dict[CollectiveKind, int] = {}
-_bytes: dict[CollectiveKind, int] = {}
-_wire: dict[CollectiveKind, int] = {}
-_counters: list[CommCounter] = []
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool,
+    ) -> Any:
+        return _torch_compat.reduce_scatter_into(output, input, group, op=op, async_op=async_op)
 
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
+    ) -> Any:
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-def comm_stats() -> CommStats:
-    """Snapshot of this process's collective totals since start or the last :func:`reset_comm_stats`."""
-    return CommStats(counts=dict(_counts), bytes=dict(_bytes), wire_bytes=dict(_wire))
+    def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
+        dist.broadcast(tensor, src=src, group=group)
 
-
-def reset_comm_stats() -> None:
-    """Zero the process-wide totals."""
-    _counts.clear()
-    _bytes.clear()
-    _wire.clear()
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[CommCounter]:
-    """Log every collective shardline issues inside the block.
-
-    >>> with count_collectives() as counter:
-    ...     loss.backward()
-    >>> counter.count("reduce_scatter", phase="backward")
-    """
-    counter = CommCounter()
-    _counters.append(counter)
-    try:
-        yield counter
-    finally:
-        _counters.remove(counter)
+    def scatter(
+        self, output: torch.Tensor, chunks: list[torch.Tensor] | None, group: dist.ProcessGroup, *, src: int
+    ) -> None:
+        dist.scatter(output, chunks, src=src, group=group)
 
 
 def _wire_factor(kind: CollectiveKind, n: int) -> float:
@@ -217,86 +194,112 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _record(kind: CollectiveKind, nbytes: int, dtype: torch.dtype, group_size: int, unit: str, phase: str) -> None:
-    wire = int(nbytes * _wire_factor(kind, group_size))
-    _counts[kind] = _counts.get(kind, 0) + 1
-    _bytes[kind] = _bytes.get(kind, 0) + nbytes
-    _wire[kind] = _wire.get(kind, 0) + wire
-    if _counters:
-        record = CollectiveRecord(kind, nbytes, wire, dtype, group_size, unit, phase)
-        for counter in _counters:
-            counter.records.append(record)
+class Comm:
+    """Issues one model's collectives through a :class:`Collectives` backend and accounts for them."""
 
+    def __init__(self, backend: Collectives | None = None) -> None:
+        self.backend: Collectives = backend or TorchCollectives()
+        self._counts: dict[CollectiveKind, int] = {}
+        self._bytes: dict[CollectiveKind, int] = {}
+        self._wire: dict[CollectiveKind, int] = {}
+        self.counters: list[CommCounter] = []
 
-def all_gather(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup,
-    *,
-    unit: str = "",
-    phase: str = "",
-    async_op: bool = False,
-) -> Any:
-    """All-gather ``input`` into ``output`` (rank-major), recorded."""
-    _record(CollectiveKind.ALL_GATHER, _nbytes(output), output.dtype, dist.get_world_size(group), unit, phase)
-    if async_op:
-        return _maybe_delay(output, lambda out: _torch_compat.all_gather_into(out, input, group, async_op=True))
-    return _torch_compat.all_gather_into(output, input, group)
+    # ------------------------------------------------------------------ accounting
+    def stats(self) -> CommStats:
+        """Snapshot of the totals since creation or the last :meth:`reset`."""
+        return CommStats(counts=dict(self._counts), bytes=dict(self._bytes), wire_bytes=dict(self._wire))
 
+    def reset(self) -> None:
+        """Zero the totals."""
+        self._counts.clear()
+        self._bytes.clear()
+        self._wire.clear()
 
-def reduce_scatter(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup,
-    *,
-    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-    unit: str = "",
-    phase: str = "",
-    async_op: bool = False,
-) -> Any:
-    """Reduce-scatter ``input`` (rank-major) into ``output``, recorded."""
-    _record(CollectiveKind.REDUCE_SCATTER, _nbytes(input), input.dtype, dist.get_world_size(group), unit, phase)
-    if async_op:
-        return _maybe_delay(
-            output, lambda out: _torch_compat.reduce_scatter_into(out, input, group, op=op, async_op=True)
+    def absorb(self, other: Comm) -> None:
+        """Add ``other``'s totals and open counters to this one (a parent root took over its units)."""
+        for mine, theirs in ((self._counts, other._counts), (self._bytes, other._bytes), (self._wire, other._wire)):
+            for kind, value in theirs.items():
+                mine[kind] = mine.get(kind, 0) + value
+        for counter in other.counters:
+            if all(counter is not c for c in self.counters):
+                self.counters.append(counter)
+
+    def _record(
+        self, kind: CollectiveKind, nbytes: int, dtype: torch.dtype, group_size: int, unit: str, phase: str
+    ) -> None:
+        wire = int(nbytes * _wire_factor(kind, group_size))
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self._bytes[kind] = self._bytes.get(kind, 0) + nbytes
+        self._wire[kind] = self._wire.get(kind, 0) + wire
+        if self.counters:
+            record = CollectiveRecord(kind, nbytes, wire, dtype, group_size, unit, phase)
+            for counter in self.counters:
+                counter.records.append(record)
+
+    # ------------------------------------------------------------------ collectives
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        unit: str = "",
+        phase: str = "",
+        async_op: bool = False,
+    ) -> Any:
+        """All-gather ``input`` into ``output`` (rank-major), recorded."""
+        self._record(CollectiveKind.ALL_GATHER, _nbytes(output), output.dtype, dist.get_world_size(group), unit, phase)
+        return self.backend.all_gather(output, input, group, async_op=async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        unit: str = "",
+        phase: str = "",
+        async_op: bool = False,
+    ) -> Any:
+        """Reduce-scatter ``input`` (rank-major) into ``output``, recorded."""
+        self._record(
+            CollectiveKind.REDUCE_SCATTER, _nbytes(input), input.dtype, dist.get_world_size(group), unit, phase
         )
-    return _torch_compat.reduce_scatter_into(output, input, group, op=op)
+        return self.backend.reduce_scatter(output, input, group, op=op, async_op=async_op)
 
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        unit: str = "",
+        phase: str = "",
+        async_op: bool = False,
+    ) -> Any:
+        """All-reduce ``tensor`` in place, recorded."""
+        self._record(CollectiveKind.ALL_REDUCE, _nbytes(tensor), tensor.dtype, dist.get_world_size(group), unit, phase)
+        return self.backend.all_reduce(tensor, group, op=op, async_op=async_op)
 
-def all_reduce(
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup,
-    *,
-    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-    unit: str = "",
-    phase: str = "",
-    async_op: bool = False,
-) -> Any:
-    """All-reduce ``tensor`` in place, recorded."""
-    _record(CollectiveKind.ALL_REDUCE, _nbytes(tensor), tensor.dtype, dist.get_world_size(group), unit, phase)
-    if async_op:
-        return _maybe_delay(tensor, lambda out: dist.all_reduce(out, op=op, group=group, async_op=True))
-    return dist.all_reduce(tensor, op=op, group=group)
+    def broadcast(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src_rank: int = 0, unit: str = "", phase: str = ""
+    ) -> None:
+        """Broadcast ``tensor`` from the group's rank ``src_rank`` (a group-local rank), recorded."""
+        self._record(CollectiveKind.BROADCAST, _nbytes(tensor), tensor.dtype, dist.get_world_size(group), unit, phase)
+        self.backend.broadcast(tensor, group, src=dist.get_global_rank(group, src_rank))
 
-
-def broadcast(
-    tensor: torch.Tensor, group: dist.ProcessGroup, *, src_rank: int = 0, unit: str = "", phase: str = ""
-) -> None:
-    """Broadcast ``tensor`` from the group's rank ``src_rank`` (a group-local rank), recorded."""
-    _record(CollectiveKind.BROADCAST, _nbytes(tensor), tensor.dtype, dist.get_world_size(group), unit, phase)
-    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
-
-
-def scatter(
-    output: torch.Tensor,
-    chunks: list[torch.Tensor] | None,
-    group: dist.ProcessGroup,
-    *,
-    src_rank: int = 0,
-    unit: str = "",
-    phase: str = "",
-) -> None:
-    """Scatter ``chunks`` (given on the source rank only) into ``output`` on every rank, recorded."""
-    n = dist.get_world_size(group)
-    _record(CollectiveKind.SCATTER, _nbytes(output) * n, output.dtype, n, unit, phase)
-    dist.scatter(output, chunks, src=dist.get_global_rank(group, src_rank), group=group)
+    def scatter(
+        self,
+        output: torch.Tensor,
+        chunks: list[torch.Tensor] | None,
+        group: dist.ProcessGroup,
+        *,
+        src_rank: int = 0,
+        unit: str = "",
+        phase: str = "",
+    ) -> None:
+        """Scatter ``chunks`` (given on the source rank only) into ``output`` on every rank, recorded."""
+        n = dist.get_world_size(group)
+        self._record(CollectiveKind.SCATTER, _nbytes(output) * n, output.dtype, n, unit, phase)
+        self.backend.scatter(output, chunks, group, src=dist.get_global_rank(group, src_rank))

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardline.engine import comm
-from shardline.engine.state import subtree_units
+from shardline.engine.registry import subtree_units
 from shardline.errors import ConfigurationError
 
 __all__ = ["clip_grad_norm_"]
@@ -55,10 +54,12 @@ def clip_grad_norm_(
     local = local.to(first.device) if first.device.type != "meta" else local
     if math.isinf(norm_type):
         total = local.clone()
-        comm.all_reduce(total, first.mesh.dp_group, op=dist.ReduceOp.MAX, unit=first.display_name, phase="clip")
+        first.ctx.comm.all_reduce(
+            total, first.mesh.dp_group, op=dist.ReduceOp.MAX, unit=first.display_name, phase="clip"
+        )
     else:
         total = local.pow(norm_type)
-        comm.all_reduce(total, first.mesh.dp_group, unit=first.display_name, phase="clip")
+        first.ctx.comm.all_reduce(total, first.mesh.dp_group, unit=first.display_name, phase="clip")
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(

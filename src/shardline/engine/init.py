@@ -29,7 +29,8 @@ from torch import nn
 
 from shardline.engine.api import original_class
 from shardline.engine.mesh import require_process_group
-from shardline.engine.state import subtree_units
+from shardline.engine.param import OWNER_ATTR
+from shardline.engine.registry import subtree_units
 from shardline.engine.traversal import post_order
 from shardline.engine.unit import ShardUnit
 from shardline.errors import ShardingError
@@ -199,7 +200,7 @@ def _full_like(p: nn.Parameter) -> nn.Parameter:
 
 
 def _full_shape(p: nn.Parameter) -> tuple[int, ...]:
-    owned = getattr(p, "_shardline_owner", None)
+    owned = getattr(p, OWNER_ATTR, None)
     if owned is None:
         return tuple(p.shape)
     unit, fqn = owned

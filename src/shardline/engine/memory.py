@@ -5,7 +5,7 @@ Two kinds of components:
 * **tracked** -- buffers the engine allocates and frees itself, counted at each allocation
   and release, with a high-water mark: gathered parameters (``unsharded_params``) and
   communication buffers (``comm_buffers``: all-gather outputs and casts, packed gradients and
-  reduction outputs). Process-wide, like :func:`shardline.comm_stats`.
+  reduction outputs). Tracked per sharded model (its root's :class:`MemoryTracker`).
 * **measured** -- tensors that live on the model and optimizer, summed when asked:
   ``sharded_params`` (flat shard buffers), ``sharded_grads``, ``unsharded_grads`` (full
   gradients not yet reduced, e.g. under ``no_sync``) and ``optimizer_state`` (when the
@@ -16,23 +16,24 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
-from torch import nn
 
-__all__ = ["MemoryStats", "memory_stats", "reset_peak_memory_stats"]
+__all__ = ["TRACKED", "MemoryStats", "MemoryTracker", "nbytes"]
 
 TRACKED = ("unsharded_params", "comm_buffers")
 
 
-class _Tracker:
+class MemoryTracker:
+    """Bytes of the engine's own buffers for one sharded model, with high-water marks."""
+
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # reductions finish on autograd threads on CUDA
+        self._lock = threading.Lock()  # reductions may finish on autograd threads
         self.current = dict.fromkeys(TRACKED, 0)
         self.peak = dict.fromkeys(TRACKED, 0)
 
     def add(self, component: str, nbytes: int) -> None:
+        """Count ``nbytes`` more (negative: fewer) of ``component``."""
         with self._lock:
             value = self.current[component] + nbytes
             self.current[component] = value
@@ -40,14 +41,18 @@ class _Tracker:
                 self.peak[component] = value
 
     def reset_peak(self) -> None:
+        """Start new high-water marks at the current values."""
         with self._lock:
             self.peak = dict(self.current)
 
-
-TRACKER = _Tracker()
+    def absorb(self, other: MemoryTracker) -> None:
+        """Take over ``other``'s live buffers (a parent root took over its units)."""
+        for component in TRACKED:
+            self.add(component, other.current[component])
 
 
 def nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s elements."""
     return tensor.numel() * tensor.element_size()
 
 
@@ -78,50 +83,3 @@ class MemoryStats:
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
-
-
-def _storage_bytes(tensors: Any) -> int:
-    seen: dict[tuple[int, int], int] = {}
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key[0] == 0:  # empty storage: nothing held
-            continue
-        seen[key] = storage.nbytes()
-    return sum(seen.values())
-
-
-def memory_stats(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
-    """This rank's memory by component for ``model`` (and ``optimizer``'s state, if given)."""
-    from shardline.engine.state import subtree_units  # state imports the units that import this module
-
-    units = subtree_units(model)
-    flat = [u.flat_shard for u in units]
-    grads = [sp.sharded.grad for u in units for sp in u.params]
-    full_grads = [
-        t
-        for u in units
-        for sp in u.params
-        for t in ((sp.unsharded.grad if sp.unsharded is not None else None), sp.accumulated_grad)
-    ]
-    state: list[torch.Tensor] = []
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
-            state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-    return MemoryStats(
-        sharded_params=_storage_bytes(flat),
-        sharded_grads=_storage_bytes(grads),
-        optimizer_state=_storage_bytes(state),
-        unsharded_params=TRACKER.current["unsharded_params"],
-        unsharded_grads=_storage_bytes(full_grads),
-        comm_buffers=TRACKER.current["comm_buffers"],
-        peak_unsharded_params=TRACKER.peak["unsharded_params"],
-        peak_comm_buffers=TRACKER.peak["comm_buffers"],
-    )
-
-
-def reset_peak_memory_stats() -> None:
-    """Start new high-water marks for the tracked components (at their current values)."""
-    TRACKER.reset_peak()

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from shardline.engine.layout import ParamLayout
 
-__all__ = ["ShardedParam", "alias"]
+__all__ = ["GATHERED_ATTR", "OWNER_ATTR", "REPLACED_ATTR", "ShardedParam", "alias"]
+
+# Attributes set on parameter objects so misuse can be recognized later (see engine/guards.py).
+OWNER_ATTR = "_shardline_owner"  # on originals and shards: (unit, fqn)
+REPLACED_ATTR = "_shardline_replaced"  # on an original parameter fully_shard replaced: its name
+GATHERED_ATTR = "_shardline_gathered"  # on a gathered (full) parameter: its name
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,6 +44,7 @@ class ShardedParam:
             every step so autograd graphs keep pointing at the same leaf).
         accumulated_grad: Gradient accumulated under ``no_sync`` in the reduce dtype when that
             is wider than the compute dtype.
+        group: The :class:`~shardline.engine.flat.FlatGroup` (one per master dtype) holding the shard.
     """
 
     fqn: str
@@ -48,6 +55,12 @@ class ShardedParam:
     accumulated_grad: torch.Tensor | None = None
     grad_ready: bool = field(default=False)
     hooked: bool = field(default=False)
+    group: Any = field(default=None, repr=False)  # the FlatGroup holding its shard
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The parameter's shape as DTensors and optimizer state show it: its shape, ``(1,)`` for 0-d."""
+        return (self.layout.rows, *self.layout.row_shape)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make ``tensor`` the value of every attribute this parameter is registered under."""

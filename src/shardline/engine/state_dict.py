@@ -1,23 +1,280 @@
-"""Full (unsharded) state dicts of a sharded model: gather to save, scatter to load."""
+"""State dicts of a sharded model: DTensor pieces from ``state_dict()``, full tensors on request.
+
+Note: what ``module.state_dict()`` returns. A sharded module keeps plain local tensors as its
+parameters (the optimizer step pays no DTensor dispatch), but its ``state_dict()`` gives each
+managed parameter as a ``DTensor`` -- ``Shard(0)`` over the shard group (``Replicate()`` for
+NO_SHARD) -- built over the live shard without a copy, the way torch's FSDP2 presents its
+parameters. torch DCP, ``torch.distributed.checkpoint.state_dict`` and any DTensor-aware saver
+therefore see whole tensors of the right global shape. ``load_state_dict`` takes those
+DTensors back, or full tensors (each rank keeps its rows). Both are hooks on each unit's
+module, so they also work when the sharded module is a submodule of something else. A 0-d
+parameter appears with shape ``(1,)`` (``Shard(0)`` needs a dimension).
+
+Engine code that needs the registered tensors themselves uses :func:`plain_state_dict`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardline.engine import comm
-from shardline.engine.state import subtree_units
-from shardline.engine.unit import ShardUnit, pack_rows
-from shardline.errors import StateDictError
+from shardline.engine.param import ShardedParam
+from shardline.engine.registry import subtree_units
+from shardline.engine.unit import ShardUnit
+from shardline.errors import ShardingError, StateDictError
 
-__all__ = ["full_state_dict", "key_problems", "load_full_state_dict"]
+__all__ = [
+    "ManagedParam",
+    "buffer_original_dtypes",
+    "full_state_dict",
+    "gather_full_tensors",
+    "install_state_dict_hooks",
+    "key_problems",
+    "load_full_state_dict",
+    "managed_parameters",
+    "plain_state_dict",
+    "registered_state_dict",
+    "release_all",
+]
 
 _SHOW = 10  # entries listed per category in error messages
+_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("shardline_plain_state_dict", default=False)
 
 
+# ---------------------------------------------------------------------- the public handle
+class ManagedParam:
+    """A parameter shardline manages, as code outside the engine may see it.
+
+    Attributes:
+        fqn: Its name relative to the module of the unit that manages it.
+        unit: The display name of that unit.
+        shard: The ``nn.Parameter`` registered between steps (this rank's rows, master dtype).
+        shape: The parameter's own shape (``()`` for a 0-d parameter).
+        global_shape: Its shape as DTensors and optimizer state show it (``(1,)`` for a 0-d parameter).
+        local_shape: The shape of this rank's shard.
+        dtype: The master dtype.
+    """
+
+    __slots__ = ("_sp", "_unit")
+
+    def __init__(self, unit: ShardUnit, sp: ShardedParam) -> None:
+        self._unit, self._sp = unit, sp
+
+    fqn = property(lambda self: self._sp.fqn)
+    unit = property(lambda self: self._unit.display_name)
+    shard = property(lambda self: self._sp.sharded)
+    shape = property(lambda self: self._sp.layout.shape)
+    global_shape = property(lambda self: self._sp.global_shape)
+    local_shape = property(lambda self: self._sp.layout.local_shape)
+    dtype = property(lambda self: self._sp.group.dtype)
+
+    def to_dtensor(self, local: torch.Tensor | None = None) -> DTensor:
+        """``local`` (default: the shard), shaped like the shard, as a DTensor piece placed like it (no copy)."""
+        return self._sp.group.to_dtensor(self._sp, local)
+
+    def local_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` (the parameter's full shape), shaped like the shard."""
+        pl = self._sp.layout
+        if tuple(full.shape) not in (pl.shape, self._sp.global_shape):
+            raise StateDictError(
+                f"'{self.fqn}': a full tensor of shape {tuple(full.shape)} does not fit the parameter's shape "
+                f"{pl.shape}"
+            )
+        return self._sp.group.local_rows(pl, full)
+
+    @torch.no_grad()
+    def load_full(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of the full tensor ``full`` into the shard (any dtype/device; cast on copy)."""
+        self.local_rows(full)  # checks the shape
+        group = self._sp.group
+        group.load_full(self._sp, full.to(device=group.device, dtype=group.dtype))
+
+    def __repr__(self) -> str:
+        return f"ManagedParam({self.fqn!r} of {self.unit!r}, global {self.global_shape}, local {self.local_shape})"
+
+
+def managed_parameters(model: nn.Module) -> dict[int, ManagedParam]:
+    """``id(tensor) -> ManagedParam`` for the shard and the gathered tensor of every parameter under ``model``."""
+    index: dict[int, ManagedParam] = {}
+    for unit in subtree_units(model):
+        for sp in unit.params:
+            handle = ManagedParam(unit, sp)
+            index[id(sp.sharded)] = handle
+            if sp.unsharded is not None:
+                index[id(sp.unsharded)] = handle
+    return index
+
+
+def gather_full_tensors(
+    items: Sequence[tuple[ManagedParam, torch.Tensor | None]], *, dtype: torch.dtype
+) -> list[torch.Tensor | None]:
+    """All-gather shard-shaped tensors (e.g. optimizer state) of managed parameters to full ones.
+
+    A collective: every rank must pass the same parameters in the same order. One all-gather
+    per parameter group involved; entries whose tensor is ``None`` or of another dtype come back
+    ``None``. Full tensors have the parameter's ``global_shape``.
+    """
+    by_group: dict[int, tuple[Any, ShardUnit, dict[int, torch.Tensor]]] = {}
+    for handle, tensor in items:
+        sp = handle._sp
+        entry = by_group.setdefault(id(sp.group), (sp.group, handle._unit, {}))
+        if tensor is not None and tensor.dtype == dtype:
+            entry[2][id(sp)] = tensor
+    out: dict[int, torch.Tensor | None] = {}
+    for group, unit, tensors in by_group.values():
+        fulls = group.gather_full(
+            [tensors.get(id(sp)) for sp in group.params],
+            dtype=dtype,
+            comm=unit.ctx.comm,
+            name=unit.display_name,
+            phase="checkpoint",
+        )
+        for sp, full in zip(group.params, fulls, strict=True):
+            out[id(sp)] = None if full is None else full.reshape(sp.global_shape)
+    return [out.get(id(handle._sp)) for handle, _ in items]
+
+
+def buffer_original_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
+    """``id(buffer) -> original dtype`` for buffers that ``MixedPrecision.buffer_dtype`` cast."""
+    return {
+        id(m._buffers[name]): dtype
+        for unit in subtree_units(model)
+        for (m, name), dtype in unit.buffer_dtypes.items()
+        if m._buffers.get(name) is not None
+    }
+
+
+def release_all(model: nn.Module) -> None:
+    """Free gathered parameters of every unit (pinned ones too), so loads write shards nothing stale shadows."""
+    for unit in subtree_units(model):
+        unit.release()
+
+
+@contextlib.contextmanager
+def plain_state_dict() -> Iterator[None]:
+    """Inside the block, ``state_dict()``/``load_state_dict()`` of sharded modules skip the DTensor hooks."""
+    token = _PLAIN.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
+
+
+def registered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict(keep_vars=True)`` as registered: shards (or gathered tensors), not DTensors."""
+    with plain_state_dict():
+        return model.state_dict(keep_vars=True)
+
+
+# ---------------------------------------------------------------------- module hooks
+def install_state_dict_hooks(unit: ShardUnit) -> None:
+    """Make ``unit.module``'s ``state_dict()`` give DTensors and its ``load_state_dict()`` take them."""
+    unit.module.register_state_dict_post_hook(_SaveHook(unit))
+    unit.module.register_load_state_dict_pre_hook(_LoadHook(unit))
+
+
+def _relative_keys(unit: ShardUnit) -> list[tuple[str, ShardedParam]]:
+    """Every state-dict key (relative to the unit's module) under which one of its parameters appears."""
+    owners: dict[int, list[tuple[str, ShardedParam]]] = {}
+    for sp in unit.params:
+        for owner, attr in sp.locations:
+            owners.setdefault(id(owner), []).append((attr, sp))
+    keys = []
+    for name, m in unit.module.named_modules(remove_duplicate=False):
+        for attr, sp in owners.get(id(m), []):
+            keys.append((f"{name}.{attr}" if name else attr, sp))
+    return keys
+
+
+class _SaveHook:  # no __slots__: torch tags public state-dict hooks with an attribute
+    def __init__(self, unit: ShardUnit) -> None:
+        self.unit = unit
+        self.keys: list[tuple[str, ShardedParam]] | None = None
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+        if _PLAIN.get():
+            return
+        if self.keys is None:
+            self.keys = _relative_keys(self.unit)
+        for key, sp in self.keys:
+            if prefix + key in state_dict:
+                state_dict[prefix + key] = sp.group.to_dtensor(sp)
+
+
+class _LoadHook:
+    def __init__(self, unit: ShardUnit) -> None:
+        self.unit = unit
+        self.keys: list[tuple[str, ShardedParam]] | None = None
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        if _PLAIN.get():
+            return
+        if local_metadata.get("assign_to_params_buffers"):
+            raise ShardingError(
+                "load_state_dict(assign=True) would replace the shards of a sharded module with new tensors "
+                "outside its flat buffers; load without assign=True (values are copied into the shards)."
+            )
+        self.unit.release()  # gathered copies would be stale; the registered shards receive the values
+        if self.keys is None:
+            self.keys = _relative_keys(self.unit)
+        for key, sp in self.keys:
+            full_key = prefix + key
+            if full_key in state_dict:
+                piece = _local_piece(sp, state_dict[full_key], full_key, error_msgs)
+                state_dict[full_key] = piece if piece is not None else sp.sharded.detach()
+
+
+def _local_piece(sp: ShardedParam, value: Any, key: str, error_msgs: list[str]) -> torch.Tensor | None:
+    """This rank's shard of ``value`` (a DTensor or a full tensor), or None after recording an error."""
+    pl, group = sp.layout, sp.group
+    if not isinstance(value, torch.Tensor):
+        error_msgs.append(f"'{key}': expected a tensor, got {type(value).__name__}")
+        return None
+    shape = tuple(value.shape)
+    if shape not in (pl.shape, sp.global_shape):
+        error_msgs.append(
+            f"size mismatch for {key}: the state dict has shape {shape}, the model's parameter {pl.shape} "
+            f"(this rank holds {pl.local_shape} of it)"
+        )
+        return None
+    if isinstance(value, DTensor):
+        if all(isinstance(p, Replicate) for p in value.placements):
+            value = value.to_local()  # the full tensor itself
+        elif (
+            group.mesh.shard_size > 1
+            and tuple(value.placements) == (Shard(0),)
+            and tuple(value.to_local().shape) == pl.local_shape
+            and _same_ranks(value, group)
+        ):
+            return value.to_local()  # placed exactly like the shard
+        else:
+            value = value.full_tensor()  # another layout: every rank loads, so every rank gathers
+    return group.local_rows(pl, value)
+
+
+def _same_ranks(value: DTensor, group: Any) -> bool:
+    ranks = value.device_mesh.mesh.flatten().tolist()
+    return ranks == dist.get_process_group_ranks(group.mesh.shard_group)
+
+
+# ---------------------------------------------------------------------- full state dicts
 def key_problems(
     expected: Iterable[str], given: Iterable[str], *, missing: str = "missing", unexpected: str = "unexpected"
 ) -> list[str]:
@@ -37,21 +294,6 @@ def key_problems(
     return problems
 
 
-def _param_index(units: list[ShardUnit]) -> dict[int, tuple[ShardUnit, int]]:
-    """``id(tensor) -> (unit, param index)`` for both the shard and the gathered parameter."""
-    index: dict[int, tuple[ShardUnit, int]] = {}
-    for unit in units:
-        for i, sp in enumerate(unit.params):
-            index[id(sp.sharded)] = (unit, i)
-            if sp.unsharded is not None:
-                index[id(sp.unsharded)] = (unit, i)
-    return index
-
-
-def _buffer_dtypes(units: list[ShardUnit]) -> dict[int, torch.dtype]:
-    return {id(m._buffers[name]): dtype for unit in units for (m, name), dtype in unit.buffer_dtypes.items()}
-
-
 def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -60,19 +302,19 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
     """The model's state dict with every parameter gathered to its full, original shape.
 
     A collective: every rank must call it. Units are gathered one at a time (peak memory: the
-    largest unit, not the model), in the master dtype. Keys and order equal the unsharded
-    module's ``state_dict()``; tied parameters map to one tensor under each of their keys.
-    Buffers come back in their original dtype even if ``MixedPrecision.buffer_dtype`` cast them.
+    largest unit, not the model), each parameter in its master dtype. Keys and order equal the
+    unsharded module's ``state_dict()``; tied parameters map to one tensor under each of their
+    keys. Buffers come back in their original dtype even if ``MixedPrecision.buffer_dtype`` cast
+    them.
 
     Args:
         rank0_only: Only rank 0 keeps the tensors; other ranks return an empty dict.
         cpu_offload: Move every tensor to CPU (each unit right after it is gathered).
     """
-    units = subtree_units(model)
-    index = _param_index(units)
-    buffer_dtypes = _buffer_dtypes(units)
+    index = managed_parameters(model)
+    original = buffer_original_dtypes(model)
     keep = _is_rank0() or not rank0_only
-    local = model.state_dict(keep_vars=True)
+    local = registered_state_dict(model)
 
     keys_of: dict[int, list[str]] = {}
     for key, value in local.items():
@@ -84,10 +326,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
         found = index.get(id(value))
         if found is None:  # a buffer, or a parameter no unit manages
             if keep:
-                tensor = value.detach().to(buffer_dtypes.get(id(value), value.dtype), copy=True)
+                tensor = value.detach().to(original.get(id(value), value.dtype), copy=True)
                 out[key] = tensor.cpu() if cpu_offload else tensor
             continue
-        unit, _ = found
+        unit = found._unit
         if id(unit) in gathered:
             continue
         gathered.add(id(unit))
@@ -113,8 +355,8 @@ def load_full_state_dict(
 
     With ``broadcast_from_rank0=False`` (default) every rank passes the full state dict and no
     communication happens. With ``True`` only rank 0 needs it (others may pass ``None``): rank 0
-    validates it and scatters each unit's shards (one scatter per unit; a broadcast for
-    NO_SHARD units) and broadcasts buffers. In that mode every parameter must be present even
+    validates it and scatters each parameter group's shards (one scatter per group; a broadcast
+    for NO_SHARD units) and broadcasts buffers. In that mode every parameter must be present even
     with ``strict=False``, because rank 0 cannot know the current value of other ranks' shards.
 
     Raises:
@@ -122,8 +364,8 @@ def load_full_state_dict(
             Raised on every rank (also with ``broadcast_from_rank0``), before any value is written.
     """
     units = subtree_units(model)
-    index = _param_index(units)
-    local = model.state_dict(keep_vars=True)
+    index = managed_parameters(model)
+    local = registered_state_dict(model)
 
     problem = None
     if not broadcast_from_rank0 or _is_rank0():
@@ -137,17 +379,14 @@ def load_full_state_dict(
     if problem:
         raise StateDictError(problem)
 
-    for unit in units:
-        unit.pinned = False
-        unit.reshard()  # gathered copies would be stale
-
+    release_all(model)  # gathered copies would be stale
     done: set[int] = set()
     with torch.no_grad():
         for key, value in local.items():
             found = index.get(id(value))
             if broadcast_from_rank0:
                 if found is not None:
-                    unit = found[0]
+                    unit = found._unit
                     if id(unit) not in done:
                         done.add(id(unit))
                         _scatter_unit(unit, local, state_dict)
@@ -158,8 +397,7 @@ def load_full_state_dict(
                 continue
             source = state_dict[key]
             if found is not None:
-                unit, i = found
-                unit.load_full(i, source.to(device=unit.device, dtype=unit.master_dtype))
+                found.load_full(source)
             else:
                 value.copy_(source.to(device=value.device, dtype=value.dtype))
 
@@ -167,7 +405,7 @@ def load_full_state_dict(
 def _validate(
     local: Mapping[str, torch.Tensor],
     given: Mapping[str, torch.Tensor],
-    index: dict[int, tuple[ShardUnit, int]],
+    index: dict[int, ManagedParam],
     strict: bool,
     *,
     require_params: bool,
@@ -183,7 +421,7 @@ def _validate(
         if key not in given:
             continue
         found = index.get(id(value))
-        shape = found[0].params[found[1]].layout.shape if found else tuple(value.shape)
+        shape = found.shape if found else tuple(value.shape)
         got = tuple(given[key].shape)
         if got != tuple(shape):
             mismatched.append(f"{key}: checkpoint {got} vs model {tuple(shape)}")
@@ -202,35 +440,24 @@ def _validate(
 def _scatter_unit(
     unit: ShardUnit, local: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor] | None
 ) -> None:
-    """Rank 0 packs the unit's full tensors rank-major; every rank receives its flat shard."""
-    source = None
-    if _is_rank0():
-        keys = {id(v): k for k, v in local.items()}
-        fulls = []
-        for sp in unit.params:
-            key = keys.get(id(sp.sharded)) or keys.get(id(sp.unsharded))
-            fulls.append(state_dict[key].to(device=unit.device, dtype=unit.master_dtype))
-        world = unit.mesh.shard_size
-        source = torch.cat(
-            [
-                pack_rows(t, sp.layout, world, unit.master_dtype, unit.device)
-                for t, sp in zip(fulls, unit.params, strict=True)
-            ],
-            dim=1,
-        )
-    if unit.mesh.shard_size > 1:
-        chunks = list(source.unbind(0)) if source is not None else None
-        comm.scatter(unit.flat_shard, chunks, unit.mesh.shard_group, unit=unit.display_name, phase="load")
-    else:
-        if source is not None:
-            unit.flat_shard.copy_(source.view(-1))
-        if unit.mesh.replicate_size > 1:
-            comm.broadcast(unit.flat_shard, unit.mesh.replicate_group, unit=unit.display_name, phase="load")
+    """Rank 0 packs each group's full tensors rank-major; every rank receives its flat shards."""
+    keys = {id(v): k for k, v in local.items()}
+    rank0 = _is_rank0()
+    for group in unit.groups:
+        fulls = None
+        if rank0 and state_dict is not None:
+            fulls = []
+            for sp in group.params:
+                key = keys.get(id(sp.sharded)) or keys.get(id(sp.unsharded))
+                fulls.append(state_dict[key].to(device=group.device, dtype=group.dtype))
+        group.scatter_from_rank0(fulls, is_source=rank0, comm=unit.ctx.comm, name=unit.display_name, phase="load")
 
 
 def _broadcast_into(target: torch.Tensor, source: torch.Tensor | None, units: list[ShardUnit]) -> None:
     if source is not None:
         target.copy_(source.to(device=target.device, dtype=target.dtype))
     if dist.is_initialized() and dist.get_world_size() > 1:
-        group = units[0].mesh.dp_group if units else dist.group.WORLD
-        comm.broadcast(target.data, group, phase="load")
+        if units:
+            units[0].ctx.comm.broadcast(target.data, units[0].mesh.dp_group, phase="load")
+        else:
+            dist.broadcast(target.data, src=0)

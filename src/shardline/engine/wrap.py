@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from shardline.engine.api import fully_shard, original_class
-from shardline.engine.state import get_unit
+from shardline.engine.registry import get_unit
 from shardline.engine.traversal import post_order
 from shardline.errors import ConfigurationError, PolicyMatchError
 

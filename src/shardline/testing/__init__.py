@@ -1,5 +1,6 @@
-"""Test utilities for code built on shardline (multi-process runs with hard deadlines)."""
+"""Test utilities for code built on shardline (multi-process runs with hard deadlines, injected faults)."""
 
+from shardline.testing.collectives import DelayedCollectives
 from shardline.testing.multiprocess import DistributedTimeoutError, RankFailedError, run_distributed
 
-__all__ = ["DistributedTimeoutError", "RankFailedError", "run_distributed"]
+__all__ = ["DelayedCollectives", "DistributedTimeoutError", "RankFailedError", "run_distributed"]

@@ -15,8 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from shardline.engine.mixed_precision import MixedPrecision
-from shardline.engine.wrap import check_policy_matches
+from shardline.engine import MixedPrecision, check_policy_matches
 from shardline.errors import ConfigurationError, ShardlineError
 
 __all__ = ["Policies", "build_callbacks", "build_model", "build_policies", "preflight"]

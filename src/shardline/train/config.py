@@ -21,7 +21,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from shardline.engine.strategy import ShardingStrategy
+from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 from shardline.train.precision import check_precision
 from shardline.train.schema import TrainConfig, register_schemas

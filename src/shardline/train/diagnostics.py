@@ -33,9 +33,7 @@ from shardline.diagnostics.report import (
     reset_peak_rss,
     unit_report,
 )
-from shardline.engine.comm import count_collectives
-from shardline.engine.memory import memory_stats, reset_peak_memory_stats
-from shardline.engine.state import subtree_units
+from shardline.engine import count_collectives, memory_stats, reset_peak_memory_stats, subtree_units
 
 __all__ = ["Diagnostics"]
 
@@ -88,7 +86,7 @@ class Diagnostics:
             self._console.print("[bold]diagnostics[/]")
             for line in lines + rank_lines:
                 self._console.print("  " + escape(line))
-        reset_peak_memory_stats()
+        reset_peak_memory_stats(trainer.model)
         reset_peak_rss()
 
     # ------------------------------------------------------------------ per-phase memory
@@ -110,7 +108,7 @@ class Diagnostics:
             cuda_peak_bytes=cuda,
         )
         self.rows.append(row)
-        reset_peak_memory_stats()
+        reset_peak_memory_stats(trainer.model)
         reset_peak_rss()
         if phase == "batch_end" and step == trainer.start_step + self.memory_steps:
             self._report(trainer)
@@ -118,7 +116,7 @@ class Diagnostics:
     def on_train_batch_start(self, trainer: Any, step: int) -> None:
         self._mark(trainer, step, "batch_start")
         if step == trainer.start_step + 1:  # itemize the first step's collectives
-            self._counting = count_collectives()
+            self._counting = count_collectives(trainer.model)
             self._counter = self._counting.__enter__()
 
     def on_after_backward(self, trainer: Any, step: int) -> None:

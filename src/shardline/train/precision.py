@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from shardline.engine.mixed_precision import MixedPrecision
+from shardline.engine import MixedPrecision
 from shardline.errors import ConfigurationError
 
 __all__ = ["PRECISIONS", "autocast", "bf16_mixed_precision", "check_precision"]

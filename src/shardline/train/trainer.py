@@ -21,8 +21,7 @@ from torch import nn
 
 import shardline
 from shardline.distributed import DistInfo
-from shardline.engine.activation import apply_activation_checkpointing
-from shardline.engine.state import subtree_units
+from shardline.engine import apply_activation_checkpointing, subtree_units
 from shardline.train.build import Policies, build_model
 from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
 from shardline.train.data import Batches, Corpus, load_corpus
@@ -306,7 +305,7 @@ class Trainer:
         try:
             for step in range(self.start_step, self.max_steps):
                 lr = self.optimizer.param_groups[0]["lr"]
-                comm_before = shardline.comm_stats().total_bytes
+                comm_before = shardline.comm_stats(self.model).total_bytes
                 t0 = time.perf_counter()
                 loss, grad_norm = self._train_step(step)
                 if self.device.type == "cuda":
@@ -325,7 +324,7 @@ class Trainer:
                     tokens_per_s=self.tokens_per_step / dt,
                     step_time_s=dt,
                     peak_mem_mib=_peak_mem_mib(self.device),
-                    comm_mib=(shardline.comm_stats().total_bytes - comm_before) / 2**20,
+                    comm_mib=(shardline.comm_stats(self.model).total_bytes - comm_before) / 2**20,
                     val_loss=val_loss,
                 )
                 self.metrics.append(metrics)
