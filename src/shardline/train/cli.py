@@ -106,4 +106,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a folder with more experiment/NAME.yaml and trainer_strategy/NAME.yaml files (repeatable)",
     )
     parser.add_argument("--help-config", action="store_true", help="list every config key with its documentation")
-    parser.set_defaults(func=_cmd_train)
+    parser.set_defaults(func=_cmd_train, positionals_into="overrides")
