@@ -99,9 +99,6 @@ class TrainingCheckpoints:
             "val_history": [[s, v] for s, v in trainer.val_history],
             "per_rank": {"rng": capture_rng_state()},
         }
-        hf_config = getattr(getattr(trainer.model, "config", None), "to_dict", None)
-        if callable(hf_config):  # a transformers model: consolidate can write its config.json
-            state["hf_config"] = hf_config()
         return state
 
     def save(self, trainer: Any, step: int, *, tag: str | None = None) -> None:
