@@ -59,3 +59,25 @@ def train_lora_and_save(rank: int, world: int, root: str, strategy: str) -> dict
         reference.save_pretrained(os.path.join(root, "peft_ref"))
     torch.distributed.barrier()
     return {"full": pack(full)}
+
+
+def save_llama_and_save_pretrained(rank: int, world: int, root: str) -> dict[str, bytes]:
+    """``ranks.save_llama`` (checkpoints), then the save_pretrained route of docs/huggingface.md on a sharded Llama.
+
+    Rank 0 writes ``root/save_pretrained`` from a meta-device twin given the gathered state dict.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from tests.checkpoint.ranks import save_llama
+
+    saved = save_llama(rank, world, root)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "max_position_embeddings"}))
+    shardline.wrap(model, shardline.layer_policy(DECODER_LAYER))
+    full = shardline.full_state_dict(model, rank0_only=True)  # a collective: every rank calls it
+    if rank == 0:
+        with torch.device("meta"):  # an unsharded twin without memory: config.json names its class
+            twin = AutoModelForCausalLM.from_config(model.config)
+        twin.save_pretrained(os.path.join(root, "save_pretrained"), state_dict=full)
+    torch.distributed.barrier()
+    return {**saved, "save_pretrained": pack(full)}

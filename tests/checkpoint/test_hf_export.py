@@ -21,7 +21,14 @@ transformers = pytest.importorskip("transformers")
 def test_transformers_config_is_recorded_and_from_pretrained_loads(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    saved = run_distributed(ranks.save_llama, 2, args=(str(tmp_path),), timeout=90)[0]
+    saved = run_distributed(hf_ranks.save_llama_and_save_pretrained, 2, args=(str(tmp_path),), timeout=90)[0]
+    # The save_pretrained route for a sharded model (docs/huggingface.md): gathered state dict, meta-device twin.
+    routed = AutoModelForCausalLM.from_pretrained(tmp_path / "save_pretrained")
+    assert json.loads((tmp_path / "save_pretrained" / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLM"
+    ]
+    expected = ranks.unpack(saved.pop("save_pretrained"))
+    assert all(torch.equal(routed.state_dict()[k], v) for k, v in expected.items())
     for path, packed in saved.items():
         full = ranks.unpack(packed)
         out = tmp_path / f"hf-{Path(path).name}"

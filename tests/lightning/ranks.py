@@ -20,14 +20,21 @@ def _quiet() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
 
-def lit_module(seed: int = 0) -> Any:
+def lit_module(seed: int = 0, *, shard_in_configure_model: bool = False) -> Any:
     import lightning.pytorch as pl
+
+    import shardline
 
     class Regressor(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.save_hyperparameters({"lr": LR, "note": Path("a/path")})  # a Path: stored as text
             self.net = build_net(seed)
+
+        def configure_model(self) -> None:
+            if shard_in_configure_model:  # the user shards the blocks; the strategy adds the root unit
+                for block in self.net[:2]:
+                    shardline.fully_shard(block, mesh=self.device_mesh)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return loss_fn(self.net, *batch)
@@ -88,7 +95,10 @@ def _weights(trainer: Any) -> bytes:
 
 
 def train_save_resume(rank: int, world: int, root: str) -> dict[str, Any]:
-    """W ranks: train 2 epochs straight (ModelCheckpoint after each epoch), then resume from epoch 1's checkpoint."""
+    """W ranks: train 2 epochs straight (ModelCheckpoint after each epoch), then resume from epoch 1's checkpoint.
+
+    The straight run is sharded by the strategy's wrap policy; the resumed one in configure_model (same units).
+    """
     _quiet()
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -100,7 +110,9 @@ def train_save_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     resumed_norms = _recorder()
     resaver = ModelCheckpoint(dirpath=f"{root}/resumed", save_top_k=-1, every_n_epochs=1)
     resumed = _trainer(root, epochs=2, callbacks=[resumed_norms, resaver], devices=world)
-    resumed.fit(lit_module(seed=7), _loader(LOCAL_BATCH, rank, world), ckpt_path=str(first))
+    resumed.fit(
+        lit_module(seed=7, shard_in_configure_model=True), _loader(LOCAL_BATCH, rank, world), ckpt_path=str(first)
+    )
     return {
         "straight": _weights(straight),
         "resumed": _weights(resumed),

@@ -225,15 +225,17 @@ def consolidate(
     if not stored:
         raise ConfigurationError(f"{src} holds no model tensors to export")
     model_info = (manifest or {}).get("model", {})
-    aliases = {alias: group[0] for group in model_info.get("tied", []) for alias in group[1:]}
+    tied = {alias: group[0] for group in model_info.get("tied", []) for alias in group[1:]}
     scalars = set(model_info.get("scalars", []))
     state = load_trainer_state(src) if (manifest or {}).get("contents", {}).get("trainer_state") else {}
-    layout = export_layout(strip_wrapper_prefixes([k for k, _ in stored if k not in aliases]), state, adapters=adapters)
+    layout = export_layout(strip_wrapper_prefixes([k for k, _ in stored]), state, adapters=adapters)
     names = layout.names
+    # Tied names as exported: an alias is reported when both it and its target are part of this export.
+    aliases = {names[a]: names[t] for a, t in tied.items() if a in names and t in names}
     specs: list[tuple[str, TensorSpec]] = []
     sources: dict[str, TensorStorageMetadata] = {}
     for key, md in stored:
-        if key in aliases or key not in names:
+        if key in tied or key not in names:
             continue
         shape = () if key in scalars else tuple(md.size)
         out_dtype = cast if cast is not None and md.properties.dtype.is_floating_point else md.properties.dtype
@@ -246,7 +248,7 @@ def consolidate(
     batch_bytes = min(read_batch_bytes, max_bytes or read_batch_bytes)
     if single_file:
         provenance = {"shardline_source_manifest_sha256": digest or "", "shardline_step": str(step)}
-        return _write_single_file(reader, flat, specs, sources, tmp, dst, batch_bytes, provenance, aliases)
+        return _write_single_file(reader, flat, specs, sources, tmp, dst, batch_bytes, provenance, aliases, layout.note)
     try:
         files = _write_shards(reader, flat, shards, sources, tmp, batch_bytes, layout.weights_name)
         extra: dict[str, bytes] = {}
@@ -312,6 +314,7 @@ def _write_single_file(
     batch_bytes: int,
     provenance: dict[str, str],
     aliases: dict[str, str],
+    note: str | None,
 ) -> ConsolidationResult:
     """Write every tensor into ``dst`` (one ``.safetensors`` file, provenance in its metadata), atomically."""
     try:
@@ -330,6 +333,7 @@ def _write_single_file(
         source_manifest_hash=provenance["shardline_source_manifest_sha256"] or None,
         step=int(provenance["shardline_step"]) if provenance["shardline_step"].isdigit() else None,
         aliases=aliases,
+        note=note,
     )
 
 

@@ -278,6 +278,12 @@ class ShardlineStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         assert self.model is not None
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            if getattr(callback, "save_last", None) is True:  # caught here, not at the second save
+                raise ConfigurationError(
+                    "ModelCheckpoint(save_last=True) rewrites last.ckpt at every save, and shardline never "
+                    "overwrites a checkpoint; use save_last='link' (last.ckpt links to the newest checkpoint)"
+                )
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model = self._shard(self.model)
