@@ -97,7 +97,8 @@ def _weights(trainer: Any) -> bytes:
 def train_save_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     """W ranks: train 2 epochs straight (ModelCheckpoint after each epoch), then resume from epoch 1's checkpoint.
 
-    The straight run is sharded by the strategy's wrap policy; the resumed one in configure_model (same units).
+    The straight run is sharded by the strategy's wrap policy; the resumed one in configure_model (same units),
+    over the data-parallel dimension of a 2-D mesh.
     """
     _quiet()
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -109,7 +110,14 @@ def train_save_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     first = sorted(Path(root, "ckpts").iterdir())[0]
     resumed_norms = _recorder()
     resaver = ModelCheckpoint(dirpath=f"{root}/resumed", save_top_k=-1, every_n_epochs=1)
-    resumed = _trainer(root, epochs=2, callbacks=[resumed_norms, resaver], devices=world)
+    # A 2-D mesh as Lightning's ModelParallelStrategy builds it: the strategy shards over its data-parallel dimension.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardline.lightning import ShardlineStrategy
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    strategy = ShardlineStrategy(auto_wrap_policy=[Block], device_mesh=mesh)
+    resumed = _trainer(root, epochs=2, callbacks=[resumed_norms, resaver], devices=world, strategy=strategy)
     resumed.fit(
         lit_module(seed=7, shard_in_configure_model=True), _loader(LOCAL_BATCH, rank, world), ckpt_path=str(first)
     )

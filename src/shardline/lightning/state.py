@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import Container, OmegaConf
 
 from shardline.errors import ConfigurationError
 
@@ -43,19 +44,10 @@ def plain_state(obj: Any, where: str = "checkpoint") -> Any:
         return obj.item()
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(obj))
-    container = _omegaconf_container(obj)
-    if container is not None:
-        return plain_state(container, where)
+    if isinstance(obj, Container):
+        return plain_state(OmegaConf.to_container(obj, resolve=True), where)
     raise ConfigurationError(
         f"{where} holds a {type(obj).__module__}.{type(obj).__qualname__}, which a shardline checkpoint cannot store "
         "safely (its trainer state is read with torch.load(weights_only=True)). Store plain values there (numbers, "
         "strings, tensors, lists, dicts), e.g. in on_save_checkpoint or save_hyperparameters."
     )
-
-
-def _omegaconf_container(obj: Any) -> Any:
-    try:
-        from omegaconf import Container, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a dependency of shardline
-        return None
-    return OmegaConf.to_container(obj, resolve=True) if isinstance(obj, Container) else None

@@ -30,7 +30,9 @@ class Export:
         dtype: Cast floating-point weights (``bf16``, ``fp16``, ``fp32``); ``None`` keeps them.
     """
 
-    def __init__(self, folder: str = "export", model: bool = True, adapters: bool = False, dtype: Any = None) -> None:
+    def __init__(
+        self, *, folder: str = "export", model: bool = True, adapters: bool = False, dtype: Any = None
+    ) -> None:
         self.folder, self.model, self.adapters, self.dtype = folder, model, adapters, dtype
 
     def on_fit_end(self, trainer: Any, summary: Any) -> None:
