@@ -12,6 +12,12 @@ run. Like Lightning's FSDP strategy, the strategy wraps the LightningModule in a
 module whose ``forward`` Lightning's forward redirection goes through; the root unit lives on
 the wrapper and its hooks run around every step. State-dict keys inside shardline checkpoints
 therefore start with ``module.``; exports (``shardline consolidate``) strip it.
+
+Note: Lightning names with a leading underscore used here, each the way Lightning's own
+strategies do it, with no public equivalent: ``_SubprocessScriptLauncher`` (starting the other
+processes of ``python train.py``), ``LightningModule._device_mesh`` (what ``self.device_mesh``
+returns in ``configure_model``), and the ``Strategy`` members ``_precision_plugin``,
+``_launcher`` and ``_reset_optimizers_and_schedulers``. They are confined to this module.
 """
 
 from __future__ import annotations
