@@ -23,23 +23,31 @@ LLAMA = {
 DECODER_LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 
 
-def lora_model():
+def lora_model(base_dtype: torch.dtype = torch.float32):
+    """A tiny Llama with LoRA adapters; the frozen base weights in ``base_dtype``, the adapters fp32."""
     from shardline.models.hf import tiny_llama_lora
 
     warnings.simplefilter("ignore", FutureWarning)
     torch.manual_seed(0)
-    return tiny_llama_lora(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **LLAMA)
+    model = tiny_llama_lora(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **LLAMA)
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            param.data = param.data.to(base_dtype)
+    return model
 
 
-def train_lora_and_save(rank: int, world: int, root: str, strategy: str) -> dict[str, bytes]:
+def train_lora_and_save(
+    rank: int, world: int, root: str, strategy: str, base_dtype: torch.dtype = torch.float32
+) -> dict[str, bytes]:
     """Train LoRA adapters 2 steps, save a checkpoint, and -- as references -- PEFT's own save_pretrained outputs.
 
     Returns (rank 0) the full state dict, packed. ``root/ckpt`` is the checkpoint; ``root/peft_ref``
     is what PEFT writes from an unsharded copy; ``root/save_pretrained`` what PEFT writes from the
     sharded model given the gathered state dict (the route docs/huggingface.md describes).
     """
-    model = lora_model()
-    shardline.wrap(model, shardline.layer_policy(DECODER_LAYER), strategy=strategy)
+    model = lora_model(base_dtype)
+    if strategy != "none":  # "none": unsharded, to check the test itself where sharding is not available yet
+        shardline.wrap(model, shardline.layer_policy(DECODER_LAYER), strategy=strategy)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
     generator = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -51,10 +59,10 @@ def train_lora_and_save(rank: int, world: int, root: str, strategy: str) -> dict
         optimizer.step()
         optimizer.zero_grad()
     ckpt.save(os.path.join(root, "ckpt"), model=model, optimizer=optimizer, step=2)
-    full = shardline.full_state_dict(model, rank0_only=True)
+    full = shardline.full_state_dict(model, rank0_only=True) if strategy != "none" else model.state_dict()
     if rank == 0:
         model.save_pretrained(os.path.join(root, "save_pretrained"), state_dict=full)
-        reference = lora_model()
+        reference = lora_model(base_dtype)
         reference.load_state_dict(full)
         reference.save_pretrained(os.path.join(root, "peft_ref"))
     torch.distributed.barrier()

@@ -93,7 +93,7 @@ def _check_lora_export(tmp_path: Path, full: dict[str, torch.Tensor]) -> None:
     loaded = model.state_dict()
     assert set(loaded) == set(full)
     for key, value in full.items():
-        assert torch.equal(loaded[key], value), key
+        assert torch.equal(loaded[key].to(value.dtype), value), key  # a bf16 base may load as fp32: exact
     # The route for other adapters: save_pretrained on the sharded model, given the gathered state dict.
     routed = load_file(tmp_path / "save_pretrained" / "adapter_model.safetensors")
     assert routed.keys() == reference.keys()
@@ -113,3 +113,15 @@ def test_peft_adapters_export_full_shard(tmp_path: Path) -> None:
     pytest.importorskip("peft")
     result = run_distributed(hf_ranks.train_lora_and_save, 2, args=(str(tmp_path), "full_shard"), timeout=110)
     _check_lora_export(tmp_path, ranks.unpack(result[0]["full"]))
+
+
+@pytest.mark.xfail(reason="needs issue 8 engine fix", strict=False)
+def test_peft_adapters_export_bf16_base_fp32_adapters(tmp_path: Path) -> None:
+    """A frozen bf16 base with fp32 LoRA adapters in one unit (FULL_SHARD, 2 ranks): the adapter exports in fp32."""
+    pytest.importorskip("peft")
+    args = (str(tmp_path), "full_shard", torch.bfloat16)
+    result = run_distributed(hf_ranks.train_lora_and_save, 2, args=args, timeout=110)
+    full = ranks.unpack(result[0]["full"])
+    assert full["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"].dtype == torch.bfloat16
+    _check_lora_export(tmp_path, full)
+    assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "adapter" / "adapter_model.safetensors").values())
