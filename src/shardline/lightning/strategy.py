@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -493,3 +493,7 @@ class ShardlineStrategy(ParallelStrategy):
             "shardline", cls, description="shardline: fully sharded data parallelism with verifiable checkpoints",
             override=True,
         )  # fmt: skip
+
+
+# Importing shardline.lightning makes Trainer(strategy="shardline") available.
+ShardlineStrategy.register_strategies(StrategyRegistry)
