@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,3 +34,22 @@ def test_readme_quickstart_has_two_commands_and_ci_runs_the_second() -> None:
     commands = [line for block in blocks for line in block.splitlines() if line.strip() and not line.startswith("#")]
     assert len(commands) == 2, commands
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_lightning_example_launches_its_own_processes(tmp_path: Path) -> None:
+    """Lightning starts rank 1 itself (no torchrun); the strategy joins the processes and checkpoints verify."""
+    pytest.importorskip("lightning")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_shardline.py"), "--devices", "2", "--epochs", "1"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=110, cwd=tmp_path, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "final loss" in proc.stdout
+    (step,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    assert json.loads((step / "manifest.json").read_text())["world_size"] == 2
+    lineage = subprocess.run(
+        [sys.executable, "-m", "shardline.cli", "lineage", str(tmp_path / "checkpoints")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert lineage.returncode == 0, lineage.stdout + lineage.stderr

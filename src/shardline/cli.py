@@ -55,7 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardline`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Note: ``shardline train a=1 -cd DIR b=2`` -- argparse stops collecting a subcommand's
+    # positional list at the first option, so what follows it comes back as "unknown"; a command
+    # that declares ``positionals_into`` takes those back, in order.
+    args, extras = parser.parse_known_args(argv)
+    into = getattr(args, "positionals_into", None)
+    if extras and into and not any(e.startswith("-") for e in extras):
+        getattr(args, into).extend(extras)
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

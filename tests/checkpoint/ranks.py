@@ -261,6 +261,6 @@ def save_llama(rank: int, world: int, root: str) -> dict[str, bytes]:
         model = LlamaForCausalLM(config)
         shardline.wrap(model, shardline.layer_policy("transformers.models.llama.modeling_llama.LlamaDecoderLayer"))
         path = os.path.join(root, f"tied-{tie}")
-        ckpt.save(path, model=model, state={"step": 1, "hf_config": config.to_dict()}, step=1)
+        ckpt.save(path, model=model, state={"step": 1}, step=1)  # the model's config is recorded by itself
         out[path] = pack(shardline.full_state_dict(model, rank0_only=True))
     return out

@@ -17,8 +17,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from shardline.checkpoint import cli, consolidate, read_manifest
-from shardline.testing import run_distributed
-from tests.checkpoint import ranks
 from tests.models import ParityModel
 
 
@@ -74,27 +72,6 @@ def test_sharded_bf16_with_index(saved_run: Path, tmp_path: Path) -> None:
         assert value.dtype == torch.bfloat16, key
         assert torch.equal(value, full[key].to(torch.bfloat16)), key
         assert index["weight_map"][key] in shards
-
-
-def test_transformers_loads_the_export(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    from transformers import LlamaForCausalLM
-
-    saved = run_distributed(ranks.save_llama, 2, args=(str(tmp_path),), timeout=90)[0]
-    for path, packed in saved.items():
-        full = ranks.unpack(packed)
-        out = tmp_path / f"hf-{Path(path).name}"
-        result = consolidate(path, out)
-        assert (out / "config.json").is_file()
-        model = LlamaForCausalLM.from_pretrained(out)
-        loaded = model.state_dict()
-        for key, value in full.items():
-            assert torch.equal(loaded[key], value), key
-        if path.endswith("True"):
-            assert result.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
-            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-        else:
-            assert result.aliases == {}
 
 
 PEAK_SCRIPT = textwrap.dedent(

@@ -22,11 +22,11 @@ def _options(group: str) -> list[str]:
 
 def test_the_shipped_groups() -> None:
     assert _options("trainer_strategy") == ["ddp", "fsdp", "single_device", "zero2"]
-    assert set(_options("experiment")) >= {"tiny_gpt", "fsdp_args", "hf_llama"}
+    assert set(_options("experiment")) >= {"tiny_gpt", "fsdp_args", "hf_llama", "hf_lora"}
 
 
 # Experiments as users select them: fsdp_args is an overlay of tiny_gpt's sharding knobs.
-EXPERIMENTS = ["tiny_gpt", "hf_llama", "[tiny_gpt,fsdp_args]"]
+EXPERIMENTS = ["tiny_gpt", "hf_llama", "hf_lora", "[tiny_gpt,fsdp_args]"]
 
 
 def test_every_experiment_file_is_covered() -> None:
@@ -46,7 +46,7 @@ def test_every_yaml_composes_validates_and_builds(strategy: str, experiment: str
     if strategy == "single_device":
         overrides.append("trainer.devices=1")
     cfg = compose_config(overrides)
-    assert cfg.trainer.strategy.name == strategy
+    assert cfg.trainer.strategy.name == strategy, "a strategy chosen on the command line wins over the experiment's"
     OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)  # still fits the schema
     if strategy == "single_device" and experiment == "[tiny_gpt,fsdp_args]":
         with pytest.raises(ConfigurationError, match="mixed_precision needs a sharded strategy"):
@@ -96,7 +96,7 @@ def test_help_config_lists_documented_keys(capsys) -> None:
 
 
 BAD = [
-    (["experiment=nope"], r"unknown experiment 'nope'; available: fsdp_args, hf_llama, tiny_gpt"),
+    (["experiment=nope"], r"unknown experiment 'nope'; available: fsdp_args, hf_llama, hf_lora, tiny_gpt"),
     (["trainer.strategy=fsdpp"], r"unknown trainer.strategy 'fsdpp' \(did you mean 'fsdp'\?\)"),
     (["trainer.devcies=2"], r"unknown config key 'trainer.devcies'. Did you mean 'trainer.devices'\?"),
     (["trainer.devices=two"], r"invalid value for 'trainer.devices'"),

@@ -76,7 +76,12 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
     try:
         result = consolidate(
-            args.checkpoint, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype, verify=args.verify
+            args.checkpoint,
+            args.out,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+            verify=args.verify,
+            adapters=args.adapters,
         )
     except ShardlineError as e:
         return _fail(args, e)
@@ -91,6 +96,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
                 "source_manifest_sha256": result.source_manifest_hash,
                 "step": result.step,
                 "aliases": result.aliases,
+                "note": result.note,
             }
         )
         return 0
@@ -101,7 +107,12 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     )
     if result.aliases:
         print(f"Tied parameters written once: {', '.join(f'{a} = {b}' for a, b in result.aliases.items())}.")
-    print(f"Source manifest hash {result.source_manifest_hash} and output hashes are in consolidation.json.")
+    if result.note:
+        print(f"{result.note}.")
+    if result.out.is_dir():
+        print(f"Source manifest hash {result.source_manifest_hash} and output hashes are in consolidation.json.")
+    else:
+        print(f"Source manifest hash {result.source_manifest_hash} is in the file's safetensors metadata.")
     return 0
 
 
@@ -173,7 +184,14 @@ def register(subparsers: Any) -> None:
 
     cons = subparsers.add_parser("consolidate", help="export the model weights as safetensors (HF layout)")
     cons.add_argument("checkpoint")
-    cons.add_argument("out", help="new output directory")
+    cons.add_argument(
+        "out", help="new output directory, or a new FILE.safetensors (one file; a directory with --max-shard-size)"
+    )
+    cons.add_argument(
+        "--adapters",
+        action="store_true",
+        help="export the PEFT adapter (adapter_model.safetensors + adapter_config.json) instead of the model",
+    )
     cons.add_argument(
         "--max-shard-size", metavar="SIZE", help="split into shards of at most SIZE (e.g. 5GB) with an index"
     )

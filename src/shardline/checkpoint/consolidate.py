@@ -31,6 +31,7 @@ from shardline._version import __version__
 from shardline.checkpoint.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.dcp_io import MODEL_KEY, CachedReader, SafeLoadPlanner, key_paths
 from shardline.checkpoint.fsutil import fsync_dir
+from shardline.checkpoint.hf_export import export_layout
 from shardline.checkpoint.load import load_trainer_state
 from shardline.checkpoint.manifest import read_manifest
 from shardline.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
@@ -40,8 +41,6 @@ from shardline.errors import CheckpointExistsError, CheckpointWarning, Configura
 __all__ = ["SIDECAR", "ConsolidationResult", "consolidate", "parse_dtype", "parse_size", "strip_wrapper_prefixes"]
 
 SIDECAR = "consolidation.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 _UNITS = {
     "": 1,
@@ -117,6 +116,7 @@ class ConsolidationResult:
     source_manifest_hash: str | None
     step: int | None
     aliases: dict[str, str] = field(default_factory=dict)
+    note: str | None = None
 
 
 def _plan(specs: list[tuple[str, TensorSpec]], max_bytes: int | None) -> list[list[tuple[str, TensorSpec]]]:
@@ -151,29 +151,45 @@ def consolidate(
     dtype: str | torch.dtype | None = None,
     verify: str = "full",
     read_batch_bytes: int = 256 * 2**20,
+    adapters: bool = False,
 ) -> ConsolidationResult:
-    """Export the model weights of ``checkpoint`` as safetensors into the new directory ``out``.
+    """Export the model weights of ``checkpoint`` as safetensors: one file, or a new directory ``out``.
 
-    One ``model.safetensors`` when everything fits in ``max_shard_size`` (or none is given),
-    else ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``.
-    Tied parameters are written once (under their first name; the others are listed as
-    aliases in the sidecar), 0-d parameters get their shape back, wrapper prefixes are
-    stripped, floating-point tensors are cast to ``dtype`` if given. If the trainer state
-    holds ``hf_config`` (a ``PretrainedConfig.to_dict()``), it is written as ``config.json``
-    so ``transformers`` ``from_pretrained(out)`` works.
+    ``out`` ending in ``.safetensors`` (and no ``max_shard_size``): that one file, with the source
+    manifest hash and step in its safetensors metadata. Otherwise a directory: one
+    ``model.safetensors`` when everything fits in ``max_shard_size`` (or none is given), else
+    ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``, beside a
+    ``consolidation.json`` sidecar and ``SHA256SUMS``. Tied parameters are written once (under
+    their first name; the others are listed as aliases in the sidecar), 0-d parameters get
+    their shape back, wrapper prefixes are stripped, floating-point tensors are cast to
+    ``dtype`` if given. A checkpoint of a transformers model (its config is recorded at save)
+    gets ``config.json`` and ``generation_config.json``, so ``from_pretrained(out)`` loads it;
+    of a PEFT model, the base model is written that way, and ``adapters=True`` writes the
+    adapter instead (``adapter_model.safetensors`` + ``adapter_config.json`` for
+    ``PeftModel.from_pretrained``). See :mod:`shardline.checkpoint.hf_export`.
 
     Args:
         verify: ``"full"`` (default: re-hash the checkpoint first), ``"manifest"`` or ``"none"``
             (needed for a plain DCP directory without a manifest).
+        adapters: Export the PEFT adapter (a directory) instead of the model.
 
     Raises:
         IntegrityError: the checkpoint fails verification.
-        CheckpointExistsError: ``out`` exists and is not an empty directory.
+        CheckpointExistsError: ``out`` exists (a directory may exist if empty).
+        ConfigurationError: ``adapters`` for a checkpoint without a PEFT adapter shardline exports.
     """
     src = Path(checkpoint)
     dst = Path(out).absolute()
     max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     cast = parse_dtype(dtype) if dtype is not None else None
+    single_file = dst.suffix == ".safetensors" and max_bytes is None
+    if adapters and (single_file or max_bytes is not None):
+        raise ConfigurationError(
+            "--adapters writes a folder (adapter_model.safetensors + adapter_config.json, one file of weights): "
+            "give a directory as the output and no --max-shard-size"
+        )
+    if single_file and (dst.exists() or dst.is_symlink()):
+        raise CheckpointExistsError(f"{dst} already exists; choose a new output file (exports never overwrite)")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointExistsError(f"{dst} already exists and is not an empty directory; choose a new output path")
     manifest: dict[str, Any] | None = None
@@ -209,13 +225,17 @@ def consolidate(
     if not stored:
         raise ConfigurationError(f"{src} holds no model tensors to export")
     model_info = (manifest or {}).get("model", {})
-    aliases = {alias: group[0] for group in model_info.get("tied", []) for alias in group[1:]}
+    tied = {alias: group[0] for group in model_info.get("tied", []) for alias in group[1:]}
     scalars = set(model_info.get("scalars", []))
-    names = strip_wrapper_prefixes([k for k, _ in stored if k not in aliases])
+    state = load_trainer_state(src) if (manifest or {}).get("contents", {}).get("trainer_state") else {}
+    layout = export_layout(strip_wrapper_prefixes([k for k, _ in stored]), state, adapters=adapters)
+    names = layout.names
+    # Tied names as exported: an alias is reported when both it and its target are part of this export.
+    aliases = {names[a]: names[t] for a, t in tied.items() if a in names and t in names}
     specs: list[tuple[str, TensorSpec]] = []
     sources: dict[str, TensorStorageMetadata] = {}
     for key, md in stored:
-        if key in aliases:
+        if key in tied or key not in names:
             continue
         shape = () if key in scalars else tuple(md.size)
         out_dtype = cast if cast is not None and md.properties.dtype.is_floating_point else md.properties.dtype
@@ -224,22 +244,21 @@ def consolidate(
     shards = _plan(specs, max_bytes)
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)
+    step = (manifest or {}).get("step")
+    batch_bytes = min(read_batch_bytes, max_bytes or read_batch_bytes)
+    if single_file:
+        provenance = {"shardline_source_manifest_sha256": digest or "", "shardline_step": str(step)}
+        return _write_single_file(reader, flat, specs, sources, tmp, dst, batch_bytes, provenance, aliases, layout.note)
     try:
-        files = _write_shards(reader, flat, shards, sources, tmp, min(read_batch_bytes, max_bytes or read_batch_bytes))
+        files = _write_shards(reader, flat, shards, sources, tmp, batch_bytes, layout.weights_name)
         extra: dict[str, bytes] = {}
         if len(shards) > 1:
             weight_map = {spec.name: f["path"] for shard, f in zip(shards, files, strict=True) for _, spec in shard}
             total = sum(spec.nbytes for _, spec in specs)
-            extra[INDEX_FILE] = (
+            extra[f"{layout.weights_name}.safetensors.index.json"] = (
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
             ).encode()
-        hf_config = (
-            load_trainer_state(src).get("hf_config")
-            if (manifest or {}).get("contents", {}).get("trainer_state")
-            else None
-        )
-        if hf_config is not None:
-            extra["config.json"] = (json.dumps(hf_config, indent=2, sort_keys=True) + "\n").encode()
+        extra.update(layout.extra_files)
         for name, data in extra.items():
             (tmp / name).write_bytes(data)
             files.append({"path": name, "bytes": len(data), "sha256": sha256_hex(data)})
@@ -259,6 +278,7 @@ def consolidate(
             "renamed": {k: v for k, v in names.items() if k != v},
             "shardline_version": __version__,
             "files": sorted(files, key=lambda f: f["path"]),
+            **({"adapters": True} if adapters else {}),
         }
         side = canonical_json(sidecar)
         (tmp / SIDECAR).write_bytes(side)
@@ -278,8 +298,42 @@ def consolidate(
         tensors=len(specs),
         total_bytes=sum(f["bytes"] for f in files),
         source_manifest_hash=digest,
-        step=(manifest or {}).get("step"),
+        step=step,
         aliases=aliases,
+        note=layout.note,
+    )
+
+
+def _write_single_file(
+    reader: CachedReader,
+    flat: bool,
+    specs: list[tuple[str, TensorSpec]],
+    sources: dict[str, TensorStorageMetadata],
+    tmp: Path,
+    dst: Path,
+    batch_bytes: int,
+    provenance: dict[str, str],
+    aliases: dict[str, str],
+    note: str | None,
+) -> ConsolidationResult:
+    """Write every tensor into ``dst`` (one ``.safetensors`` file, provenance in its metadata), atomically."""
+    try:
+        (entry,) = _write_shards(reader, flat, [specs], sources, tmp, batch_bytes, "model", provenance)
+        if dst.exists() or dst.is_symlink():
+            raise CheckpointExistsError(f"{dst} appeared while the export was being written; it was left untouched")
+        os.rename(tmp / entry["path"], dst)
+        fsync_dir(dst.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ConsolidationResult(
+        out=dst,
+        files=({**entry, "path": dst.name},),
+        tensors=len(specs),
+        total_bytes=entry["bytes"],
+        source_manifest_hash=provenance["shardline_source_manifest_sha256"] or None,
+        step=int(provenance["shardline_step"]) if provenance["shardline_step"].isdigit() else None,
+        aliases=aliases,
+        note=note,
     )
 
 
@@ -290,12 +344,15 @@ def _write_shards(
     sources: dict[str, TensorStorageMetadata],
     tmp: Path,
     batch_bytes: int,
+    weights_name: str,
+    provenance: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     files = []
     n = len(shards)
     for i, shard in enumerate(shards):
-        name = SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        writer = SafetensorsWriter(tmp / name, [spec for _, spec in shard], metadata={"format": "pt"})
+        name = f"{weights_name}.safetensors" if n == 1 else f"{weights_name}-{i + 1:05d}-of-{n:05d}.safetensors"
+        metadata = {"format": "pt", **(provenance or {})}
+        writer = SafetensorsWriter(tmp / name, [spec for _, spec in shard], metadata=metadata)
         j = 0
         while j < len(shard):
             batch, size = [], 0

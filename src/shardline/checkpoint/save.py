@@ -42,6 +42,7 @@ from shardline.checkpoint.canonical import canonical_json, config_hash, sha256_h
 from shardline.checkpoint.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.fsutil import fsync_dir, tmp_dir_for
 from shardline.checkpoint.hashing import FileDigest, HashingWriter
+from shardline.checkpoint.hf_export import hf_metadata
 from shardline.checkpoint.manifest import (
     MANIFEST,
     MANIFEST_HASH_FILE,
@@ -184,6 +185,8 @@ def stage(
     rank = coord.group_rank(process_group)
     trainer = dict(state or {})
     per_rank = trainer.pop("per_rank", None)
+    for key, value in hf_metadata(model).items():  # transformers / PEFT configs, for consolidate
+        trainer.setdefault(key, value)
     sd: dict[str, Any] = {MODEL_KEY: model_state_dict(model, kind=kind)}  # type: ignore[arg-type]
     if optimizer is not None:
         sd[OPTIM_KEY] = optimizer_state_dict(model, optimizer, kind=kind)  # type: ignore[arg-type]

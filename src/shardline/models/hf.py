@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
-__all__ = ["tiny_llama"]
+from shardline.errors import ConfigurationError
+
+__all__ = ["tiny_llama", "tiny_llama_lora"]
+
+
+def _check_config_kwargs(config_cls: type, extra: dict[str, Any], where: str) -> None:
+    """A ``PretrainedConfig`` stores unknown keyword arguments silently; refuse them with a hint instead."""
+    allowed: set[str] = set(config_cls().to_dict())
+    for cls in config_cls.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            allowed |= {p for p in inspect.signature(init).parameters if p not in ("self", "kwargs")}
+    unknown = sorted(set(extra) - allowed)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigurationError(
+            f"{where}: {config_cls.__name__} has no setting '{unknown[0]}'.{hint} Remove it or fix its spelling."
+        )
 
 
 def tiny_llama(
@@ -30,6 +51,7 @@ def tiny_llama(
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError("the tiny_llama model needs Hugging Face transformers: pip install 'shardline[hf]'") from exc
+    _check_config_kwargs(LlamaConfig, extra, "tiny_llama")
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -42,3 +64,32 @@ def tiny_llama(
         **extra,
     )
     return LlamaForCausalLM(config)
+
+
+def tiny_llama_lora(
+    *,
+    r: int = 8,
+    lora_alpha: int = 16,
+    lora_dropout: float = 0.0,
+    target_modules: Sequence[str] = ("q_proj", "v_proj"),
+    **llama: Any,
+) -> nn.Module:
+    """:func:`tiny_llama` (``llama`` are its arguments) with LoRA adapters from ``peft`` on ``target_modules``.
+
+    The base weights are frozen; only the adapters train. ``shardline consolidate --adapters``
+    exports them as a folder ``peft.PeftModel.from_pretrained`` loads. Requires
+    ``pip install 'shardline[hf]'``.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("the tiny_llama_lora model needs peft: pip install 'shardline[hf]'") from exc
+    base = tiny_llama(**llama)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=list(target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(base, config)

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardline.engine import MixedPrecision, check_policy_matches
 from shardline.errors import ConfigurationError, ShardlineError
+from shardline.train.hints import keyword_hint, target_hint
 
 __all__ = ["Policies", "build_callbacks", "build_model", "build_policies", "preflight"]
 
@@ -33,8 +34,13 @@ def instantiate_node(node: Any, where: str) -> Any:
             cause = cause.__cause__
         if isinstance(cause, ShardlineError):
             raise ConfigurationError(f"{where}: {cause}") from None
-        detail = str(cause) if cause is not None else str(exc).strip().splitlines()[0]
         target = node.get("_target_") if isinstance(node, DictConfig) else None
+        if isinstance(cause, ImportError) and "Error loading" in str(cause):
+            detail = f"'{target}' cannot be imported.{target_hint(target)}"
+        else:
+            detail = str(cause) if cause is not None else str(exc).strip().splitlines()[0]
+            if isinstance(cause, TypeError):
+                detail += keyword_hint(target, cause)
         raise ConfigurationError(f"{where} (_target_: {target}) cannot be built: {detail}") from None
 
 

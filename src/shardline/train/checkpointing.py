@@ -69,6 +69,13 @@ class TrainingCheckpoints:
                 log.info("trainer.resume=auto: no committed checkpoint yet, starting from step 0")
             return 0
         step = int(state["step"])
+        data = state.get("data") or {}
+        if data.get("fingerprint") not in (None, trainer.corpus.fingerprint):
+            log.warning(
+                "resuming on different data: the checkpoint was trained on corpus sha256 %s, this run reads %s",
+                str(data["fingerprint"])[:12],
+                trainer.corpus.fingerprint[:12],
+            )
         trainer.scheduler.load_state_dict(state["scheduler"])
         trainer.val_history = [(int(s), float(v)) for s, v in state.get("val_history", [])]
         per_rank = state.get("per_rank")
@@ -84,13 +91,14 @@ class TrainingCheckpoints:
         state: dict[str, Any] = {
             "step": step,
             "scheduler": trainer.scheduler.state_dict(),
-            "data": {"position": step, "seed": int(trainer.cfg.trainer.seed)},
+            "data": {
+                "position": step,
+                "seed": int(trainer.cfg.trainer.seed),
+                "fingerprint": trainer.corpus.fingerprint,
+            },
             "val_history": [[s, v] for s, v in trainer.val_history],
             "per_rank": {"rng": capture_rng_state()},
         }
-        hf_config = getattr(getattr(trainer.model, "config", None), "to_dict", None)
-        if callable(hf_config):  # a transformers model: consolidate can write its config.json
-            state["hf_config"] = hf_config()
         return state
 
     def save(self, trainer: Any, step: int, *, tag: str | None = None) -> None:

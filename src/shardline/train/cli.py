@@ -8,9 +8,9 @@ import dataclasses
 import inspect
 import itertools
 import textwrap
-from importlib import resources
 
 from shardline.train import schema
+from shardline.train.config_layers import shipped_options
 
 __all__ = ["register"]
 
@@ -20,6 +20,9 @@ examples:
   shardline train trainer.strategy=ddp              another base strategy (fsdp, zero2, ddp, single_device)
   shardline train experiment=[tiny_gpt,fsdp_args] trainer.devices=2 ++trainer.precision=bf16-mixed ~callbacks.progress
   shardline train experiment=hf_llama               a tiny Hugging Face Llama (pip install 'shardline[hf]')
+  shardline train experiment=hf_lora                LoRA fine-tuning of a tiny Llama, then the adapter exported
+  shardline train -cd my_configs experiment=my_lm   your own experiment files (my_configs/experiment/my_lm.yaml)
+  shardline train experiment=path/to/my_lm.yaml     an experiment file by path
   shardline train --cfg job                         print the resolved config and exit
 """
 
@@ -46,18 +49,14 @@ def _field_docs() -> dict[str, dict[str, str]]:
     return docs
 
 
-def _options(group: str) -> list[str]:
-    folder = resources.files("shardline.train.conf") / group
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
 def config_help() -> str:
     """The help text listing every config key with its default and documentation."""
     docs = _field_docs()
     lines = [
         "config groups:",
-        f"  trainer.strategy=NAME   base strategy: {', '.join(_options('trainer_strategy'))}",
-        f"  experiment=NAME|[A,B]   overlays: {', '.join(_options('experiment'))}",
+        f"  trainer.strategy=NAME   base strategy: {', '.join(shipped_options('trainer_strategy'))}",
+        f"  experiment=NAME|[A,B]   overlays: {', '.join(shipped_options('experiment'))}; or PATH.yaml",
+        "  -cd/--config-dir DIR    a folder with more experiment/ and trainer_strategy/ YAML files",
         "",
         "config keys (set with key=value, add with ++key=value, remove with ~key):",
     ]
@@ -85,7 +84,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     from shardline.train.launcher import train
 
-    return train(args.overrides, print_config=args.cfg == "job")
+    return train(args.overrides, print_config=args.cfg == "job", config_dirs=args.config_dir or ())
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -99,5 +98,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides (see --help-config)")
     parser.add_argument("--cfg", choices=["job"], help="print the resolved config ('job') and exit")
+    parser.add_argument(
+        "-cd",
+        "--config-dir",
+        action="append",
+        metavar="DIR",
+        help="a folder with more experiment/NAME.yaml and trainer_strategy/NAME.yaml files (repeatable)",
+    )
     parser.add_argument("--help-config", action="store_true", help="list every config key with its documentation")
-    parser.set_defaults(func=_cmd_train)
+    parser.set_defaults(func=_cmd_train, positionals_into="overrides")

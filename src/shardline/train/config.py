@@ -11,6 +11,7 @@ import difflib
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,13 +24,14 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
+from shardline.train.config_layers import DEFAULT_EXPERIMENT, ConfigPlan, apply_model_replacement, prepare, suggest
+from shardline.train.data.sources import check_data_config
 from shardline.train.precision import check_precision
 from shardline.train.schema import TrainConfig, register_schemas
 
 __all__ = ["CONFIG_MODULE", "DEFAULT_EXPERIMENT", "compose_config", "experiment_name", "validate"]
 
 CONFIG_MODULE = "shardline.train.conf"
-DEFAULT_EXPERIMENT = "tiny_gpt"
 
 # "trainer.strategy=fsdp" reads naturally and is what Lightning+Hydra users type; in Hydra it
 # would assign a string to the strategy node. A bare name selects the trainer_strategy group.
@@ -46,7 +48,11 @@ def rewrite_overrides(overrides: Sequence[str]) -> list[str]:
 
 
 def experiment_name(overrides: Sequence[str]) -> str:
-    """The experiment(s) selected by the overrides, joined with '+' (default: tiny_gpt)."""
+    """The experiment(s) selected by the overrides, joined with '+' (default: tiny_gpt).
+
+    An experiment given as a file path counts by its file name without the extension, so
+    ``experiment=configs/my_lm.yaml`` files runs under ``runs/my_lm/``.
+    """
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException:
@@ -55,26 +61,54 @@ def experiment_name(overrides: Sequence[str]) -> str:
         if override.key_or_group == "experiment" and not override.is_delete():
             value = override.value()
             names = value if isinstance(value, list) else [value]
-            return "+".join(str(n) for n in names) or DEFAULT_EXPERIMENT
+            stems = [Path(str(n)).stem if str(n).endswith((".yaml", ".yml")) else str(n) for n in names]
+            return "+".join(stems) or DEFAULT_EXPERIMENT
     return DEFAULT_EXPERIMENT
 
 
-def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """The fully composed, schema-checked config for ``overrides`` (Hydra override syntax)."""
+def compose_config(overrides: Sequence[str] = (), *, config_dirs: Sequence[str | Path] = ()) -> DictConfig:
+    """The fully composed, schema-checked config for ``overrides`` (Hydra override syntax).
+
+    Args:
+        overrides: ``key=value``, ``++key=value``, ``~key``, ``experiment=NAME|PATH.yaml|[A,B]``...
+        config_dirs: Folders with more ``experiment/`` and ``trainer_strategy/`` YAML files
+            (``shardline train --config-dir DIR``).
+    """
     register_schemas()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=rewrite_overrides(overrides))
-    except (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException) as exc:
-        raise ConfigurationError(_explain(exc)) from None
-    finally:
-        GlobalHydra.instance().clear()
+    with prepare(rewrite_overrides(overrides), config_dirs) as plan:
+        try:
+            cfg = _compose(plan.overrides)
+        except _HYDRA_ERRORS as exc:
+            raise ConfigurationError(_explain(exc, plan)) from None
+        apply_model_replacement(cfg, plan)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigurationError(f"cannot resolve an interpolation in the config: {_first_line(exc)}") from None
     return cfg
+
+
+_HYDRA_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException)
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _keys_without(plan: ConfigPlan, full_key: str) -> list[str]:
+    """Keys of the node holding ``full_key`` when composed without the overrides that set it (for a hint)."""
+    node_path, _, _ = full_key.rpartition(".")
+    kept = [o for o in plan.overrides if o.lstrip("+~").partition("=")[0] != full_key]
+    try:
+        node = OmegaConf.select(_compose(kept), node_path)
+    except _HYDRA_ERRORS:
+        return []
+    return [str(k) for k in node] if isinstance(node, DictConfig) else []
 
 
 def _first_line(exc: BaseException) -> str:
@@ -97,41 +131,76 @@ def _schema_fields(path: Sequence[str]) -> list[str] | None:
     return None
 
 
-def _explain(exc: BaseException) -> str:
-    cause = exc.__cause__ or exc
+def _key_error(cause: BaseException) -> BaseException | None:
+    """The OmegaConf key/validation error behind a Hydra error (chained as cause or context)."""
+    seen = 0
+    while cause is not None and seen < 8:
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError, ValidationError)) and getattr(
+            cause, "full_key", None
+        ):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+        seen += 1
+    return None
+
+
+def _explain(exc: BaseException, plan: ConfigPlan) -> str:
     if isinstance(exc, MissingConfigException):
         text = str(exc)
         missing = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
-        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        options = [o for o in re.findall(r"^\t(\S+)$", text, flags=re.M) if not o.startswith("_file")]
         if missing:
             group, name = missing.groups()
             key = "trainer.strategy" if group == "trainer_strategy" else group
-            hint = difflib.get_close_matches(name, options, n=1)
             return (
                 f"unknown {key.replace('_', ' ')} {name!r}"
-                + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                + f"; available: {', '.join(options)}. Pass {key}=NAME with one of them."
+                + suggest(name, options)
+                + f"; available: {', '.join(options)}. Pass {key}=NAME with one of them"
+                + (", or the path of a YAML file (experiment=path/to/file.yaml)." if group == "experiment" else ".")
             )
         return _first_line(exc)
     if isinstance(exc, OverrideParseException):
         return f"cannot parse the command-line overrides: {_first_line(exc)} (Hydra override syntax: key=value)"
-    unknown_key = (ConfigKeyError, ConfigAttributeError)
-    if isinstance(cause, (*unknown_key, ValidationError)) and getattr(cause, "full_key", None):
+    where = re.match(r"In '([^']+)'", str(exc))
+    source = f" (set in {plan.describe(where.group(1))})" if where else ""
+    cause = _key_error(exc)
+    if cause is not None:
         full_key = str(cause.full_key)
         parts = full_key.split(".")
-        if isinstance(cause, unknown_key):
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+            if where and parts[0] in ("experiment", "trainer_strategy"):
+                return (
+                    f"unknown config key '{full_key}'{source}: the file was placed under '{parts[0]}'. Start an "
+                    "experiment file with the line '# @package _global_' (and a strategy file with "
+                    "'# @package trainer.strategy')."
+                )
             allowed = _schema_fields(parts[:-1])
             if allowed is not None:
                 close = difflib.get_close_matches(parts[-1], allowed, n=1)
                 prefix = ".".join(parts[:-1])
                 hint = f" Did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
                 return (
-                    f"unknown config key '{full_key}'.{hint} Allowed keys under '{prefix or '<root>'}': "
+                    f"unknown config key '{full_key}'{source}.{hint} Allowed keys under '{prefix or '<root>'}': "
                     f"{', '.join(allowed)}."
                 )
-            return f"unknown config key '{full_key}'"
-        return f"invalid value for '{full_key}': {_first_line(cause)}"
-    return _first_line(exc) + (f": {_first_line(cause)}" if cause is not exc else "")
+            if not where and len(parts) > 1:
+                existing = _keys_without(plan, full_key)
+                close = difflib.get_close_matches(parts[-1], existing, n=1)
+                if close:
+                    prefix = ".".join(parts[:-1])
+                    return (
+                        f"unknown config key '{full_key}'. Did you mean '{prefix}.{close[0]}'? Keys under "
+                        f"'{prefix}': {', '.join(existing)} (add a new one with +{full_key}=VALUE)."
+                    )
+                return (
+                    f"unknown config key '{full_key}': '{'.'.join(parts[:-1])}' has no key '{parts[-1]}' yet; add "
+                    f"one with a leading '+' (+{full_key}=VALUE), or set it whether or not it exists with "
+                    f"'++' (++{full_key}=VALUE)"
+                )
+            return f"unknown config key '{full_key}'{source}"
+        return f"invalid value for '{full_key}'{source}: {_first_line(cause)}"
+    inner = exc.__cause__ or exc.__context__
+    return _first_line(exc) + (f": {_first_line(inner)}" if inner is not None and inner is not exc else "")
 
 
 _ACCELERATORS = ("auto", "cpu", "cuda")
@@ -242,6 +311,7 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
             f"trainer.resume={resume}: no such checkpoint directory; pass auto or the path of a committed "
             "checkpoint (RUN_DIR/checkpoints/step-N)"
         )
+    check_data_config(cfg.data)
     if cfg.optimizer.lr <= 0:
         raise ConfigurationError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     if not 0 <= cfg.scheduler.min_lr_ratio <= 1:

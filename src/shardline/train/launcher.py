@@ -39,11 +39,14 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def train(overrides: Sequence[str], *, print_config: bool = False) -> int:
-    """Run ``shardline train`` with Hydra-style ``overrides``; returns the process exit code."""
+def train(overrides: Sequence[str], *, print_config: bool = False, config_dirs: Sequence[str] = ()) -> int:
+    """Run ``shardline train`` with Hydra-style ``overrides``; returns the process exit code.
+
+    ``config_dirs`` are ``--config-dir`` folders with more experiment/strategy YAML files.
+    """
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        cfg = compose_config(overrides)
+        cfg = compose_config(overrides, config_dirs=config_dirs)
         if print_config:
             print(to_yaml(cfg), end="")
             return 0

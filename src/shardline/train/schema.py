@@ -90,18 +90,31 @@ class TrainerConfig:
 
 @dataclass
 class DataConfig:
-    """The corpus and how batches are cut from it."""
+    """The corpus and how batches are cut from it (see docs/your_own.md)."""
 
     name: str = "stdlib"
-    """Corpus: stdlib (this Python's standard library sources; offline)."""
+    """Source: stdlib (this Python's standard library sources, offline), text (text files), jsonl (JSON lines),
+    tokens (a pre-tokenized .bin/.npy array, memory-mapped)."""
+    path: Any = None
+    """text/jsonl: a glob of your files (or a list of globs; ** recurses); tokens: the .bin or .npy file."""
+    val_path: Any = None
+    """Validation data of the same kind; default: hold out about one document (tokens: the last part) in val_every."""
+    text_field: str = "text"
+    """jsonl: the field of each JSON object that holds the text."""
+    tokenizer: Any = None
+    """A tokenizer.json file or a folder for transformers.AutoTokenizer (local, nothing downloaded); null: bytes."""
+    eos_token: Any = None
+    """The token that separates documents (default: the tokenizer's end-of-sequence token, if it has one)."""
+    token_dtype: str = "uint16"
+    """tokens: element type of a raw .bin file (uint16 as nanoGPT writes it, uint32, int32 or int64)."""
     root: Any = None
-    """Directory of .py files to read instead of the standard library."""
+    """stdlib: a directory of .py files to read instead of the standard library."""
     max_bytes: int = 4_000_000
-    """Size of the training split in bytes (the validation split is about 1/val_every of it)."""
+    """stdlib: size of the training split in bytes (the validation split is about 1/val_every of it)."""
     val_every: int = 20
-    """About one file in val_every goes to the validation split."""
+    """About one file (or document) in val_every goes to the validation split."""
     seq_len: int = 128
-    """Bytes per training sequence."""
+    """Tokens per training sequence (bytes for the stdlib corpus)."""
 
 
 @dataclass

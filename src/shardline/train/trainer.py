@@ -24,7 +24,7 @@ from shardline.distributed import DistInfo
 from shardline.engine import apply_activation_checkpointing, subtree_units
 from shardline.train.build import Policies, build_model
 from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
-from shardline.train.data import Batches, Corpus, load_corpus
+from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
 from shardline.train.precision import autocast
 
 __all__ = ["StepMetrics", "Summary", "Trainer"]
@@ -151,9 +151,7 @@ class Trainer:
         self.tokens_per_step = self.global_batch * cfg.data.seq_len
 
         torch.manual_seed(cfg.trainer.seed)
-        self.corpus: Corpus = load_corpus(
-            name=cfg.data.name, max_bytes=cfg.data.max_bytes, val_every=cfg.data.val_every, root=cfg.data.root
-        )
+        self.corpus: Corpus = load_corpus(cfg.data)
         log.info("corpus: %s", self.corpus.describe())
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
@@ -163,16 +161,18 @@ class Trainer:
                 s, warmup=cfg.scheduler.warmup_steps, total=self.max_steps, min_ratio=cfg.scheduler.min_lr_ratio
             ),
         )
-        self.train_batches = Batches(
-            self.corpus.train,
+        self.train_batches = make_batches(
+            self.corpus,
+            "train",
             seq_len=cfg.data.seq_len,
             global_batch=self.global_batch,
             rank=info.rank,
             world_size=info.world_size,
             seed=cfg.trainer.seed,
         )
-        self.val_batches = Batches(
-            self.corpus.val,
+        self.val_batches = make_batches(
+            self.corpus,
+            "val",
             seq_len=cfg.data.seq_len,
             global_batch=cfg.trainer.micro_batch_size * info.world_size,
             rank=info.rank,
@@ -191,6 +191,7 @@ class Trainer:
         cfg, policies = self.cfg, self.policies
         init_on_meta = cfg.trainer.init_device == "meta"
         model = build_model(cfg, device="meta" if init_on_meta else "cpu")
+        check_vocab(self.corpus, model)
         self.model_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         if not init_on_meta and self.device.type != "cpu":
             model.to(self.device)

@@ -1,4 +1,4 @@
-"""The default corpus (Python's own standard library sources) and deterministic byte-level batches.
+"""The built-in corpus: Python's own standard library sources, as bytes.
 
 Every machine with Python has the corpus, so the default experiment needs no download. It is
 built deterministically: ``.py`` files under the standard library directory (no
@@ -7,10 +7,6 @@ SHA-256 of its path falls in a fixed bucket, read until the train split holds ``
 and the validation split about ``max_bytes / val_every``. Its fingerprint is the
 SHA-256 of every file's path and bytes in order, so two runs can prove they saw the same data
 (different Python versions have different standard libraries, hence different fingerprints).
-
-Batches are stateless: the batch of step ``s`` depends only on ``(seed, s)``, so resuming at
-step ``s`` continues exactly where an uninterrupted run would be, and the data position of a
-run is just its step.
 """
 
 from __future__ import annotations
@@ -19,40 +15,19 @@ import hashlib
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shardline.errors import ConfigurationError
+from shardline.train.data.corpus import Corpus
 
-__all__ = ["Batches", "Corpus", "build_stdlib_corpus", "load_corpus"]
+__all__ = ["build_stdlib_corpus"]
 
 # Installed packages, caches, test suites and demos are not "the standard library".
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "idlelib", "turtledemo", "test", "tests"}
 # Generated at build time and different on every machine.
 _SKIP_PREFIXES = ("_sysconfigdata",)
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Token ids (bytes) of the train and validation splits, and where they came from."""
-
-    train: torch.Tensor
-    val: torch.Tensor
-    fingerprint: str
-    source: str
-    files_train: int
-    files_val: int
-
-    def describe(self) -> str:
-        def files(n: int) -> str:
-            return f"{n} file" + ("" if n == 1 else "s")
-
-        return (
-            f"{self.source}: {self.train.numel() / 1e6:.1f} MB train ({files(self.files_train)}), "
-            f"{self.val.numel() / 1e6:.2f} MB validation ({files(self.files_val)}), sha256 {self.fingerprint[:12]}"
-        )
 
 
 def _stdlib_files(root: Path) -> list[Path]:
@@ -125,47 +100,3 @@ def build_stdlib_corpus(*, max_bytes: int, val_every: int = 20, root: str | os.P
 
 def _as_tokens(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
-
-
-def load_corpus(*, name: str, max_bytes: int, val_every: int, root: str | None) -> Corpus:
-    """The corpus named by the data config (``stdlib`` is the only built-in one)."""
-    if name != "stdlib":
-        raise ConfigurationError(f"unknown corpus data.name={name!r}; available: stdlib")
-    return build_stdlib_corpus(max_bytes=max_bytes, val_every=val_every, root=root)
-
-
-class Batches:
-    """Deterministic random windows of a byte stream, split across ranks and micro-batches.
-
-    The global batch of step ``s`` is ``global_batch`` windows of ``seq_len + 1`` bytes whose
-    start offsets come from a generator seeded with ``(seed, s)``; rank ``r`` takes the ``r``-th
-    contiguous slice of it. One process with the whole global batch sees exactly the union of
-    what ``W`` ranks see.
-    """
-
-    def __init__(self, data: torch.Tensor, *, seq_len: int, global_batch: int, rank: int, world_size: int, seed: int):
-        if global_batch % world_size:
-            raise ConfigurationError(
-                f"the global batch ({global_batch}) must be divisible by the number of ranks ({world_size}); "
-                "change trainer.micro_batch_size, trainer.accumulate_grad_batches or trainer.devices"
-            )
-        if data.numel() <= seq_len + 1:
-            raise ConfigurationError(f"the corpus split has {data.numel()} bytes, fewer than seq_len+1={seq_len + 1}")
-        self.data = data
-        self.seq_len = seq_len
-        self.global_batch = global_batch
-        self.local_batch = global_batch // world_size
-        self.rank = rank
-        self.seed = seed
-
-    def starts(self, step: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        high = self.data.numel() - self.seq_len - 1
-        return torch.randint(0, high, (self.global_batch,), generator=g)
-
-    def local(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``(inputs, targets)`` for ``step``, each ``(local_batch, seq_len)`` int64."""
-        starts = self.starts(step)[self.rank * self.local_batch : (self.rank + 1) * self.local_batch]
-        offsets = starts[:, None] + torch.arange(self.seq_len + 1)
-        windows = self.data[offsets].long()
-        return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,269 @@
+"""Where the config layers of ``shardline train`` come from, and how the model node is layered.
+
+Three kinds of experiment files can be selected with ``experiment=...`` (several stacked with
+``experiment=[a,b]``):
+
+* a shipped one, by name (``shardline/train/conf/experiment/NAME.yaml``);
+* one in a folder passed with ``--config-dir DIR`` (``DIR/experiment/NAME.yaml``; the folder may
+  also hold ``trainer_strategy/NAME.yaml``), by name;
+* any YAML file, by path (``experiment=path/to/file.yaml``).
+
+Note: how files given by path reach Hydra. Hydra finds experiments only as
+``experiment/NAME.yaml`` under a search-path root, so each file given by path is copied into a
+private temporary root (as ``experiment/_file<i>_<stem>.yaml``, a name no user file can shadow)
+for the duration of the composition. An experiment is always a ``# @package _global_`` overlay;
+a copied file without a package line gets that one. Error messages name the original path.
+
+Note: replacing the model node. Hydra merges every layer's ``model`` node into the previous
+one, so an experiment that swaps the model class would inherit the default model's keyword
+arguments (``unexpected keyword argument 'n_heads'``). shardline's rule: a layer -- an
+experiment file or a command-line override -- that sets ``model._target_`` to a different class
+than the layers before it *replaces* the node: only the keys that layer and later ones set
+survive. A layer restating the same ``_target_`` merges as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from shardline.errors import ConfigurationError
+
+__all__ = [
+    "DEFAULT_EXPERIMENT",
+    "GROUPS",
+    "ConfigPlan",
+    "ExperimentRef",
+    "apply_model_replacement",
+    "prepare",
+    "shipped_options",
+    "suggest",
+]
+
+DEFAULT_EXPERIMENT = "tiny_gpt"
+GROUPS = ("experiment", "trainer_strategy")
+_YAML = (".yaml", ".yml")
+_PACKAGE_LINE = re.compile(r"^\s*#\s*@package\s+(\S+)", re.M)
+_FILE_PREFIX = "_file"
+
+
+def shipped_options(group: str) -> list[str]:
+    """Names of the shipped YAML files of a config group."""
+    folder = resources.files("shardline.train.conf") / group
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _shipped_file(group: str, name: str) -> Path | None:
+    path = Path(str(resources.files("shardline.train.conf") / group / f"{name}.yaml"))
+    return path if path.is_file() else None
+
+
+def _is_path(item: str) -> bool:
+    return item.endswith(_YAML) or "/" in item or "\\" in item
+
+
+@dataclass(frozen=True)
+class ExperimentRef:
+    """One selected experiment: the name Hydra sees, how the user wrote it, and its file."""
+
+    name: str
+    display: str
+    file: Path | None
+
+
+@dataclass
+class ConfigPlan:
+    """The overrides handed to Hydra and what the layers are made of (see the module docstring)."""
+
+    overrides: list[str]
+    experiments: list[ExperimentRef]
+    search_dirs: list[Path]
+    cli_model_layers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def run_name(self) -> str:
+        """The experiment(s) as runs are filed: names, or file stems for files given by path."""
+        names = [Path(e.display).stem if _is_path(e.display) else e.display for e in self.experiments]
+        return "+".join(names) or DEFAULT_EXPERIMENT
+
+    def describe(self, source: str) -> str:
+        """``experiment/_file0_x`` (a Hydra config path) as the user knows it."""
+        for e in self.experiments:
+            if source == f"experiment/{e.name}" and e.file is not None:
+                return f"experiment/{e.name}.yaml" if _shipped_file("experiment", e.name) == e.file else str(e.file)
+        return f"{source}.yaml"
+
+
+def _parse(overrides: Sequence[str]) -> list[Any]:
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigurationError(
+            f"cannot parse the command-line overrides: {text} (Hydra override syntax: key=value)"
+        ) from None
+
+
+def _config_dirs(config_dirs: Sequence[str | Path]) -> list[Path]:
+    dirs = []
+    for raw in config_dirs:
+        path = Path(raw).expanduser().absolute()
+        if not path.is_dir():
+            raise ConfigurationError(
+                f"--config-dir {raw}: no such directory. Pass a folder holding experiment/NAME.yaml (and/or "
+                "trainer_strategy/NAME.yaml) files."
+            )
+        for group in GROUPS:
+            clashes = sorted(p.stem for p in (path / group).glob("*.yaml") if p.stem in set(shipped_options(group)))
+            if clashes:
+                raise ConfigurationError(
+                    f"--config-dir {raw}: {group}/{clashes[0]}.yaml has the name of a shipped "
+                    f"{group.replace('_', ' ')}, which would take precedence over it silently. Rename your file (e.g. "
+                    f"{group}/my_{clashes[0]}.yaml) and select it by that name."
+                )
+        dirs.append(path)
+    return dirs
+
+
+def _find_experiment(name: str, dirs: Sequence[Path]) -> Path | None:
+    shipped = _shipped_file("experiment", name)
+    if shipped is not None:
+        return shipped
+    for d in dirs:
+        if (d / "experiment" / f"{name}.yaml").is_file():
+            return d / "experiment" / f"{name}.yaml"
+    return None
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _copy_experiment(src: Path, dst: Path) -> None:
+    text = src.read_text(encoding="utf-8")
+    if not _PACKAGE_LINE.search(text):
+        text = "# @package _global_\n" + text
+    dst.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def prepare(overrides: Sequence[str], config_dirs: Sequence[str | Path] = ()) -> Iterator[ConfigPlan]:
+    """The plan for composing ``overrides`` (a context: files given by path live in a temporary root meanwhile).
+
+    Raises:
+        ConfigurationError: a config folder or experiment file that does not exist, a folder
+            shadowing a shipped name, or overrides that do not parse.
+    """
+    dirs = _config_dirs(config_dirs)
+    parsed = _parse(overrides)
+    out = list(overrides)
+    extra_search: list[str] = []
+    experiments: list[ExperimentRef] = []
+    cli_layers: list[dict[str, Any]] = []
+    selected = False
+    with tempfile.TemporaryDirectory(prefix="shardline-experiments-") as tmp:
+        root = Path(tmp)
+        for index, override in enumerate(parsed):
+            key = override.key_or_group
+            if key == "hydra.searchpath" and not override.is_delete():
+                value = override.value()
+                extra_search.extend(str(v) for v in (value if isinstance(value, list) else [value]))
+                out[index] = ""
+            elif key == "experiment" and not override.is_delete():
+                selected = True
+                value = override.value()
+                items = [str(v) for v in (value if isinstance(value, list) else [value])]
+                names = []
+                for i, item in enumerate(items):
+                    if _is_path(item):
+                        src = Path(item).expanduser()
+                        if not src.is_file():
+                            raise ConfigurationError(
+                                f"experiment={item}: no such file. Pass the path of a YAML file, or the name of an "
+                                f"experiment ({', '.join(shipped_options('experiment'))}, or one in --config-dir)."
+                            )
+                        stem = re.sub(r"[^A-Za-z0-9_]", "_", src.stem)
+                        name = f"{_FILE_PREFIX}{i}_{stem}"
+                        (root / "experiment").mkdir(exist_ok=True)
+                        _copy_experiment(src, root / "experiment" / f"{name}.yaml")
+                        experiments.append(ExperimentRef(name, item, src.absolute()))
+                    else:
+                        name = item
+                        experiments.append(ExperimentRef(name, item, _find_experiment(name, dirs)))
+                    names.append(name)
+                out[index] = f"experiment=[{','.join(names)}]" if isinstance(value, list) else f"experiment={names[0]}"
+            elif key == "experiment" and override.is_delete():
+                selected = True
+            elif (key == "model" or key.startswith("model.")) and not override.is_delete():
+                cli_layers.append(_cli_model_layer(key, override.value()))
+        if not selected:
+            experiments.append(
+                ExperimentRef(DEFAULT_EXPERIMENT, DEFAULT_EXPERIMENT, _find_experiment(DEFAULT_EXPERIMENT, dirs))
+            )
+        search = [*dirs, root]
+        entries = [_quote(f"file://{d}") for d in search] + [_quote(s) for s in extra_search]
+        hydra_overrides = [o for o in out if o]
+        hydra_overrides.append(f"hydra.searchpath=[{','.join(entries)}]")
+        yield ConfigPlan(
+            overrides=hydra_overrides, experiments=experiments, search_dirs=search, cli_model_layers=cli_layers
+        )
+
+
+def _cli_model_layer(key: str, value: Any) -> dict[str, Any]:
+    """The top-level model keys a command-line override sets (and the target, if it sets one)."""
+    if key == "model":
+        return dict(value) if isinstance(value, dict) else {}
+    first = key.split(".")[1]
+    return {first: value if key.count(".") == 1 else {}}
+
+
+def _experiment_model(ref: ExperimentRef) -> dict[str, Any]:
+    """The ``model`` node an experiment file sets (empty if none, or if the file cannot be read)."""
+    if ref.file is None:
+        return {}
+    try:
+        text = ref.file.read_text(encoding="utf-8")
+        node = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except (OSError, OmegaConfBaseException, ValueError):
+        return {}  # Hydra reports the file itself
+    package = _PACKAGE_LINE.search(text)
+    if package is not None and package.group(1) != "_global_":
+        return {}
+    model = node.get("model") if isinstance(node, DictConfig) else None
+    return dict(OmegaConf.to_container(model, resolve=False)) if isinstance(model, DictConfig) else {}
+
+
+def apply_model_replacement(cfg: DictConfig, plan: ConfigPlan) -> None:
+    """Drop model keys set before the last layer that changed ``model._target_`` (see the module docstring)."""
+    layers = [_experiment_model(e) for e in plan.experiments] + plan.cli_model_layers
+    target: Any = None
+    start: int | None = None
+    for i, layer in enumerate(layers):
+        if "_target_" in layer:
+            if target is not None and layer["_target_"] != target:
+                start = i
+            target = layer["_target_"]
+    if start is None or not isinstance(cfg.get("model"), DictConfig):
+        return
+    keep = {key for layer in layers[start:] for key in layer}
+    with open_dict(cfg):
+        for key in [k for k in cfg.model if k not in keep]:
+            del cfg.model[key]
+
+
+def suggest(name: str, options: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest option, or an empty string."""
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,29 @@
+"""Training data: the built-in corpus or your own files, tokenized, and deterministic batches of it."""
+
+from shardline.train.data.batches import Batches, PackedBatches, make_batches
+from shardline.train.data.corpus import Corpus, stream_length, take_windows
+from shardline.train.data.files import build_text_corpus, build_token_corpus, expand_paths
+from shardline.train.data.sources import SOURCES, check_data_config, check_vocab, load_corpus
+from shardline.train.data.stdlib import build_stdlib_corpus
+from shardline.train.data.tokenizer import ByteEncoder, HFEncoder, TextEncoder, load_encoder
+
+__all__ = [
+    "SOURCES",
+    "Batches",
+    "ByteEncoder",
+    "Corpus",
+    "HFEncoder",
+    "PackedBatches",
+    "TextEncoder",
+    "build_stdlib_corpus",
+    "build_text_corpus",
+    "build_token_corpus",
+    "check_data_config",
+    "check_vocab",
+    "expand_paths",
+    "load_corpus",
+    "load_encoder",
+    "make_batches",
+    "stream_length",
+    "take_windows",
+]
