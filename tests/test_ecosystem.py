@@ -6,6 +6,7 @@ checked by its message.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -276,3 +277,25 @@ def test_peft_lora_on_a_tiny_llama_matches_one_process(dtype: torch.dtype, tmp_p
     # save_pretrained with the gathered weights writes what PEFT loads back.
     loaded = peft.PeftModel.from_pretrained(_tiny_llama(dtype), str(tmp_path / "adapter"))
     assert any("lora_A" in k for k in loaded.state_dict())
+
+
+def _save_pretrained(rank: int, world_size: int, out: str) -> None:
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    torch.manual_seed(0)
+    model = shardline.wrap(_tiny_llama(torch.float32), shardline.layer_policy(layer))
+    with pytest.raises(ShardingError, match=r"save_pretrained on a LlamaForCausalLM sharded by shardline needs"):
+        model.save_pretrained(out)
+    full = shardline.full_state_dict(model, rank0_only=True)
+    model.save_pretrained(out, state_dict=full, is_main_process=rank == 0)
+    assert type(model).__name__ == "ShardedLlamaForCausalLM", "the class is restored after saving"
+    dist.barrier()
+
+
+def test_save_pretrained_with_the_gathered_weights_writes_a_loadable_model(tmp_path: Path) -> None:
+    run_distributed(_save_pretrained, 2, args=(str(tmp_path / "out"),))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"], "config.json names the user's class"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    torch.manual_seed(0)
+    expected = _tiny_llama(torch.float32).state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], expected[k]) for k in expected)

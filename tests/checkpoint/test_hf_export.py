@@ -108,14 +108,12 @@ def test_peft_adapters_export_no_shard(tmp_path: Path) -> None:
     _check_lora_export(tmp_path, full)
 
 
-@pytest.mark.xfail(reason="needs issue 8 engine fix", strict=False)
 def test_peft_adapters_export_full_shard(tmp_path: Path) -> None:
     pytest.importorskip("peft")
     result = run_distributed(hf_ranks.train_lora_and_save, 2, args=(str(tmp_path), "full_shard"), timeout=110)
     _check_lora_export(tmp_path, ranks.unpack(result[0]["full"]))
 
 
-@pytest.mark.xfail(reason="needs issue 8 engine fix", strict=False)
 def test_peft_adapters_export_bf16_base_fp32_adapters(tmp_path: Path) -> None:
     """A frozen bf16 base with fp32 LoRA adapters in one unit (FULL_SHARD, 2 ranks): the adapter exports in fp32."""
     pytest.importorskip("peft")

@@ -125,13 +125,20 @@ def _save_pretrained_guard(save_pretrained: Any) -> Any:
     def guarded(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("state_dict") is None:
             raise ShardingError(
-                f"save_pretrained on a {type(self).__name__} sharded by shardline needs the full weights, which are "
-                "spread over every rank. On every rank run: state_dict = shardline.full_state_dict(model, "
+                f"save_pretrained on a {original_class(self).__name__} sharded by shardline needs the full weights, "
+                "which are spread over every rank. On every rank run: state_dict = shardline.full_state_dict(model, "
                 "rank0_only=True); model.save_pretrained(path, state_dict=state_dict, "
                 "is_main_process=torch.distributed.get_rank() == 0). (shardline consolidate writes the same from "
                 "a checkpoint, offline.)"
             )
-        return save_pretrained(self, *args, **kwargs)
+        # What the method records about the model (config.json's "architectures") names the user's
+        # class, not the Sharded* subclass: it runs as an instance of the original class.
+        sharded = type(self)
+        self.__class__ = original_class(self)
+        try:
+            return save_pretrained(self, *args, **kwargs)
+        finally:
+            self.__class__ = sharded
 
     guarded.__doc__ = save_pretrained.__doc__
     guarded.__name__ = "save_pretrained"
