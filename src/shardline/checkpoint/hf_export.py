@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from shardline.engine.api import original_class
+from shardline.engine import original_class
 from shardline.errors import ConfigurationError
 
 __all__ = ["HF_CONFIG", "HF_GENERATION_CONFIG", "PEFT_CONFIG", "ExportLayout", "export_layout", "hf_metadata"]

@@ -43,7 +43,7 @@ from shardline.engine.state_dict import (
 from shardline.engine.strategy import ShardingStrategy, StrategyPolicy
 from shardline.engine.traversal import post_order
 from shardline.engine.unit import Residency, ShardUnit
-from shardline.engine.wrap import LayerPolicy, check_policy_matches, layer_policy, resolve_class, wrap
+from shardline.engine.wrapping import LayerPolicy, check_policy_matches, layer_policy, resolve_class, wrap
 
 __all__ = [
     "CollectiveKind",

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardline.engine.traversal import post_order
-from shardline.engine.wrap import check_policy_matches
+from shardline.engine.wrapping import check_policy_matches
 
 __all__ = ["apply_activation_checkpointing", "is_checkpointed"]
 

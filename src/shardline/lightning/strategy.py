@@ -43,8 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import shardline
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
-from shardline.engine.mixed_precision import MixedPrecision
-from shardline.engine.strategy import ShardingStrategy
+from shardline.engine import MixedPrecision, ShardingStrategy
 from shardline.errors import CheckpointExistsError, ConfigurationError
 from shardline.lightning.clipping import clip_globally, log_metric
 from shardline.lightning.state import plain_state
