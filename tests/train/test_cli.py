@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# This checkout's sources first (not whichever copy the environment installed), and the tests package.
+PYTHONPATH = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
 SMALL = [
     "trainer.max_steps=6",
     "trainer.val_check_interval=3",
@@ -27,7 +29,7 @@ GPT_SMALL = ["model.dim=64", "model.n_layers=2"]
 
 
 def shardline_train(*args: str, run_root: Path, timeout: float = 110) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "shardline.cli", "train", f"trainer.run_root={run_root}", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
@@ -188,7 +190,7 @@ def test_resume_after_a_crash_continues_bit_identically(tmp_path: Path) -> None:
     assert _curve(tmp_path / "b") == _curve(tmp_path / "a"), "the resumed run must equal the uninterrupted one"
     assert (tmp_path / "b" / "config.resume-1.yaml").is_file(), "the first attempt's config is kept"
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     lineage = subprocess.run(
         [sys.executable, "-m", "shardline.cli", "lineage", str(tmp_path / "b"), "--json"],
         capture_output=True, text=True, env=env, timeout=60,
@@ -211,7 +213,7 @@ def test_divergence_saves_an_on_exception_checkpoint(tmp_path: Path) -> None:
     assert "TrainingDiverged: training loss became nan at step 3" in proc.stderr
     ckpt = tmp_path / "run" / "checkpoints" / "step-2-on_exception"
     assert (ckpt / "manifest.json").is_file()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     verify = subprocess.run(
         [sys.executable, "-m", "shardline.cli", "verify", str(ckpt)],
         capture_output=True,

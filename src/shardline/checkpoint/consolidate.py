@@ -29,13 +29,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardline._version import __version__
 from shardline.checkpoint.canonical import canonical_json, sha256_hex
-from shardline.checkpoint.dcp_io import MODEL_KEY, CachedReader, SafeLoadPlanner, key_paths
+from shardline.checkpoint.dcp_io import MODEL_KEY, TRAINER_KEY, MetadataReader, SafeLoadPlanner, decode_state, key_paths
 from shardline.checkpoint.fsutil import fsync_dir
-from shardline.checkpoint.load import load_trainer_state
-from shardline.checkpoint.manifest import read_manifest
+from shardline.checkpoint.opening import open_checkpoint
 from shardline.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
-from shardline.checkpoint.verify import verify_checkpoint
-from shardline.errors import CheckpointExistsError, CheckpointWarning, ConfigurationError, IntegrityError
+from shardline.errors import CheckpointError, CheckpointExistsError, CheckpointWarning, ConfigurationError
 
 __all__ = ["SIDECAR", "ConsolidationResult", "consolidate", "parse_dtype", "parse_size", "strip_wrapper_prefixes"]
 
@@ -117,6 +115,8 @@ class ConsolidationResult:
     source_manifest_hash: str | None
     step: int | None
     aliases: dict[str, str] = field(default_factory=dict)
+    verified: str = "full"
+    """How the source was checked: ``full`` (every byte), or an opt-in (``sizes``, ``none``)."""
 
 
 def _plan(specs: list[tuple[str, TensorSpec]], max_bytes: int | None) -> list[list[tuple[str, TensorSpec]]]:
@@ -133,7 +133,7 @@ def _plan(specs: list[tuple[str, TensorSpec]], max_bytes: int | None) -> list[li
 
 
 def _read_batch(
-    reader: CachedReader, flat: bool, batch: list[tuple[str, TensorStorageMetadata]]
+    reader: MetadataReader, flat: bool, batch: list[tuple[str, TensorStorageMetadata]]
 ) -> dict[str, torch.Tensor]:
     tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in batch}
     targets: dict[str, Any] = dict(tensors) if flat else {MODEL_KEY: tensors}
@@ -150,6 +150,7 @@ def consolidate(
     max_shard_size: str | int | None = None,
     dtype: str | torch.dtype | None = None,
     verify: str = "full",
+    expected_manifest_hash: str | None = None,
     read_batch_bytes: int = 256 * 2**20,
 ) -> ConsolidationResult:
     """Export the model weights of ``checkpoint`` as safetensors into the new directory ``out``.
@@ -163,12 +164,16 @@ def consolidate(
     so ``transformers`` ``from_pretrained(out)`` works.
 
     Args:
-        verify: ``"full"`` (default: re-hash the checkpoint first), ``"manifest"`` or ``"none"``
-            (needed for a plain DCP directory without a manifest).
+        verify: ``"full"`` (default: every file hashed against the manifest before anything is
+            read), or the opt-ins ``"sizes"`` and ``"none"`` (the only way to export a plain DCP
+            directory); an opt-in is recorded in ``consolidation.json`` and warned about.
+        expected_manifest_hash: The manifest hash to trust (e.g. from the ledger); default:
+            the one ``manifest.sha256`` records.
 
     Raises:
-        IntegrityError: the checkpoint fails verification.
+        IntegrityError: the checkpoint fails verification (naming the files); nothing is written.
         CheckpointExistsError: ``out`` exists and is not an empty directory.
+        CheckpointError: ``out`` cannot be created.
     """
     src = Path(checkpoint)
     dst = Path(out).absolute()
@@ -176,25 +181,18 @@ def consolidate(
     cast = parse_dtype(dtype) if dtype is not None else None
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointExistsError(f"{dst} already exists and is not an empty directory; choose a new output path")
-    manifest: dict[str, Any] | None = None
-    digest: str | None = None
-    if verify != "none":
-        report = verify_checkpoint(src, level="full" if verify == "full" else "manifest")
-        if not report.ok:
-            listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in report.problems[:10])
-            raise IntegrityError(
-                f"cannot consolidate {src}: {report.error or 'it does not match its manifest'}"
-                + (f" -- {listing}" if listing else "")
-                + ". Fix or re-copy the checkpoint (or pass verify='none' for a plain DCP directory)."
-            )
-    if (src / "manifest.json").is_file():
-        manifest, digest = read_manifest(src)
-    else:
+    opened = open_checkpoint(src, verify=verify, expected_manifest_hash=expected_manifest_hash)
+    manifest, digest, level = opened.checked.manifest, opened.checked.manifest_hash, opened.checked.level
+    if level.opt_in:
+        unverified = "it has no shardline manifest" if manifest is None else "its data files were not hashed"
         warnings.warn(
-            f"{src} has no shardline manifest: the export records no source hash", CheckpointWarning, stacklevel=2
+            f"exporting {src} with verify={level.value!r}: {unverified}, so damaged bytes would go unnoticed; "
+            "consolidation.json records this",
+            CheckpointWarning,
+            stacklevel=2,
         )
-    reader = CachedReader(src)
-    metadata = reader.read_metadata()
+    reader = opened.reader()
+    metadata = opened.metadata
     paths = key_paths(metadata)
     flat = not any(p[0] == MODEL_KEY for p in paths.values())
     stored: list[tuple[str, TensorStorageMetadata]] = []
@@ -223,7 +221,12 @@ def consolidate(
         sources[key] = md
     shards = _plan(specs, max_bytes)
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot create the output directory {dst}: {e.strerror or e}. Choose a writable location."
+        ) from None
     try:
         files = _write_shards(reader, flat, shards, sources, tmp, min(read_batch_bytes, max_bytes or read_batch_bytes))
         extra: dict[str, bytes] = {}
@@ -234,7 +237,7 @@ def consolidate(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
             ).encode()
         hf_config = (
-            load_trainer_state(src).get("hf_config")
+            _trainer_state(reader, metadata).get("hf_config")
             if (manifest or {}).get("contents", {}).get("trainer_state")
             else None
         )
@@ -251,6 +254,7 @@ def consolidate(
                 "checkpoint": str(src.absolute()),
                 "manifest_sha256": digest,
                 "step": (manifest or {}).get("step"),
+                "verified": level.value,
             },
             "dtype": str(cast).removeprefix("torch.") if cast is not None else None,
             "max_shard_size_bytes": max_bytes,
@@ -280,11 +284,22 @@ def consolidate(
         source_manifest_hash=digest,
         step=(manifest or {}).get("step"),
         aliases=aliases,
+        verified=level.value,
     )
 
 
+def _trainer_state(reader: MetadataReader, metadata: Any) -> dict[str, Any]:
+    if TRAINER_KEY not in key_paths(metadata):
+        return {}
+    target: dict[str, Any] = {TRAINER_KEY: None}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return decode_state(target[TRAINER_KEY])
+
+
 def _write_shards(
-    reader: CachedReader,
+    reader: MetadataReader,
     flat: bool,
     shards: list[list[tuple[str, TensorSpec]]],
     sources: dict[str, TensorStorageMetadata],
