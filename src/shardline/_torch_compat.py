@@ -15,6 +15,7 @@ import torch.distributed as dist
 __all__ = [
     "DCP_METADATA_CLASSES",
     "all_gather_into",
+    "elastic_launch_config",
     "fake_tensor_mode",
     "group_timeout",
     "in_backward",
@@ -147,3 +148,15 @@ def is_dcp_metadata_global(module: str, name: str) -> bool:
     if name in DCP_METADATA_CLASSES.get(module, ()):
         return True
     return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def elastic_launch_config(**kwargs: Any) -> Any:
+    """A ``torch.distributed.launcher.api.LaunchConfig``, leaving out fields this torch does not have.
+
+    ``shutdown_timeout`` (how long the agent waits after ``SIGTERM`` before ``SIGKILL``) appeared
+    after torch 2.6; older versions wait their fixed 30 s.
+    """
+    from torch.distributed.launcher.api import LaunchConfig
+
+    known = LaunchConfig.__dataclass_fields__
+    return LaunchConfig(**{k: v for k, v in kwargs.items() if k in known})

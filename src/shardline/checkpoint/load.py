@@ -2,12 +2,17 @@
 
 Note: nothing unverified is used (see ``opening.py`` for the order of checks). Rank 0 anchors
 the manifest and checks the listing; every rank hashes ``.metadata`` before unpickling it and
-checks the model against it (one all-gather); DCP then reads the data into *staging* tensors
-through :class:`~.reading.VerifyingReader`, each rank hashing a disjoint share of the files as
-it reads them; DCP's read all-gather is the agreement. Only then are the staged values copied
-into the shards and the optimizer, so a checkpoint that fails verification leaves the model and
-optimizer as they were. Cost: one SHA-256 pass over the checkpoint spread over the ranks, and
-a transient copy of this rank's parameter shards.
+checks the model against it (one all-gather); DCP then reads the data through
+:class:`~.reading.VerifyingReader`, each rank hashing a disjoint share of the files in the pass
+that reads them, and DCP's read all-gather is the agreement. Nothing the load produced is used
+before it: buffers, 0-d parameters, the optimizer state (``load_state_dict``) and the trainer
+state are installed, and ``load`` returns, only once every rank knows every file verified.
+Cost: one SHA-256 pass over the checkpoint, spread over the ranks and overlapped with reading.
+
+Like plain DCP, the data is read in place into the model's shards (and into optimizer state
+tensors the optimizer already holds), so a load that raises leaves those values undefined:
+load a checkpoint that verifies (``CheckpointManager.load("auto")`` does) or rebuild them.
+Staging copies would keep them intact at the cost of a copy of every shard per load.
 
 Note: how resharding works. Every parameter target is a DTensor piece placed like the live
 shard; DCP's planner intersects the pieces each rank asks for with the chunks each file holds
@@ -177,9 +182,7 @@ def _model_targets(
         if size == state_shape(sp):
             # Note: DCP fills a staging piece placed like the shard, not the shard itself: nothing
             # reaches the model before every rank has agreed that every file verified.
-            local = torch.empty(sp.layout.local_shape, dtype=unit.master_dtype, device=unit.device)
-            targets[key] = as_dtensor(unit, sp, local)
-            after.append(lambda sp=sp, local=local: sp.sharded.data.copy_(local))
+            targets[key] = unit.to_dtensor(sp)
         elif size == () and sp.layout.shape == ():
             temp = torch.empty((), dtype=md.properties.dtype)
             targets[key] = temp
@@ -199,7 +202,11 @@ def _optim_targets(
     if not entries:
         problems.append("an optimizer was passed but the checkpoint holds no optimizer state ('optim.*' keys)")
         return {}
-    by_fqn = {fqn: managed for _, fqn, managed in optimizer_params(model, optimizer)}
+    params = optimizer_params(model, optimizer)
+    by_fqn = {fqn: managed for _, fqn, managed in params}
+    # Note: state tensors the optimizer already holds (same shape, dtype and device) are read into
+    # in place, as plain DCP would; a fresh optimizer gets new tensors.
+    current = {fqn: optimizer.state.get(param, {}) for param, fqn, _ in params}
     placed = []
     for path, md in entries:
         if not isinstance(md, TensorStorageMetadata):
@@ -217,9 +224,17 @@ def _optim_targets(
             placed.append((path, torch.empty(size, dtype=dtype)))
         elif size == state_shape(managed[1]):
             unit, sp = managed
-            placed.append(
-                (path, as_dtensor(unit, sp, torch.empty(sp.layout.local_shape, dtype=dtype, device=unit.device)))
+            held = current[fqn].get(name)
+            fits = (
+                isinstance(held, torch.Tensor)
+                and held.dtype == dtype
+                and held.device == unit.device
+                and held.is_contiguous()
             )
+            local = held if fits and tuple(held.shape) == sp.layout.local_shape else None
+            if local is None:
+                local = torch.empty(sp.layout.local_shape, dtype=dtype, device=unit.device)
+            placed.append((path, as_dtensor(unit, sp, local)))
         else:
             problems.append(
                 f"optimizer state '{name}' of '{fqn}': checkpoint shape {size} vs parameter {state_shape(managed[1])}"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from shardline.diagnostics.report import (
 from shardline.engine.comm import count_collectives
 from shardline.engine.memory import memory_stats, reset_peak_memory_stats
 from shardline.engine.state import subtree_units
+from shardline.train.records import attempt_path
 
 __all__ = ["Diagnostics"]
 
@@ -144,7 +144,7 @@ class Diagnostics:
         for row in self.rows:
             log.info("diagnostics: %s", row.line())
         if trainer.is_rank0:
-            path = Path(trainer.run_dir) / "memory_phases.csv"
+            path = attempt_path(trainer.run_dir, "memory_phases.csv")
             with open(path, "w", newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(["step", "phase", "engine_mib", "engine_peak_mib", "peak_rss_mib", "cuda_peak_mib"])
