@@ -210,17 +210,19 @@ def _event_text(row: Any) -> str:
 
 
 def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
+    from shardline.checkpoint.lineage import start_new_chain
+
     if report.ok:
         print(f"error: the ledger {ledger.path} verifies; there is no break to record", file=sys.stderr)
         return 1
-    aside, row = ledger.start_new_chain(reason="the ledger did not verify", problems=list(report.problems))
+    aside, rows = start_new_chain(ledger, problems=list(report.problems))
     if args.json:
-        _emit_json({"ok": True, "previous_ledger": str(aside), "row": row.to_json()})
+        _emit_json({"ok": True, "previous_ledger": str(aside), "rows": [r.to_json() for r in rows]})
         return 0
     print(
-        f"Kept the broken ledger as {aside}; started a new chain in {ledger.path} whose first row "
-        f"({row.row_sha256[:12]}) "
-        "records the break. Training can append to it again."
+        f"Kept the broken ledger as {aside}; started a new chain in {ledger.path}: its first row "
+        f"({rows[0].row_sha256[:12]}) records the break, then {len(rows) - 1} committed checkpoint(s) on disk are "
+        "recorded again (marked recovered). Training can append to it."
     )
     return 0
 

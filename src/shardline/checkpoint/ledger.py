@@ -24,6 +24,7 @@ file system (only rank 0 writes it).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -306,9 +307,10 @@ class Ledger:
         rows = self.rows()
         problems: list[str] = []
         notes: list[str] = []
-        problems += self._head_problems(rows)
+        problems += self.head_problems(rows)
         prev = GENESIS
         seen: set[str] = set()
+        moved = _moves(rows)
         for i, row in enumerate(rows):
             fields = row.to_json()
             if row.seq != i + 1:
@@ -331,6 +333,13 @@ class Ledger:
             prev = row.row_sha256
             if not check_checkpoints:
                 continue
+            later = next(((seq, to) for seq, to in moved.get(row.checkpoint, []) if seq > row.seq), None)
+            if later is not None:
+                notes.append(
+                    f"row {row.seq} (step {row.step}): {row.checkpoint} failed verification and was moved aside to "
+                    f"{later[1]} (row {later[0]})"
+                )
+                continue
             where = self.path.parent / row.checkpoint
             if not where.exists():
                 notes.append(f"row {row.seq} (step {row.step}): {row.checkpoint} is no longer on disk")
@@ -347,8 +356,10 @@ class Ledger:
                 )
         return LineageReport(str(self.path), tuple(rows), tuple(problems), tuple(notes))
 
-    def _head_problems(self, rows: list[LedgerRow]) -> list[str]:
+    def head_problems(self, rows: list[LedgerRow] | None = None) -> list[str]:
         """The ledger must reach the row its head record names (rows removed from the end show here)."""
+        if rows is None:
+            rows = self.rows() if self.path.is_file() else []
         head = self.head_record()
         last = rows[-1] if rows else None
         if head is None:
@@ -371,3 +382,16 @@ class Ledger:
                 f"row {seq} differs from the one {self.head_path.name} records ({digest[:12]}): the ledger was replaced"
             ]
         return []
+
+
+def _moves(rows: list[LedgerRow]) -> dict[str, list[tuple[int, str]]]:
+    """``checkpoint -> [(seq, moved_to)]`` from the ledger's ``quarantine`` rows."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    for row in rows:
+        if row.event == "quarantine" and row.detail:
+            try:
+                detail = json.loads(row.detail)
+                out.setdefault(str(detail["checkpoint"]), []).append((row.seq, str(detail["moved_to"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out

@@ -11,14 +11,15 @@ Anything else means rows are missing, and the chain does not verify.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 from shardline.checkpoint.directory import CommittedCheckpoint, scan
-from shardline.checkpoint.ledger import Ledger, LineageReport
+from shardline.checkpoint.ledger import Ledger, LedgerRow, LineageReport
 
-__all__ = ["audit", "checkpoint_directories", "unrecorded"]
+__all__ = ["audit", "checkpoint_directories", "start_new_chain", "unrecorded"]
 
 
 def checkpoint_directories(ledger: Ledger) -> list[Path]:
@@ -34,7 +35,8 @@ def unrecorded(
     ledger: Ledger, directories: Iterable[Path]
 ) -> tuple[list[CommittedCheckpoint], CommittedCheckpoint | None]:
     """Committed checkpoints on disk the ledger does not record, and which one of them (if any) is a
-    legitimate interrupted publish (the newest on disk, its parent recorded or none, the only one)."""
+    legitimate interrupted publish (the newest on disk, its parent recorded or none, the only one, and the
+    ledger reaches the row its head record names)."""
     committed: list[CommittedCheckpoint] = []
     for directory in directories:
         committed += scan(directory)[0]
@@ -42,7 +44,8 @@ def unrecorded(
     recorded = ledger.manifest_hashes()
     missing = [c for c in committed if c.manifest_hash not in recorded]
     if (
-        len(missing) == 1
+        not ledger.head_problems()  # a ledger short of its own head record lost rows: nothing was interrupted
+        and len(missing) == 1
         and missing[0] is committed[-1]
         and (missing[0].parent_manifest_hash is None or missing[0].parent_manifest_hash in recorded)
     ):
@@ -80,3 +83,32 @@ def audit(
                 f"the ledger, whose newest checkpoint is {where}"
             )
     return replace(report, problems=tuple(problems), notes=tuple(notes))
+
+
+def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[LedgerRow]]:
+    """Keep a ledger that does not verify aside and start a new chain that records the break.
+
+    The new ledger's first row is a ``chain_break`` naming the old file (kept, with its SHA-256)
+    and ``problems``; then every committed checkpoint on disk is recorded again, oldest first,
+    marked ``recovered``, so the new chain covers what is there and training can append to it.
+    Returns (where the old ledger went, the new rows).
+    """
+    dirs = checkpoint_directories(ledger)
+    aside, first = ledger.start_new_chain(reason="the ledger did not verify", problems=problems)
+    committed: list[CommittedCheckpoint] = []
+    for directory in dirs:
+        committed += scan(directory)[0]
+    rows = [first]
+    for c in sorted(committed, key=lambda c: (c.created_unix_ns, c.step)):
+        rows.append(
+            ledger.append(
+                step=c.step,
+                tag=c.tag,
+                checkpoint=os.path.relpath(c.path, ledger.path.parent),
+                manifest_sha256=c.manifest_hash,
+                parent_manifest_sha256=c.parent_manifest_hash,
+                world_size=c.world_size,
+                recovered=True,
+            )
+        )
+    return aside, rows

@@ -244,7 +244,14 @@ def _optim_targets(
 
 def _dcp_error(path: Path, error: CheckpointException) -> ShardlineError:
     """One error for every rank from DCP's gathered per-rank failures: the lowest failing rank's."""
-    rank, (exc, _trace) = min(error.failures.items())
+
+    # Note: a rank that could not deserialize an item of a file another rank hashes reports only that;
+    # the hashing rank's "manifest records" verdict names the real cause, so it wins.
+    def precedence(item: tuple[int, Any]) -> tuple[int, int]:
+        rank, (exc, _trace) = item
+        return (0 if "manifest records" in str(exc) else 1 if isinstance(exc, ShardlineError) else 2, rank)
+
+    rank, (exc, _trace) = min(error.failures.items(), key=precedence)
     if isinstance(exc, ShardlineError):
         return coord.error_from_payload(coord.error_payload(exc))
     first = (str(exc).strip().splitlines() or [""])[0]

@@ -62,6 +62,11 @@ def assign_hashing(files: Mapping[str, int], reads: Sequence[Mapping[str, int]])
     return out
 
 
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
         if offset != 0 or length != tensor.size(dim):
@@ -145,7 +150,13 @@ class VerifyingReader(MetadataReader):
                         f"checkpoint {self.path}: {name} is truncated ({offset + len(data)} bytes where an item ends "
                         f"at {offset + length}); it was not loaded"
                     )
-                self._load(group, data, planner)
+                try:
+                    self._load(group, data, planner)
+                except Exception as e:
+                    raise IntegrityError(
+                        f"checkpoint {self.path} does not match its manifest -- {name}: an item at byte {offset} "
+                        f"cannot be read ({type(e).__name__}: {_first_line(e)}); it was not loaded"
+                    ) from None
 
     def _read_hashing(
         self, name: str, items: list[ReadItem], planner: LoadPlanner, problems: list[FileProblem]
@@ -158,6 +169,7 @@ class VerifyingReader(MetadataReader):
         pool = hasher_pool()
         pos = 0
         short = False
+        unreadable: str | None = None  # once an item fails to deserialize, the rest is only hashed
         with open(Path(self.path) / name, "rb", buffering=0) as f:
             for offset, length, group in self._groups(items):
                 if offset < pos:
@@ -170,7 +182,10 @@ class VerifyingReader(MetadataReader):
                     break
                 pending = pool.submit(digest.update, data) if length >= _OVERLAP_MIN else None
                 try:
-                    self._load(group, data, planner)
+                    if unreadable is None:
+                        self._load(group, data, planner)
+                except Exception as e:
+                    unreadable = f"an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
                 finally:
                     if pending is not None:
                         pending.result()
@@ -186,6 +201,8 @@ class VerifyingReader(MetadataReader):
             problems.append(FileProblem(name, "altered", f"size {size} bytes, manifest records {entry['bytes']}"))
         elif actual != entry["sha256"]:
             problems.append(FileProblem(name, "altered", f"sha256 {actual}, manifest records {entry['sha256']}"))
+        elif unreadable is not None:  # it matches the manifest, yet does not deserialize: a writer's bug, not damage
+            problems.append(FileProblem(name, "unreadable", unreadable))
 
     @staticmethod
     def _hash_span(f: Any, digest: Any, pos: int, end: int | None) -> int:
