@@ -125,9 +125,16 @@ def _launch_local(cfg: DictConfig, config: dict[str, Any], run_dir: Path, experi
         ),
         shutdown_timeout=_SHUTDOWN_S,
     )
-    quiet = logging.getLogger("torch.distributed.elastic")
-    previous = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # we print the failing worker's error ourselves, once
+    # We print the failing worker's error ourselves, once: silence torch's launcher loggers (each
+    # sets its own level when imported, so the parent logger's level is not enough).
+    quiet = [
+        logger
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger)
+    ]
+    previous = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
     server = ReportServer(devices, timeout_s=cfg.trainer.collective_timeout_s)
     failed: BaseException | None = None
     try:
@@ -141,7 +148,8 @@ def _launch_local(cfg: DictConfig, config: dict[str, Any], run_dir: Path, experi
         failed = exc
     finally:
         server.close()
-        quiet.setLevel(previous)
+        for logger, level in zip(quiet, previous, strict=True):
+            logger.setLevel(level)
     if failed is None:
         return 0
     headline, trace = _explain(failed, server, ChildFailedError)

@@ -272,8 +272,18 @@ class ReportServer:
             )
         if not order:
             return None
-        real = [r for r in order if not any(m in str(errors[r]) for m in _FALLOUT)] or order
-        rank = real[0]
+        real = [r for r in order if not any(m in str(errors[r]) for m in _FALLOUT)]
+        if not real:
+            with self._lock:
+                vanished = sorted(r for r, rep in self.ranks.items() if rep.pid is not None and rep.error is None)
+            if vanished:  # the cause died without a word; the reports are only its peers noticing
+                fallout = errors[order[0]] or {}
+                return (
+                    f"worker rank {', '.join(map(str, vanished))} ended without reporting an error (killed, crashed or "
+                    f"exited abruptly); the other ranks then lost their connection to it ({fallout.get('type')})",
+                    "",
+                )
+        rank = (real or order)[0]
         error = errors[rank] or {}
         headline = f"worker rank {rank} failed: {error.get('type')}: {error.get('message')}"
         if error.get("timeout"):
