@@ -47,10 +47,11 @@ def build(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _timed(fn) -> float:
+def _timed(fn, cpu: list[float]) -> float:
     dist.barrier()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     fn()
+    cpu.append(time.process_time() - start_cpu)  # this rank, all its threads
     dist.barrier()
     return time.perf_counter() - start
 
@@ -81,12 +82,14 @@ def _rank(rank: int, world: int, root: str, mib: int, reps: int) -> dict[str, ob
                     h.update(chunk)
 
     runs: dict[str, list[float]] = {"plain": [], "verified": [], "sizes": [], "sha256_share": []}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     order = [("plain", plain), ("verified", verified), ("sizes", sizes), ("sha256_share", hash_share)]
-    _timed(plain)  # warm-up: page cache, allocator
+    _timed(plain, [])  # warm-up: page cache, allocator
     for i in range(reps):
         for name, fn in order if i % 2 == 0 else list(reversed(order)):
-            runs[name].append(_timed(fn))
+            runs[name].append(_timed(fn, cpu[name]))
     result: dict[str, object] = {name: statistics.median(times) for name, times in runs.items()}
+    result.update({f"{name}_cpu": statistics.median(times) for name, times in cpu.items()})
     result["bytes"] = sum(f.stat().st_size for f in files)
     return result
 
@@ -111,6 +114,8 @@ def main() -> None:
         "shardline_verified_load_s": r["verified"],
         "shardline_sizes_only_load_s": r["sizes"],
         "sha256_of_one_rank_share_s": r["sha256_share"],
+        "plain_cpu_s_rank0": r["plain_cpu"],
+        "verified_cpu_s_rank0": r["verified_cpu"],
         "verified_over_plain": ratio,
         "target_met": ratio <= 1.3,
         "torch": torch.__version__,
@@ -120,12 +125,19 @@ def main() -> None:
         print(json.dumps(out, indent=2))
         return
     mib = int(r["bytes"]) / 2**20  # type: ignore[arg-type]
-    print(f"checkpoint: {mib:.0f} MiB in {args.world} shard files, {args.world} ranks, {args.reps} alternating runs, medians")
+    print(
+        f"checkpoint: {mib:.0f} MiB in {args.world} shard files, {args.world} ranks, "
+        f"{args.reps} alternating runs, medians"
+    )
     print(f"  plain torch.distributed.checkpoint.load        : {out['plain_dcp_load_s'] * 1e3:8.1f} ms")
     print(f"  shardline.checkpoint.load (verify=full)        : {out['shardline_verified_load_s'] * 1e3:8.1f} ms")
     print(f"  verified / plain                               : {ratio:8.2f}x (target <= 1.3x: {out['target_met']})")
     print(f"  shardline.checkpoint.load (verify=sizes)       : {out['shardline_sizes_only_load_s'] * 1e3:8.1f} ms")
     print(f"  one SHA-256 pass over a rank's share of files  : {out['sha256_of_one_rank_share_s'] * 1e3:8.1f} ms")
+    print(
+        f"  CPU time of rank 0, plain / verified           : {out['plain_cpu_s_rank0'] * 1e3:8.1f} / "
+        f"{out['verified_cpu_s_rank0'] * 1e3:.1f} ms (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import re
 import shutil
 import sqlite3
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,13 @@ from shardline.testing import run_distributed
 from tests.checkpoint import failing, ranks
 
 FILE_KINDS = [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "manifest.sha256", "SHA256SUMS"]
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "verification.md"
+
+
+def _documented(marker: str) -> str:
+    match = re.search(rf"<!-- {marker} -->\s*```bash\n(.+?)\n```", DOCS.read_text(encoding="utf-8"), re.S)
+    assert match, f"docs/verification.md must show a command after <!-- {marker} -->"
+    return match.group(1)
 
 
 def _flip(path: Path) -> None:
@@ -158,6 +167,14 @@ def test_resume_auto_falls_back_moves_the_damage_aside_and_records_it(saved_run:
     assert json.loads(rows[5].detail)["verify"] == "sizes", "the opt-in is recorded"
     report = ckpt.audit(ckpt.Ledger(directory / "lineage.sqlite"))
     assert report.ok, report.problems
+    # the documented python3-only checks agree, event rows included
+    chain = subprocess.run(["bash", "-c", _documented("ledger-chain-command")], cwd=directory, capture_output=True,
+                           text=True, check=True).stdout.splitlines()  # fmt: skip
+    assert [line.split()[1] for line in chain] == ["commit", "commit", "quarantine", "commit", "commit", "resume"]
+    assert all(line.endswith(" OK") for line in chain), chain
+    head = subprocess.run(["bash", "-c", _documented("ledger-head-command")], cwd=directory, capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    assert head.strip() == "head OK"
 
 
 def test_a_missing_ledger_tail_is_caught(saved_run: Path, tmp_path: Path, capsys) -> None:
@@ -168,6 +185,9 @@ def test_a_missing_ledger_tail_is_caught(saved_run: Path, tmp_path: Path, capsys
     conn.execute("DELETE FROM checkpoints WHERE seq = 2")
     conn.commit()
     conn.close()
+    head = subprocess.run(["bash", "-c", _documented("ledger-head-command")], cwd=run, capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    assert head.strip() == "rows missing from the end", "the documented check sees the deleted tail too"
     assert cli.main(["lineage", str(run)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Chain BROKEN: rows are missing from the end of the ledger"), err

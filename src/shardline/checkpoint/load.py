@@ -320,6 +320,7 @@ def load(
     targets = plan["targets"]
     to_hash = checked.data_entries() if level is VerifyLevel.FULL else []
     reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash)
+    reshard_all(model)  # free gathered parameters, so nothing stale shadows the shards being read
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -332,7 +333,6 @@ def load(
             )
     except CheckpointException as e:
         raise _dcp_error(path, e) from None
-    reshard_all(model)
     with torch.no_grad():
         for fn in plan["after"]:
             fn()
