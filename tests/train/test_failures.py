@@ -19,7 +19,7 @@ from shardline.train.build import build_model
 from shardline.train.config import compose_config
 from shardline.train.launcher import train
 from shardline.train.runlock import LOCK_NAME, RunLock
-from tests.train.test_cli import GPT_SMALL, SMALL, error_line, read_metrics, shardline_train
+from tests.train.test_cli import GPT_SMALL, PYTHONPATH, SMALL, error_line, read_metrics, shardline_train
 
 QUICK = [*SMALL, *GPT_SMALL, "~callbacks.tensorboard", "~callbacks.loss_plot", "~callbacks.diagnostics"]
 
@@ -157,3 +157,31 @@ def test_the_launcher_survives_an_empty_error_file(tmp_path: Path) -> None:
     # Which of the two the launcher can say depends on whether rank 0's report of the lost peer arrived in time.
     assert first.startswith(("error: worker rank 1 ended without reporting an error", "error: a worker failed")), first
     assert len(read_metrics(next(tmp_path.glob("*/*")))) >= 1
+
+
+def test_resume_auto_over_a_damaged_checkpoint_falls_back_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    common = [*QUICK, "checkpoint.every_n_steps=2", f"trainer.run_dir={run_dir}"]
+    first = shardline_train(*common, "trainer.max_steps=4", run_root=tmp_path)
+    assert first.returncode == 0, first.stderr
+    shard = run_dir / "checkpoints" / "step-4" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    resumed = shardline_train(*common, "trainer.resume=auto", run_root=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    said = [line for line in resumed.stderr.splitlines() if "moved aside" in line]
+    assert len(said) == 1, resumed.stderr
+    assert "step-4 failed verification" in said[0]
+    assert "__0_0.distcp: altered" in said[0]
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert names[:2] == ["step-2", "step-4"]
+    assert names[2].startswith("step-4.damaged-")
+    assert names[3:] == ["step-6"]
+    assert "resumed from step 2" in (run_dir / "logs" / "rank0.log").read_text()
+    lineage = subprocess.run(
+        [sys.executable, "-m", "shardline.cli", "lineage", str(run_dir)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYTHONPATH}, timeout=60,
+    )  # fmt: skip
+    assert lineage.returncode == 0, lineage.stdout + lineage.stderr
+    assert "quarantine: checkpoints/step-4 failed verification" in lineage.stdout

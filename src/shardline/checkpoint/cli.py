@@ -180,7 +180,12 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     if report.ok:
         print(
             "Chain verified: every row hash and link matches"
-            + ("" if args.no_check_checkpoints else ", and every checkpoint on disk matches its recorded manifest hash")
+            + (
+                ""
+                if args.no_check_checkpoints
+                else ", every checkpoint on disk matches its recorded manifest hash, and every committed checkpoint on "
+                "disk is in the chain"
+            )
             + "."
         )
         return 0

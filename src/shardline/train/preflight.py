@@ -106,12 +106,15 @@ def check_data(cfg: DictConfig) -> None:
 
 
 def _stored_state(path: Path, verify: VerifyLevel) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``key -> (shape, dtype)`` of the model entries a checkpoint holds (manifest; else its checked .metadata)."""
+    """``key -> (shape, dtype)`` of the model entries a checkpoint holds (its manifest; else its .metadata).
+
+    The manifest is anchored, the listing checked and ``.metadata`` hashed here; the workers hash the data files.
+    """
     checked = check_manifest(path, level=VerifyLevel.SIZES if verify is VerifyLevel.FULL else verify)
+    metadata = read_checked_metadata(checked)  # small: hashed against the manifest, then unpickled safely
     state = (checked.manifest or {}).get("model", {}).get("state")
     if isinstance(state, dict):
         return {k: (tuple(v[0]), str(v[1])) for k, v in state.items()}
-    metadata = read_checked_metadata(checked)  # hashed against the manifest before it is unpickled
     paths = key_paths(metadata)
     flat = not any(p[0] == MODEL_KEY for p in paths.values())
     out = {}
