@@ -253,3 +253,25 @@ def test_sizes_only_export_is_recorded(saved_run: Path, tmp_path: Path, capsys) 
     assert "warning: exporting" in capsys.readouterr().err
     sidecar = json.loads((tmp_path / "out" / "consolidation.json").read_text())
     assert sidecar["source"]["verified"] == "sizes"
+
+
+def test_hashing_shares_are_disjoint_and_cover_every_file() -> None:
+    from shardline.checkpoint.reading import assign_hashing
+
+    files = {"__0_0.distcp": 100, "__1_0.distcp": 100, "__2_0.distcp": 10}
+    reads = [{"__0_0.distcp": 60, "__1_0.distcp": 40}, {"__1_0.distcp": 60}, {}]
+    shares = assign_hashing(files, reads)
+    assert shares == [["__0_0.distcp"], ["__1_0.distcp"], ["__2_0.distcp"]]  # most read, then least loaded
+    assert sorted(name for share in shares for name in share) == sorted(files)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_damage_is_caught_at_another_world_size(saved_run: Path, tmp_path: Path, world: int) -> None:
+    damaged = tmp_path / "step-4"
+    shutil.copytree(saved_run / "step-4", damaged)
+    _flip(damaged / "__1_0.distcp")
+    results = run_distributed(failing.load_each, world, args=([str(damaged)], {}), timeout=90)
+    assert all(r == results[0] for r in results)
+    kind, message = results[0][str(damaged)]
+    assert kind == "IntegrityError", message
+    assert "__1_0.distcp: altered (sha256" in message

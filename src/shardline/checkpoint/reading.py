@@ -37,7 +37,7 @@ from torch.futures import Future
 from shardline.checkpoint.dcp_io import MetadataReader
 from shardline.checkpoint.hashing import hasher_pool
 from shardline.checkpoint.verify import FileProblem
-from shardline.errors import IntegrityError
+from shardline.errors import CheckpointError, IntegrityError
 
 __all__ = ["ASSIGNMENT_KEY", "VerifyingReader", "assign_hashing"]
 
@@ -109,7 +109,15 @@ class VerifyingReader(MetadataReader):
 
     # ------------------------------------------------------------------ reading (every rank)
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        mine = set((plan.storage_data or {}).get(ASSIGNMENT_KEY, ()) if isinstance(plan.storage_data, dict) else ())
+        assignment = plan.storage_data.get(ASSIGNMENT_KEY) if isinstance(plan.storage_data, dict) else None
+        if self._to_hash and assignment is None:
+            # Note: fail closed. Every rank's plan carries its share (possibly empty); a plan without one
+            # means the coordinator's assignment was lost on the way, and nothing would be verified.
+            raise CheckpointError(
+                f"reading checkpoint {self.path}: this rank's load plan carries no hashing assignment, so its "
+                "files would go unverified; this torch version may rebuild load plans (see checkpoint/reading.py)"
+            )
+        mine = set(assignment or ())
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
