@@ -62,3 +62,14 @@ def disk_full(rank: int, world: int, directory: str, async_save: bool) -> tuple[
     except Exception as e:
         return type(e).__name__, str(e)
     return "no error", ""
+
+
+def resume_each(rank: int, world: int, directories: list[str]) -> dict[str, tuple[int | None, list[str]]]:
+    """``load("auto")`` in each directory: the step resumed and what was moved aside."""
+    model, optimizer = ranks.build(seed=7)
+    out = {}
+    for directory in directories:
+        manager = ckpt.CheckpointManager(directory)
+        state = manager.load("auto", model=model, optimizer=optimizer)
+        out[directory] = ((state or {}).get("step"), [p.name for p in manager.moved_aside])
+    return out

@@ -177,6 +177,31 @@ def test_resume_auto_falls_back_moves_the_damage_aside_and_records_it(saved_run:
     assert head.strip() == "head OK"
 
 
+def test_resume_auto_falls_back_over_damage_of_every_kind(saved_run: Path, tmp_path: Path) -> None:
+    directories = {}
+    for name in [*(f"flip{k}" for k in FILE_KINDS), "missing", "extra", "truncated"]:
+        directory = tmp_path / name
+        shutil.copytree(saved_run, directory)
+        step4 = directory / "step-4"
+        if name.startswith("flip"):
+            _flip(step4 / name.removeprefix("flip"))
+        elif name == "missing":
+            (step4 / "__1_0.distcp").unlink()
+        elif name == "extra":
+            (step4 / "notes.txt").write_text("not part of the checkpoint")
+        else:
+            (step4 / "__0_0.distcp").write_bytes((step4 / "__0_0.distcp").read_bytes()[:-10])
+        directories[name] = directory
+    results = run_distributed(failing.resume_each, 2, args=([str(d) for d in directories.values()],), timeout=90)
+    for name, directory in directories.items():
+        step, moved = results[0][str(directory)]
+        assert step == 2, (name, step)
+        assert len(moved) == 1, (name, moved)
+        assert moved[0].startswith("step-4.damaged-"), (name, moved)
+        reason = json.loads(ckpt.Ledger(directory / "lineage.sqlite").rows()[-1].detail)["reason"]
+        assert _expected_file(name) in reason, (name, reason)
+
+
 def test_a_missing_ledger_tail_is_caught(saved_run: Path, tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
