@@ -3,7 +3,8 @@
 Same process, same state dict, alternating runs (so page-cache and CPU-frequency drift hit both
 alike). Reports medians and the cost of one in-memory SHA-256 pass over the same bytes, which
 is the budget the extra time must stay within; then, with ``CheckpointManager(async_save=True)``,
-how long the training loop blocks per checkpoint.
+how long the training loop blocks per checkpoint. The load side (verified load vs plain DCP load
+at W ranks) is ``benchmarks/checkpoint_load.py``.
 
     python benchmarks/checkpoint_save.py --mib 256 --reps 5 [--dir /path/on/the/target/disk]
 """
@@ -96,7 +97,7 @@ def main() -> None:
     blocked, work = [], []
     for step in range(1, args.reps + 1):
         t = time.perf_counter()
-        manager.save(step, model=model, optimizer=optimizer, state={"step": step})
+        manager.save(ckpt.SaveRequest(step=step, model=model, optimizer=optimizer, state={"step": step}))
         blocked.append(time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(3):  # "training" while the previous checkpoint is written

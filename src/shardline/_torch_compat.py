@@ -13,10 +13,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DCP_METADATA_CLASSES",
     "all_gather_into",
+    "elastic_launch_config",
     "fake_tensor_mode",
     "group_timeout",
     "in_backward",
+    "is_dcp_metadata_global",
     "profiling_enabled",
     "queue_backward_callback",
     "reduce_scatter_into",
@@ -109,3 +112,51 @@ def storage_key(tensor: torch.Tensor) -> int:
 def profiling_enabled() -> bool:
     """Whether the autograd profiler (``torch.profiler``) is recording right now."""
     return torch.autograd.profiler._is_profiler_enabled
+
+
+# Note: what a DCP ``.metadata`` pickle may name. torch writes ``.metadata`` with ``pickle``; the
+# objects in it are plain dataclasses and enums of ``torch.distributed.checkpoint.metadata``, the
+# file-system reader's ``_StorageInfo``/``_StoragePrefix`` records, ``torch.Size``, dtypes and
+# the layout helper ``torch.serialization._get_layout`` (and path objects). shardline unpickles it with an
+# allowlist of exactly these (see ``checkpoint.dcp_io.unpickle_metadata``), so even a
+# ``.metadata`` whose hash was checked against an anchor the attacker also controls cannot run
+# code. A torch version that pickles another class there makes the load fail with its name.
+DCP_METADATA_CLASSES: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "collections": frozenset({"OrderedDict"}),
+    # ``StorageMeta.checkpoint_id`` is a path object when DCP was given one
+    "pathlib": frozenset({"Path", "PosixPath", "PurePath", "PurePosixPath", "PureWindowsPath", "WindowsPath"}),
+}
+
+
+def is_dcp_metadata_global(module: str, name: str) -> bool:
+    """Whether a ``.metadata`` pickle may refer to ``module.name`` (the allowlist above, plus torch dtypes)."""
+    if name in DCP_METADATA_CLASSES.get(module, ()):
+        return True
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def elastic_launch_config(**kwargs: Any) -> Any:
+    """A ``torch.distributed.launcher.api.LaunchConfig``, leaving out fields this torch does not have.
+
+    ``shutdown_timeout`` (how long the agent waits after ``SIGTERM`` before ``SIGKILL``) appeared
+    after torch 2.6; older versions wait their fixed 30 s.
+    """
+    from torch.distributed.launcher.api import LaunchConfig
+
+    known = LaunchConfig.__dataclass_fields__
+    return LaunchConfig(**{k: v for k, v in kwargs.items() if k in known})

@@ -14,10 +14,12 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWarning",
     "ConfigurationError",
+    "DiskFullError",
     "DistributedNotInitializedError",
     "IntegrityError",
     "LineageError",
     "PolicyMatchError",
+    "RunLockedError",
     "ShardingError",
     "ShardlineError",
     "StateDictError",
@@ -70,6 +72,14 @@ class IntegrityError(CheckpointError):
 
 class LineageError(CheckpointError):
     """The lineage ledger is unreadable or its hash chain does not verify."""
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint could not be written because the file system is full; nothing was committed."""
+
+
+class RunLockedError(ShardlineError, RuntimeError):
+    """The run directory is in use by another run (its lock file names the holder)."""
 
 
 class CheckpointWarning(UserWarning):

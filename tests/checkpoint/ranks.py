@@ -15,6 +15,7 @@ import torch
 
 import shardline
 import shardline.checkpoint as ckpt
+from shardline.checkpoint.fault import KillAtPhase
 from shardline.checkpoint.rng import capture_rng_state, restore_rng_state
 from tests.models import Block, ParityModel, batch, local_slice, loss_fn
 
@@ -89,12 +90,14 @@ def run_with_manager(
             losses.append(train_step(model, optimizer, step, rank, world))
             if step + 1 in save_at:
                 manager.save(
-                    step + 1,
-                    model=model,
-                    optimizer=optimizer,
-                    state=trainer_state(step + 1),
-                    config=CONFIG,
-                    data_fingerprint="synthetic-batches-v1",
+                    ckpt.SaveRequest(
+                        step=step + 1,
+                        model=model,
+                        optimizer=optimizer,
+                        state=trainer_state(step + 1),
+                        config=CONFIG,
+                        data_fingerprint="synthetic-batches-v1",
+                    )
                 )
     return losses
 
@@ -112,15 +115,15 @@ def resume_and_train(
     return start, losses, manager.parent_manifest_hash
 
 
-def save_then_crash(rank: int, world: int, directory: str, spec: str) -> None:
-    """Save step 1, then save step 2 with the fault spec set: some rank dies mid-save."""
+def save_then_crash(rank: int, world: int, directory: str, phase: str, victim: int) -> None:
+    """Save step 1, then save step 2 with a fault observer: rank ``victim`` dies at ``phase`` of that save."""
     model, optimizer = build()
     manager = ckpt.CheckpointManager(directory)
     train_step(model, optimizer, 0, rank, world)
-    manager.save(1, model=model, optimizer=optimizer, state=trainer_state(1))
+    manager.save(ckpt.SaveRequest(step=1, model=model, optimizer=optimizer, state=trainer_state(1)))
     train_step(model, optimizer, 1, rank, world)
-    os.environ[ckpt.FAULT_ENV_VAR] = spec
-    manager.save(2, model=model, optimizer=optimizer, state=trainer_state(2))
+    manager.observer = KillAtPhase(phase, ranks={victim})
+    manager.save(ckpt.SaveRequest(step=2, model=model, optimizer=optimizer, state=trainer_state(2)))
 
 
 def resume_step(rank: int, world: int, directory: str) -> tuple[int | None, bytes]:
@@ -171,9 +174,11 @@ def bad_inputs(rank: int, world: int, root: str, good: str) -> dict[str, tuple[s
     torch.distributed.checkpoint.save({"model": ckpt.model_state_dict(model)}, checkpoint_id=plain)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ckpt.load(plain, model=model)
+        ckpt.load(plain, model=model, verify="none")
     out["plain_warning"] = ("warnings", " | ".join(f"{w.category.__name__}: {w.message}" for w in caught))
-    out["plain_full_verify"] = catch(ckpt.load, plain, model=model, verify="full")
+    out["plain_full_verify"] = catch(ckpt.load, plain, model=model)
+    out["plain_sizes_verify"] = catch(ckpt.load, plain, model=model, verify="sizes")
+    out["old_level_name"] = catch(ckpt.load, good, model=model, verify="manifest")
     return out
 
 

@@ -22,11 +22,10 @@ def test_bad_inputs(saved_run: Path, tmp_path: Path) -> None:
     good = saved_run / "step-4"
     before = _tree_digest(good)
     results = run_distributed(ranks.bad_inputs, 2, args=(str(tmp_path), str(good)), timeout=60)
-    same = set(results[0]) - {"unsafe_state", "unsafe_left_nothing", "plain_warning"}
-    for key in same:  # every rank raises the same error type
-        assert results[0][key][0] == results[1][key][0], (key, results[0][key], results[1][key])
-    # rank 0's state cannot be saved; rank 1 learns it and raises too instead of waiting in the write
-    assert results[1]["unsafe_state"][0] == "CheckpointError"
+    same = set(results[0]) - {"unsafe_left_nothing", "plain_warning"}
+    for key in same:  # every rank raises the same error type with the same message
+        assert results[0][key] == results[1][key], (key, results[0][key], results[1][key])
+    # rank 0's state cannot be saved; rank 1 learns it and raises the same error instead of waiting in the write
     assert "rank 0 could not stage" in results[1]["unsafe_state"][1]
     assert results[1]["plain_warning"] == ("warnings", "")  # the no-lineage warning is printed by rank 0 only
     out = results[0]
@@ -57,7 +56,11 @@ def test_bad_inputs(saved_run: Path, tmp_path: Path) -> None:
     assert out["resume_auto_none"] == ("value", "None")
     assert "CheckpointWarning" in out["plain_warning"][1]
     assert "no lineage" in out["plain_warning"][1]
-    assert out["plain_full_verify"][0] == "IntegrityError"
+    for key in ("plain_full_verify", "plain_sizes_verify"):  # nothing in a plain DCP directory can be verified
+        assert out[key][0] == "IntegrityError", out[key]
+        assert "verify='none'" in out[key][1]
+    assert out["old_level_name"][0] == "ConfigurationError"
+    assert "now called 'sizes'" in out["old_level_name"][1]
     assert _tree_digest(good) == before  # the committed checkpoint was not touched
 
 

@@ -10,24 +10,24 @@ from shardline.testing import RankFailedError, run_distributed
 from tests.checkpoint import ranks
 
 PHASES = [
-    # (fault spec, is step-2 committed after the crash)
-    ("after_shards:1", False),
-    ("before_manifest:0", False),
-    ("after_manifest:0", False),
-    ("after_rename:0", True),
-    ("after_latest:0", True),
+    # (phase, the rank killed, is step-2 committed after the crash)
+    ("after_shards", 1, False),
+    ("before_manifest", 0, False),
+    ("after_manifest", 0, False),
+    ("after_rename", 0, True),
+    ("after_latest", 0, True),
 ]
 
 
-@pytest.mark.parametrize(("spec", "committed"), PHASES, ids=[p[0] for p in PHASES])
-def test_killed_mid_save(tmp_path, spec, committed) -> None:
+@pytest.mark.parametrize(("phase", "victim", "committed"), PHASES, ids=[f"{p[0]}:{p[1]}" for p in PHASES])
+def test_killed_mid_save(tmp_path, phase, victim, committed) -> None:
     directory = tmp_path / "checkpoints"
     with pytest.raises(RankFailedError) as info:
-        run_distributed(ranks.save_then_crash, 2, args=(str(directory), spec), timeout=60)
+        run_distributed(ranks.save_then_crash, 2, args=(str(directory), phase, victim), timeout=60)
     assert f"exited with code {FAULT_EXIT_CODE}" in str(info.value)
-    assert (directory / "latest").read_text().strip() == ("step-2" if spec.startswith("after_latest") else "step-1")
+    assert (directory / "latest").read_text().strip() == ("step-2" if phase == "after_latest" else "step-1")
     assert (directory / "step-2").is_dir() == committed
-    allowed = {"step-1", "latest", "lineage.sqlite"} | ({"step-2"} if committed else set())
+    allowed = {"step-1", "latest", "lineage.sqlite", "lineage.sqlite.head"} | ({"step-2"} if committed else set())
     for entry in directory.iterdir():  # a partial save is at most a hidden temp directory
         assert entry.name in allowed or entry.name.startswith(".step-2.tmp-"), entry.name
     rows_before = Ledger(directory / "lineage.sqlite").rows()

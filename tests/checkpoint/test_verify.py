@@ -52,10 +52,10 @@ def test_missing_and_unexpected_files(damaged_copy: Path, capsys) -> None:
     assert "notes.txt" in err
 
 
-def test_truncated_shard_caught_at_manifest_level(damaged_copy: Path) -> None:
+def test_truncated_shard_caught_at_sizes_level(damaged_copy: Path) -> None:
     shard = damaged_copy / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-10])
-    report = verify_checkpoint(damaged_copy, level="manifest")
+    report = verify_checkpoint(damaged_copy, level="sizes")
     assert [(p.path, p.kind) for p in report.problems] == [("__0_0.distcp", "altered")]
 
 

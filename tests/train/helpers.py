@@ -41,3 +41,47 @@ class PoisonWeights:
             with torch.no_grad():
                 for p in trainer.model.parameters():
                     p.fill_(float("nan"))
+
+
+class StopOnRank:
+    """SIGSTOP one rank after a step (as a debugger, a swapped-out node or a frozen VM would), recording when."""
+
+    def __init__(self, rank: int = 1, step: int = 2, record: str = "") -> None:
+        self.rank, self.step, self.record = rank, step, record
+
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if trainer.info.rank == self.rank and metrics.step == self.step:
+            import os
+            import signal
+
+            with open(self.record, "w") as f:
+                f.write(f"{os.getpid()} {time.time()}\n")
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class DiskFullAt:
+    """From a step on, every checkpoint write of one rank fails with ENOSPC, like a full disk."""
+
+    def __init__(self, rank: int = 1, step: int = 3) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if metrics.step == self.step:
+            from shardline.checkpoint.fault import FailWrites
+
+            trainer.checkpoints.manager.observer = FailWrites(ranks={self.rank}, after_bytes=1000)
+
+
+class EmptyErrorFileThenExit:
+    """Leave torch's elastic error file empty (as on a full disk) and die without a word."""
+
+    def __init__(self, rank: int = 1, step: int = 2) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if trainer.info.rank == self.rank and metrics.step == self.step:
+            import os
+
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w"):
+                pass
+            os._exit(3)

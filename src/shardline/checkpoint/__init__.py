@@ -6,21 +6,23 @@ checkpoint with standard tools).
 
 from shardline.checkpoint.canonical import canonical_json, config_hash, manifest_hash
 from shardline.checkpoint.consolidate import ConsolidationResult, consolidate
-from shardline.checkpoint.fault import ENV_VAR as FAULT_ENV_VAR
 from shardline.checkpoint.fault import FAULT_EXIT_CODE
 from shardline.checkpoint.ledger import Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.lineage import audit
 from shardline.checkpoint.load import check_checkpoint, load, load_config, load_trainer_state
 from shardline.checkpoint.manager import CheckpointManager, CommittedCheckpoint
 from shardline.checkpoint.manifest import read_manifest
 from shardline.checkpoint.model_state import StateDictKind, load_model_state_dict, model_state_dict
+from shardline.checkpoint.observer import SaveObserver, SavePhase
+from shardline.checkpoint.opening import OpenedCheckpoint, open_checkpoint
 from shardline.checkpoint.optim_state import load_optimizer_state_dict, optimizer_state_dict
 from shardline.checkpoint.rng import capture_rng_state, restore_rng_state
 from shardline.checkpoint.save import CheckpointInfo, save
+from shardline.checkpoint.staging import SaveRequest
 from shardline.checkpoint.summary import summarize
-from shardline.checkpoint.verify import FileProblem, VerifyReport, verify_checkpoint
+from shardline.checkpoint.verify import FileProblem, VerifyLevel, VerifyReport, verify_checkpoint
 
 __all__ = [
-    "FAULT_ENV_VAR",
     "FAULT_EXIT_CODE",
     "CheckpointInfo",
     "CheckpointManager",
@@ -30,8 +32,14 @@ __all__ = [
     "Ledger",
     "LedgerRow",
     "LineageReport",
+    "OpenedCheckpoint",
+    "SaveObserver",
+    "SavePhase",
+    "SaveRequest",
     "StateDictKind",
+    "VerifyLevel",
     "VerifyReport",
+    "audit",
     "canonical_json",
     "capture_rng_state",
     "check_checkpoint",
@@ -44,6 +52,7 @@ __all__ = [
     "load_trainer_state",
     "manifest_hash",
     "model_state_dict",
+    "open_checkpoint",
     "optimizer_state_dict",
     "read_manifest",
     "restore_rng_state",

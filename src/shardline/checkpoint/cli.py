@@ -2,7 +2,8 @@
 
 ``register(subparsers)`` adds them to the main parser; each sets ``func`` to a handler that
 returns the exit code: 0 success, 1 a check failed or the input was bad (the message names
-what and why), 2 usage errors (argparse). ``--json`` prints one JSON object on stdout.
+what and why, in one line), 2 usage errors (argparse, e.g. an ``--expect`` that is not a
+SHA-256). ``--json`` prints one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import LineageError, ShardlineError
+from shardline.errors import ConfigurationError, LineageError, ShardlineError
 
 __all__ = ["find_ledger", "main", "register"]
 
@@ -24,11 +26,28 @@ def _emit_json(obj: Any) -> None:
 
 
 def _fail(args: argparse.Namespace, error: Exception) -> int:
+    message = str(error) if isinstance(error, ShardlineError) else _os_error(error)
     if getattr(args, "json", False):
-        _emit_json({"ok": False, "error": str(error), "error_type": type(error).__name__})
+        _emit_json({"ok": False, "error": message, "error_type": type(error).__name__})
     else:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
     return 1
+
+
+def _os_error(error: Exception) -> str:
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}"
+    return f"{type(error).__name__}: {error}"
+
+
+def _sha256_arg(text: str) -> str:
+    """argparse type of ``--expect``: a SHA-256 in hex, or a usage error naming the argument."""
+    from shardline.checkpoint.verify import check_expected_hash
+
+    try:
+        return str(check_expected_hash(text, where="--expect"))
+    except ConfigurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -36,7 +55,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     try:
         report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
-    except ShardlineError as e:
+    except (ShardlineError, OSError) as e:
         return _fail(args, e)
     if args.json:
         _emit_json(report.to_json())
@@ -61,7 +80,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     try:
         summary = summarize(args.checkpoint)
-    except ShardlineError as e:
+    except (ShardlineError, OSError) as e:
         return _fail(args, e)
     if args.json:
         _emit_json(summary)
@@ -75,16 +94,22 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     from shardline.checkpoint.summary import human_bytes
 
     try:
-        result = consolidate(
-            args.checkpoint,
-            args.out,
-            max_shard_size=args.max_shard_size,
-            dtype=args.dtype,
-            verify=args.verify,
-            adapters=args.adapters,
-        )
-    except ShardlineError as e:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = consolidate(
+                args.checkpoint,
+                args.out,
+                max_shard_size=args.max_shard_size,
+                dtype=args.dtype,
+                verify=args.verify,
+                expected_manifest_hash=args.expect,
+                adapters=args.adapters,
+            )
+    except (ShardlineError, OSError) as e:
         return _fail(args, e)
+    for w in caught:
+        if "torch.distributed is disabled" not in str(w.message):
+            print(f"warning: {w.message}", file=sys.stderr)
     if args.json:
         _emit_json(
             {
@@ -97,6 +122,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
                 "step": result.step,
                 "aliases": result.aliases,
                 "note": result.note,
+                "verified": result.verified,
             }
         )
         return 0
@@ -132,16 +158,23 @@ def find_ledger(run_dir: str | Path) -> Path:
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.ledger import Ledger
+    from shardline.checkpoint.lineage import audit
 
     try:
-        report = Ledger(find_ledger(args.run_dir)).verify(check_checkpoints=not args.no_check_checkpoints)
-    except ShardlineError as e:
+        ledger = Ledger(find_ledger(args.run_dir))
+        report = audit(ledger, check_checkpoints=not args.no_check_checkpoints)
+        if args.new_chain:
+            return _new_chain(args, ledger, report)
+    except (ShardlineError, OSError) as e:
         return _fail(args, e)
     if args.json:
         _emit_json(report.to_json())
         return 0 if report.ok else 1
     print(f"Lineage ledger {report.path}: {len(report.rows)} committed checkpoint(s)")
     for row in report.rows:
+        if not row.is_commit:
+            print(f"  #{row.seq:<3} {row.event}: {_event_text(row)}  row {row.row_sha256[:12]}  {row.committed_at}")
+            continue
         parent = (row.parent_manifest_sha256 or "-")[:12]
         flags = " (recovered after a crash)" if row.recovered else ""
         tag = f" [{row.tag}]" if row.tag else ""
@@ -154,14 +187,56 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     if report.ok:
         print(
             "Chain verified: every row hash and link matches"
-            + ("" if args.no_check_checkpoints else ", and every checkpoint on disk matches its recorded manifest hash")
+            + (
+                ""
+                if args.no_check_checkpoints
+                else ", every checkpoint on disk matches its recorded manifest hash, and every committed checkpoint on "
+                "disk is in the chain"
+            )
             + "."
         )
         return 0
-    print("Chain BROKEN:", file=sys.stderr)
-    for problem in report.problems:
+    print(f"Chain BROKEN: {report.problems[0]}", file=sys.stderr)
+    for problem in report.problems[1:]:
         print(f"  {problem}", file=sys.stderr)
+    print(
+        f"  To continue: restore the ledger from a backup, or `shardline lineage {args.run_dir} --new-chain` keeps "
+        "this ledger aside and starts a new chain whose first row records the break.",
+        file=sys.stderr,
+    )
     return 1
+
+
+def _event_text(row: Any) -> str:
+    detail = json.loads(row.detail) if row.detail else {}
+    if row.event == "quarantine":
+        return f"{detail.get('checkpoint')} failed verification, moved to {detail.get('moved_to')}"
+    if row.event == "resume":
+        return f"resumed from {detail.get('checkpoint')} with verify={detail.get('verify')!r} (not every byte hashed)"
+    if row.event == "chain_break":
+        return (
+            f"new chain; the previous ledger ({detail.get('previous_ledger', 'missing')}) did not verify: "
+            + "; ".join(detail.get("problems", []))
+        )
+    return row.detail or ""
+
+
+def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
+    from shardline.checkpoint.lineage import start_new_chain
+
+    if report.ok:
+        print(f"error: the ledger {ledger.path} verifies; there is no break to record", file=sys.stderr)
+        return 1
+    aside, rows = start_new_chain(ledger, problems=list(report.problems))
+    if args.json:
+        _emit_json({"ok": True, "previous_ledger": str(aside), "rows": [r.to_json() for r in rows]})
+        return 0
+    print(
+        f"Kept the broken ledger as {aside}; started a new chain in {ledger.path}: its first row "
+        f"({rows[0].row_sha256[:12]}) records the break, then {len(rows) - 1} committed checkpoint(s) on disk are "
+        "recorded again (marked recovered). Training can append to it."
+    )
+    return 0
 
 
 def register(subparsers: Any) -> None:
@@ -171,9 +246,14 @@ def register(subparsers: Any) -> None:
     )
     verify.add_argument("checkpoint", help="checkpoint directory (e.g. run/checkpoints/step-100)")
     verify.add_argument(
-        "--level", choices=("full", "manifest"), default="full", help="full: re-hash (default); manifest: sizes only"
+        "--level",
+        choices=("full", "sizes"),
+        default="full",
+        help="full: re-hash every file (default); sizes: sizes only",
     )
-    verify.add_argument("--expect", metavar="SHA256", help="also require this manifest hash (e.g. from the ledger)")
+    verify.add_argument(
+        "--expect", metavar="SHA256", type=_sha256_arg, help="also require this manifest hash (e.g. from the ledger)"
+    )
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=_cmd_verify)
 
@@ -198,10 +278,11 @@ def register(subparsers: Any) -> None:
     cons.add_argument("--dtype", help="cast floating-point weights (bf16, fp16, fp32)")
     cons.add_argument(
         "--verify",
-        choices=("full", "manifest", "none"),
+        choices=("full", "sizes", "none"),
         default="full",
-        help="check the checkpoint first (default: full)",
+        help="check the checkpoint first: full (default: every byte); sizes, none: opt-ins, recorded in the output",
     )
+    cons.add_argument("--expect", metavar="SHA256", type=_sha256_arg, help="require this source manifest hash")
     cons.add_argument("--json", action="store_true", help="machine-readable output")
     cons.set_defaults(func=_cmd_consolidate)
 
@@ -209,6 +290,11 @@ def register(subparsers: Any) -> None:
     lineage.add_argument("run_dir", help="run directory (or checkpoints directory, or the ledger file)")
     lineage.add_argument(
         "--no-check-checkpoints", action="store_true", help="only check the chain, not the checkpoints on disk"
+    )
+    lineage.add_argument(
+        "--new-chain",
+        action="store_true",
+        help="if the chain does not verify: keep the ledger aside and start a new one that records the break",
     )
     lineage.add_argument("--json", action="store_true", help="machine-readable output")
     lineage.set_defaults(func=_cmd_lineage)

@@ -11,6 +11,7 @@ source checkpoint's manifest hash, and ``SHA256SUMS`` lets ``sha256sum -c`` chec
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -29,14 +30,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardline._version import __version__
 from shardline.checkpoint.canonical import canonical_json, sha256_hex
-from shardline.checkpoint.dcp_io import MODEL_KEY, CachedReader, SafeLoadPlanner, key_paths
+from shardline.checkpoint.dcp_io import MODEL_KEY, TRAINER_KEY, MetadataReader, SafeLoadPlanner, decode_state, key_paths
 from shardline.checkpoint.fsutil import fsync_dir
 from shardline.checkpoint.hf_export import export_layout
-from shardline.checkpoint.load import load_trainer_state
-from shardline.checkpoint.manifest import read_manifest
+from shardline.checkpoint.opening import open_checkpoint
 from shardline.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
-from shardline.checkpoint.verify import verify_checkpoint
-from shardline.errors import CheckpointExistsError, CheckpointWarning, ConfigurationError, IntegrityError
+from shardline.errors import CheckpointError, CheckpointExistsError, CheckpointWarning, ConfigurationError
 
 __all__ = ["SIDECAR", "ConsolidationResult", "consolidate", "parse_dtype", "parse_size", "strip_wrapper_prefixes"]
 
@@ -117,6 +116,8 @@ class ConsolidationResult:
     step: int | None
     aliases: dict[str, str] = field(default_factory=dict)
     note: str | None = None
+    verified: str = "full"
+    """How the source was checked: ``full`` (every byte), or an opt-in (``sizes``, ``none``)."""
 
 
 def _plan(specs: list[tuple[str, TensorSpec]], max_bytes: int | None) -> list[list[tuple[str, TensorSpec]]]:
@@ -133,7 +134,7 @@ def _plan(specs: list[tuple[str, TensorSpec]], max_bytes: int | None) -> list[li
 
 
 def _read_batch(
-    reader: CachedReader, flat: bool, batch: list[tuple[str, TensorStorageMetadata]]
+    reader: MetadataReader, flat: bool, batch: list[tuple[str, TensorStorageMetadata]]
 ) -> dict[str, torch.Tensor]:
     tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in batch}
     targets: dict[str, Any] = dict(tensors) if flat else {MODEL_KEY: tensors}
@@ -150,6 +151,7 @@ def consolidate(
     max_shard_size: str | int | None = None,
     dtype: str | torch.dtype | None = None,
     verify: str = "full",
+    expected_manifest_hash: str | None = None,
     read_batch_bytes: int = 256 * 2**20,
     adapters: bool = False,
 ) -> ConsolidationResult:
@@ -169,13 +171,17 @@ def consolidate(
     ``PeftModel.from_pretrained``). See :mod:`shardline.checkpoint.hf_export`.
 
     Args:
-        verify: ``"full"`` (default: re-hash the checkpoint first), ``"manifest"`` or ``"none"``
-            (needed for a plain DCP directory without a manifest).
+        verify: ``"full"`` (default: every file hashed against the manifest before anything is
+            read), or the opt-ins ``"sizes"`` and ``"none"`` (the only way to export a plain DCP
+            directory); an opt-in is recorded in ``consolidation.json`` and warned about.
+        expected_manifest_hash: The manifest hash to trust (e.g. from the ledger); default:
+            the one ``manifest.sha256`` records.
         adapters: Export the PEFT adapter (a directory) instead of the model.
 
     Raises:
-        IntegrityError: the checkpoint fails verification.
+        IntegrityError: the checkpoint fails verification (naming the files); nothing is written.
         CheckpointExistsError: ``out`` exists (a directory may exist if empty).
+        CheckpointError: ``out`` cannot be created.
         ConfigurationError: ``adapters`` for a checkpoint without a PEFT adapter shardline exports.
     """
     src = Path(checkpoint)
@@ -192,25 +198,18 @@ def consolidate(
         raise CheckpointExistsError(f"{dst} already exists; choose a new output file (exports never overwrite)")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointExistsError(f"{dst} already exists and is not an empty directory; choose a new output path")
-    manifest: dict[str, Any] | None = None
-    digest: str | None = None
-    if verify != "none":
-        report = verify_checkpoint(src, level="full" if verify == "full" else "manifest")
-        if not report.ok:
-            listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in report.problems[:10])
-            raise IntegrityError(
-                f"cannot consolidate {src}: {report.error or 'it does not match its manifest'}"
-                + (f" -- {listing}" if listing else "")
-                + ". Fix or re-copy the checkpoint (or pass verify='none' for a plain DCP directory)."
-            )
-    if (src / "manifest.json").is_file():
-        manifest, digest = read_manifest(src)
-    else:
+    opened = open_checkpoint(src, verify=verify, expected_manifest_hash=expected_manifest_hash)
+    manifest, digest, level = opened.checked.manifest, opened.checked.manifest_hash, opened.checked.level
+    if level.opt_in:
+        unverified = "it has no shardline manifest" if manifest is None else "its data files were not hashed"
         warnings.warn(
-            f"{src} has no shardline manifest: the export records no source hash", CheckpointWarning, stacklevel=2
+            f"exporting {src} with verify={level.value!r}: {unverified}, so damaged bytes would go unnoticed; "
+            "consolidation.json records this",
+            CheckpointWarning,
+            stacklevel=2,
         )
-    reader = CachedReader(src)
-    metadata = reader.read_metadata()
+    reader = opened.reader()
+    metadata = opened.metadata
     paths = key_paths(metadata)
     flat = not any(p[0] == MODEL_KEY for p in paths.values())
     stored: list[tuple[str, TensorStorageMetadata]] = []
@@ -227,7 +226,7 @@ def consolidate(
     model_info = (manifest or {}).get("model", {})
     tied = {alias: group[0] for group in model_info.get("tied", []) for alias in group[1:]}
     scalars = set(model_info.get("scalars", []))
-    state = load_trainer_state(src) if (manifest or {}).get("contents", {}).get("trainer_state") else {}
+    state = _trainer_state(reader, metadata) if (manifest or {}).get("contents", {}).get("trainer_state") else {}
     layout = export_layout(strip_wrapper_prefixes([k for k, _ in stored]), state, adapters=adapters)
     names = layout.names
     # Tied names as exported: an alias is reported when both it and its target are part of this export.
@@ -243,12 +242,21 @@ def consolidate(
         sources[key] = md
     shards = _plan(specs, max_bytes)
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot create the output directory {dst.parent if single_file else dst}: {e.strerror or e}. "
+            "Choose a writable location."
+        ) from None
     step = (manifest or {}).get("step")
     batch_bytes = min(read_batch_bytes, max_bytes or read_batch_bytes)
     if single_file:
         provenance = {"shardline_source_manifest_sha256": digest or "", "shardline_step": str(step)}
-        return _write_single_file(reader, flat, specs, sources, tmp, dst, batch_bytes, provenance, aliases, layout.note)
+        result = _write_single_file(
+            reader, flat, specs, sources, tmp, dst, batch_bytes, provenance, aliases, layout.note
+        )
+        return dataclasses.replace(result, verified=level.value)
     try:
         files = _write_shards(reader, flat, shards, sources, tmp, batch_bytes, layout.weights_name)
         extra: dict[str, bytes] = {}
@@ -270,6 +278,7 @@ def consolidate(
                 "checkpoint": str(src.absolute()),
                 "manifest_sha256": digest,
                 "step": (manifest or {}).get("step"),
+                "verified": level.value,
             },
             "dtype": str(cast).removeprefix("torch.") if cast is not None else None,
             "max_shard_size_bytes": max_bytes,
@@ -301,11 +310,12 @@ def consolidate(
         step=step,
         aliases=aliases,
         note=layout.note,
+        verified=level.value,
     )
 
 
 def _write_single_file(
-    reader: CachedReader,
+    reader: MetadataReader,
     flat: bool,
     specs: list[tuple[str, TensorSpec]],
     sources: dict[str, TensorStorageMetadata],
@@ -337,8 +347,18 @@ def _write_single_file(
     )
 
 
+def _trainer_state(reader: MetadataReader, metadata: Any) -> dict[str, Any]:
+    if TRAINER_KEY not in key_paths(metadata):
+        return {}
+    target: dict[str, Any] = {TRAINER_KEY: None}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return decode_state(target[TRAINER_KEY])
+
+
 def _write_shards(
-    reader: CachedReader,
+    reader: MetadataReader,
     flat: bool,
     shards: list[list[tuple[str, TensorSpec]]],
     sources: dict[str, TensorStorageMetadata],

@@ -1,5 +1,14 @@
 """Small control messages between ranks (go/no-go verdicts, paths), sent with ``torch.distributed``.
 
+Two helpers carry every decision of the checkpoint protocols, so that an error reaches every
+rank as the same exception class with the same message (never a hang, never a rank that goes
+on while another raised):
+
+* :func:`rank0_decides` -- rank 0 runs a check or an action and every rank gets its result or
+  its error (preflight of a save, the commit, opening a checkpoint, resolving a resume);
+* :func:`all_agree` -- every rank runs a step and every rank learns whether all succeeded
+  (staging a save, checking a model against a checkpoint).
+
 Note: objects travel as ``torch.save`` bytes in a uint8 tensor (a length broadcast, then the
 payload) and are read back with ``torch.load(weights_only=True)``, so only plain data (dicts,
 lists, strings, numbers, tensors) crosses ranks, never arbitrary pickles. Every call is a
@@ -9,14 +18,29 @@ collective over ``group`` bounded by the group's timeout.
 from __future__ import annotations
 
 import io
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from shardline import _torch_compat
+from shardline import _torch_compat, errors
+from shardline.errors import CheckpointError, ShardlineError
 
-__all__ = ["all_gather_object", "broadcast_object", "control_device", "group_rank", "group_size"]
+__all__ = [
+    "all_agree",
+    "all_gather_object",
+    "broadcast_object",
+    "control_device",
+    "error_from_payload",
+    "error_payload",
+    "group_rank",
+    "group_size",
+    "raise_payload",
+    "rank0_decides",
+]
+
+T = TypeVar("T")
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -91,3 +115,71 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     _torch_compat.all_gather_into(out, send, pg)
     rows = out.view(n, width).cpu()
     return [_decode(rows[r, : int(lengths[r].item())].numpy().tobytes()) for r in range(n)]
+
+
+def error_payload(exc: BaseException) -> dict[str, str]:
+    """An error as plain data: its shardline class name and message (other errors become ``CheckpointError``)."""
+    if isinstance(exc, ShardlineError):
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": CheckpointError.__name__, "message": f"{type(exc).__name__}: {exc}"}
+
+
+def _error_class(name: str) -> type[ShardlineError]:
+    cls = getattr(errors, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, ShardlineError) else CheckpointError
+
+
+def error_from_payload(payload: dict[str, str]) -> ShardlineError:
+    """The error :func:`error_payload` described: the same shardline class, the same message."""
+    return _error_class(payload["type"])(payload["message"])
+
+
+def raise_payload(payload: dict[str, str], cause: BaseException | None = None) -> NoReturn:
+    """Raise the error :func:`error_payload` described (chained to ``cause`` where this rank has it)."""
+    raise error_from_payload(payload) from cause
+
+
+def rank0_decides(decide: Callable[[], T], group: dist.ProcessGroup | None) -> T:
+    """Run ``decide`` on group rank 0 and give its result, or its error, to every rank (a collective).
+
+    ``decide``'s result must be plain data (see the module note). If it raises, every rank --
+    rank 0 included -- raises the same shardline exception class with the same message; a
+    non-shardline error becomes a ``CheckpointError`` naming its type.
+    """
+    outcome: dict[str, Any] = {}
+    original: BaseException | None = None
+    if group_rank(group) == 0:
+        try:
+            outcome = {"value": decide()}
+        except Exception as e:
+            original = e
+            outcome = {"error": error_payload(e)}
+    outcome = broadcast_object(outcome, group)
+    if "error" in outcome:
+        raise_payload(outcome["error"], original)
+    return outcome["value"]
+
+
+def all_agree(step: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> list[T]:
+    """Run ``step`` on every rank; return every rank's result, or raise the same error on every rank.
+
+    If some rank failed, every rank raises the failing rank's exception class (the lowest
+    failing rank's), its message prefixed with ``rank R could not {what}`` unless every rank
+    failed with the same message (then the message alone: all ranks saw the same problem).
+    """
+    value: Any = None
+    failure: dict[str, str] | None = None
+    original: BaseException | None = None
+    try:
+        value = step()
+    except Exception as e:
+        original = e
+        failure = error_payload(e)
+    outcomes = all_gather_object({"value": value} if failure is None else {"error": failure}, group)
+    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if "error" in o]
+    if not failed:
+        return [o["value"] for o in outcomes]
+    rank, payload = failed[0]
+    if len(failed) < len(outcomes) or any(p != payload for _, p in failed):
+        payload = {"type": payload["type"], "message": f"rank {rank} could not {what}: {payload['message']}"}
+    raise_payload(payload, original)

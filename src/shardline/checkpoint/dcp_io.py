@@ -12,6 +12,8 @@ dicts, so on disk they become ``model.<fqn>``, ``optim.state.<fqn>.<name>`` and 
 Non-tensor items are stored by DCP as ``torch.save`` pickles. DCP's default planner loads them
 with ``torch.load(weights_only=False)``, which can run arbitrary code; :class:`SafeLoadPlanner`
 loads them with ``weights_only=True`` instead, so a checkpoint can only ever produce data.
+``.metadata`` itself is a plain ``pickle``: :func:`unpickle_metadata` reads it with an allowlist
+of the classes DCP puts there, and only after its hash was checked (``opening.py``).
 """
 
 from __future__ import annotations
@@ -19,17 +21,16 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from shardline.checkpoint.manifest import DCP_METADATA
-from shardline.errors import CheckpointNotFoundError, ConfigurationError, IntegrityError
+from shardline import _torch_compat
+from shardline.errors import ConfigurationError, IntegrityError
 
 __all__ = [
     "CONFIG_KEY",
@@ -37,14 +38,14 @@ __all__ = [
     "OPTIM_KEY",
     "PER_RANK_KEY",
     "TRAINER_KEY",
-    "CachedReader",
+    "MetadataReader",
     "SafeLoadPlanner",
     "build_tree",
     "decode_state",
     "encode_state",
     "key_paths",
-    "read_metadata",
     "set_path",
+    "unpickle_metadata",
 ]
 
 MODEL_KEY = "model"
@@ -103,39 +104,49 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
 
 
-class CachedReader(FileSystemReader):
-    """``FileSystemReader`` that unpickles ``.metadata`` once (consolidation loads tensor by tensor)."""
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle`` limited to the classes a DCP ``.metadata`` file holds (see ``_torch_compat.DCP_METADATA_CLASSES``)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self._metadata: Metadata | None = None
+    def find_class(self, module: str, name: str) -> Any:
+        if not _torch_compat.is_dcp_metadata_global(module, name):
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata never holds")
+        return super().find_class(module, name)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            self._metadata = _read_metadata_file(Path(self.path), lambda: super(CachedReader, self).read_metadata())
-        return self._metadata
-
-
-def _read_metadata_file(path: Path, read: Callable[[], Metadata]) -> Metadata:
-    if not (path / DCP_METADATA).is_file():
-        contents = ", ".join(sorted(p.name for p in path.iterdir())[:8]) if path.is_dir() else "no such directory"
-        raise CheckpointNotFoundError(
-            f"{path} is not a checkpoint: it has no {DCP_METADATA} file (contents: {contents or 'empty'})"
-        )
-    try:
-        return read()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-        raise IntegrityError(f"{path / DCP_METADATA} is damaged and cannot be read ({type(e).__name__}: {e})") from None
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent reference, which DCP metadata never does")
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The DCP metadata of the checkpoint at ``path``.
+def unpickle_metadata(data: bytes, where: str | os.PathLike) -> Metadata:
+    """DCP ``Metadata`` from the bytes of a ``.metadata`` file, refusing any class DCP metadata does not use.
 
     Raises:
-        CheckpointNotFoundError: no ``.metadata`` there.
-        IntegrityError: ``.metadata`` exists but cannot be unpickled.
+        IntegrityError: the bytes are not DCP metadata (damaged, or naming other classes: never run).
     """
-    return CachedReader(path).read_metadata()
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise IntegrityError(
+            f"{where} cannot be read as torch.distributed.checkpoint metadata ({type(e).__name__}: {e}); nothing "
+            "in it was run"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise IntegrityError(f"{where} holds a {type(metadata).__name__}, not torch.distributed.checkpoint metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+class MetadataReader(FileSystemReader):
+    """``FileSystemReader`` that serves metadata already read and checked (it never unpickles ``.metadata``)."""
+
+    def __init__(self, path: str | os.PathLike, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata.storage_meta is not None:
+            self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 def key_paths(metadata: Metadata) -> dict[str, tuple[Any, ...]]:

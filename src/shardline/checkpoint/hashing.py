@@ -39,10 +39,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shardline import _torch_compat
-from shardline.checkpoint import fault
+from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.errors import CheckpointError
 
-__all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "sha256_file"]
+__all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "hasher_pool", "sha256_file"]
 
 DIGEST_INDEX_PREFIX = "__shardline_file_digest__/"
 _READ_CHUNK = 8 << 20
@@ -78,7 +78,8 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def _hasher_pool() -> ThreadPoolExecutor:
+def hasher_pool() -> ThreadPoolExecutor:
+    """The process's two SHA-256 helper threads (shared by saves and verified loads)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
@@ -96,11 +97,12 @@ class _HashingStream(io.RawIOBase):
     returning, so the caller may reuse its buffer and digest updates stay in file order.
     """
 
-    def __init__(self, raw: Any, on_close: Any, hasher_pool: ThreadPoolExecutor) -> None:
+    def __init__(self, raw: Any, on_close: Any, hasher_pool: ThreadPoolExecutor, before_write: Any) -> None:
         super().__init__()
         self._raw = raw
         self._on_close = on_close
         self._pool = hasher_pool
+        self._before_write = before_write
         self._hash = hashlib.sha256()
         self._size = 0
 
@@ -112,6 +114,7 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        self._before_write(len(view))
         pending = self._pool.submit(self._hash.update, view) if len(view) >= _OVERLAP_MIN else None
         try:
             written = 0
@@ -155,12 +158,18 @@ class _HashingStream(io.RawIOBase):
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local ``FileSystem`` whose write streams record ``(bytes, sha256)`` of each file on close."""
+    """DCP's local ``FileSystem`` whose write streams record ``(bytes, sha256)`` of each file on close.
 
-    def __init__(self) -> None:
+    Every write is announced to ``observer.before_write`` first (a test may make it fail the way a
+    full disk does); ``rank`` names the writing rank to it.
+    """
+
+    def __init__(self, observer: SaveObserver = NO_OBSERVER) -> None:
         super().__init__()
         self._lock = threading.Lock()
         self._digests: dict[str, tuple[int, str]] = {}
+        self.observer = observer
+        self.rank = 0
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
@@ -174,8 +183,11 @@ class HashingFileSystem(FileSystem):
             with self._lock:
                 self._digests[key] = (size, digest)
 
+        def before_write(nbytes: int) -> None:
+            self.observer.before_write(key, nbytes, self.rank)
+
         with open(key, "wb") as raw:
-            stream = _HashingStream(raw, record, _hasher_pool())
+            stream = _HashingStream(raw, record, hasher_pool(), before_write)
             try:
                 yield stream
             finally:
@@ -213,11 +225,19 @@ class HashingWriter(FileSystemWriter):
         path: The directory to write (the temporary directory of a save).
         final_path: Where the directory will be renamed to; recorded as the checkpoint id in
             ``.metadata``'s storage metadata instead of the temporary path.
+        observer: Told of every write and of the ``after_shards`` phase (tests inject faults here).
     """
 
-    def __init__(self, path: str | os.PathLike, *, final_path: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        final_path: str | os.PathLike | None = None,
+        observer: SaveObserver = NO_OBSERVER,
+    ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
-        self._hfs = HashingFileSystem()
+        self._hfs = HashingFileSystem(observer)
+        self._observer = observer
         _torch_compat.set_writer_filesystem(self, self._hfs)
         self._final_path = final_path
         self.file_digests: list[FileDigest] | None = None
@@ -225,12 +245,16 @@ class HashingWriter(FileSystemWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self._final_path or self.path), save_id=self.save_id)
 
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._hfs.rank = self.rank or 0
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._hfs.take()
         results = list(super().write_data(plan, planner).wait())
         rank = self.rank or 0
         written = self._hfs.take()
-        fault.maybe_fail("after_shards", rank)
+        self._observer.on_phase(SavePhase.AFTER_SHARDS, rank)
         for full, (size, digest) in sorted(written.items()):
             name = os.path.relpath(full, self.path)
             record = FileDigest(path=name, rank=rank, bytes=size, sha256=digest)

@@ -6,6 +6,17 @@ first). ``row_sha256`` is the SHA-256 of the canonical JSON of the row's other c
 editing, deleting or reordering any row breaks the chain from there on. Triggers refuse
 ``UPDATE`` and ``DELETE``; the chain catches edits made around them.
 
+Rows other than commits carry an ``event``: ``quarantine`` (a checkpoint that failed
+verification was moved aside), ``resume`` (a load that checked less than every byte, an
+explicit opt-in), ``chain_break`` (the first row of a new chain started after the previous
+ledger failed to verify). ``detail`` holds the event's canonical JSON. Rows written before
+these columns existed have them NULL, and a NULL ``event``/``detail`` is left out of the row hash.
+
+Note: the head record. After each append the ledger's last row (``seq row_sha256``) is written
+to ``<ledger>.head`` beside it. Deleting rows from the end of the table keeps the chain
+internally consistent -- every remaining link still matches -- so the head record is what
+shows it: a ledger that ends before the row its head names has lost its tail.
+
 Note: SQLite needs working file locks; keep the ledger on a local or POSIX-compliant shared
 file system (only rank 0 writes it).
 """
@@ -13,6 +24,7 @@ file system (only rank 0 writes it).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -22,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint.canonical import canonical_json, sha256_hex
+from shardline.checkpoint.fsutil import atomic_write_bytes
 from shardline.errors import LineageError
 
-__all__ = ["GENESIS", "LEDGER_NAME", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
+__all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
 
 LEDGER_NAME = "lineage.sqlite"
 GENESIS = "0" * 64
@@ -40,7 +53,9 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     committed_at TEXT NOT NULL,
     recovered INTEGER NOT NULL DEFAULT 0,
     prev_row_sha256 TEXT NOT NULL,
-    row_sha256 TEXT NOT NULL UNIQUE
+    row_sha256 TEXT NOT NULL UNIQUE,
+    event TEXT,
+    detail TEXT
 );
 CREATE TRIGGER IF NOT EXISTS checkpoints_no_update BEFORE UPDATE ON checkpoints
 BEGIN SELECT RAISE(ABORT, 'the lineage ledger is append-only'); END;
@@ -59,7 +74,12 @@ _COLUMNS = (
     "recovered",
     "prev_row_sha256",
     "row_sha256",
+    "event",
+    "detail",
 )
+_ADDED = ("event", "detail")  # columns added later: a NULL there is not part of the row hash
+COMMIT = "commit"
+EVENTS = (COMMIT, "quarantine", "resume", "chain_break")
 
 
 @dataclass(frozen=True)
@@ -77,14 +97,24 @@ class LedgerRow:
     recovered: bool
     prev_row_sha256: str
     row_sha256: str
+    event: str | None = None
+    detail: str | None = None
+
+    @property
+    def is_commit(self) -> bool:
+        """Whether the row records a committed checkpoint (rows from before events existed are commits)."""
+        return self.event in (None, COMMIT)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def row_hash(fields: dict[str, Any]) -> str:
-    """SHA-256 of the canonical JSON of a row's columns other than ``row_sha256``."""
-    body = {k: fields[k] for k in _COLUMNS if k != "row_sha256"}
+    """SHA-256 of the canonical JSON of a row's columns but ``row_sha256`` (a NULL ``event``/``detail`` left out)."""
+    body = {k: fields.get(k) for k in _COLUMNS if k != "row_sha256"}
+    for key in _ADDED:
+        if body[key] is None:
+            del body[key]
     body["recovered"] = bool(body["recovered"])
     return sha256_hex(canonical_json(body))
 
@@ -113,10 +143,23 @@ class LineageReport:
 
 
 class Ledger:
-    """The append-only, hash-chained ledger at ``path`` (created on first append)."""
+    """The append-only, hash-chained ledger at ``path`` (created on first append), with its head record."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+
+    @property
+    def head_path(self) -> Path:
+        """``<ledger>.head``: the last appended row's ``seq row_sha256``."""
+        return self.path.with_name(self.path.name + ".head")
+
+    def head_record(self) -> tuple[int, str] | None:
+        """``(seq, row_sha256)`` from the head record, or None when there is none (or it is unreadable)."""
+        try:
+            parts = self.head_path.read_text(encoding="ascii").split()
+            return int(parts[0]), parts[1]
+        except (OSError, UnicodeDecodeError, ValueError, IndexError):
+            return None
 
     @contextmanager
     def _connect(self, *, create: bool) -> Iterator[sqlite3.Connection]:
@@ -137,11 +180,26 @@ class Ledger:
         finally:
             conn.close()
 
+    @staticmethod
+    def _upgrade(conn: sqlite3.Connection) -> None:
+        """Add the event columns to a ledger written before they existed (its old rows keep NULL there)."""
+        have = {r[1] for r in conn.execute("PRAGMA table_info(checkpoints)")}
+        for column in _ADDED:
+            if have and column not in have:
+                conn.execute(f"ALTER TABLE checkpoints ADD COLUMN {column} TEXT")
+
     def rows(self) -> list[LedgerRow]:
         """Every row, in append order."""
         with self._connect(create=False) as conn:
-            cur = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM checkpoints ORDER BY seq")
-            return [LedgerRow(**{**dict(zip(_COLUMNS, r, strict=True)), "recovered": bool(r[8])}) for r in cur]
+            have = [r[1] for r in conn.execute("PRAGMA table_info(checkpoints)")]
+            columns = [c for c in _COLUMNS if c in have]
+            cur = conn.execute(f"SELECT {', '.join(columns)} FROM checkpoints ORDER BY seq")
+            out = []
+            for r in cur:
+                fields = dict(zip(columns, r, strict=True))
+                fields["recovered"] = bool(fields["recovered"])
+                out.append(LedgerRow(**fields))
+            return out
 
     def append(
         self,
@@ -153,9 +211,17 @@ class Ledger:
         parent_manifest_sha256: str | None,
         world_size: int,
         recovered: bool = False,
+        event: str = COMMIT,
+        detail: dict[str, Any] | None = None,
     ) -> LedgerRow:
-        """Append one committed checkpoint, chained to the last row (in one exclusive transaction)."""
+        """Append one row (a committed checkpoint, or an ``event``), chained to the last row.
+
+        One exclusive transaction; then the head record is rewritten atomically.
+        """
+        if event not in EVENTS:
+            raise ValueError(f"unknown ledger event {event!r}; events are {', '.join(EVENTS)}")
         with self._connect(create=True) as conn:
+            self._upgrade(conn)
             conn.execute("BEGIN EXCLUSIVE")
             try:
                 last = conn.execute("SELECT seq, row_sha256 FROM checkpoints ORDER BY seq DESC LIMIT 1").fetchone()
@@ -170,6 +236,8 @@ class Ledger:
                     "committed_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
                     "recovered": bool(recovered),
                     "prev_row_sha256": last[1] if last else GENESIS,
+                    "event": event,
+                    "detail": canonical_json(detail).decode("utf-8") if detail is not None else None,
                 }
                 fields["row_sha256"] = row_hash(fields)
                 conn.execute(
@@ -180,13 +248,55 @@ class Ledger:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
+        atomic_write_bytes(self.head_path, f"{fields['seq']} {fields['row_sha256']}\n".encode())
         return LedgerRow(**fields)
 
     def manifest_hashes(self) -> set[str]:
         """Manifest hashes of every recorded checkpoint (empty if the ledger does not exist yet)."""
         if not self.path.is_file():
             return set()
-        return {r.manifest_sha256 for r in self.rows()}
+        return {r.manifest_sha256 for r in self.rows() if r.is_commit}
+
+    def recorded_hash(self, checkpoint: Path) -> str | None:
+        """The manifest hash the newest commit row records for the directory ``checkpoint`` (None if none)."""
+        if not self.path.is_file():
+            return None
+        rel = os.path.relpath(checkpoint, self.path.parent)
+        found = [r.manifest_sha256 for r in self.rows() if r.is_commit and r.checkpoint == rel]
+        return found[-1] if found else None
+
+    def start_new_chain(self, *, reason: str, problems: list[str]) -> tuple[Path, LedgerRow]:
+        """Move this ledger (and its head record) aside and start a new one whose first row records the break.
+
+        The old file is kept as ``<stem>.broken-<UTC time><suffix>`` and named, with its SHA-256
+        and last row, in the new ``chain_break`` row. Returns (where the old ledger went, the new row).
+        """
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        aside = self.path.with_name(f"{self.path.stem}.broken-{stamp}{self.path.suffix}")
+        detail: dict[str, Any] = {"reason": reason, "problems": list(problems)}
+        if self.path.is_file():
+            detail["previous_ledger"] = aside.name
+            detail["previous_ledger_sha256"] = sha256_hex(self.path.read_bytes())
+            try:
+                rows = self.rows()
+            except LineageError:
+                rows = []
+            if rows:
+                detail["previous_last_row"] = {"seq": rows[-1].seq, "row_sha256": rows[-1].row_sha256}
+            os.rename(self.path, aside)
+        if self.head_path.is_file():
+            os.rename(self.head_path, aside.with_name(aside.name + ".head"))
+        row = self.append(
+            step=0,
+            tag=None,
+            checkpoint="",
+            manifest_sha256="",
+            parent_manifest_sha256=None,
+            world_size=0,
+            event="chain_break",
+            detail=detail,
+        )
+        return aside, row
 
     def verify(self, *, check_checkpoints: bool = True) -> LineageReport:
         """Recompute every row hash and link; with ``check_checkpoints``, also compare each checkpoint still on
@@ -197,8 +307,10 @@ class Ledger:
         rows = self.rows()
         problems: list[str] = []
         notes: list[str] = []
+        problems += self.head_problems(rows)
         prev = GENESIS
         seen: set[str] = set()
+        moved = _moves(rows)
         for i, row in enumerate(rows):
             fields = row.to_json()
             if row.seq != i + 1:
@@ -209,6 +321,9 @@ class Ledger:
                 )
             if row_hash(fields) != row.row_sha256:
                 problems.append(f"row {row.seq} (step {row.step}): its contents do not match its row hash (edited)")
+            if not row.is_commit:
+                prev = row.row_sha256
+                continue
             if row.parent_manifest_sha256 and row.parent_manifest_sha256 not in seen:
                 notes.append(
                     f"row {row.seq} (step {row.step}): parent {row.parent_manifest_sha256[:12]} is not in this ledger "
@@ -217,6 +332,13 @@ class Ledger:
             seen.add(row.manifest_sha256)
             prev = row.row_sha256
             if not check_checkpoints:
+                continue
+            later = next(((seq, to) for seq, to in moved.get(row.checkpoint, []) if seq > row.seq), None)
+            if later is not None:
+                notes.append(
+                    f"row {row.seq} (step {row.step}): {row.checkpoint} failed verification and was moved aside to "
+                    f"{later[1]} (row {later[0]})"
+                )
                 continue
             where = self.path.parent / row.checkpoint
             if not where.exists():
@@ -233,3 +355,43 @@ class Ledger:
                     f"{row.manifest_sha256}"
                 )
         return LineageReport(str(self.path), tuple(rows), tuple(problems), tuple(notes))
+
+    def head_problems(self, rows: list[LedgerRow] | None = None) -> list[str]:
+        """The ledger must reach the row its head record names (rows removed from the end show here)."""
+        if rows is None:
+            rows = self.rows() if self.path.is_file() else []
+        head = self.head_record()
+        last = rows[-1] if rows else None
+        if head is None:
+            if self.head_path.exists() or any(r.event is not None for r in rows):
+                return [
+                    f"the head record {self.head_path.name} is missing or unreadable: the ledger's end cannot be "
+                    "checked"
+                ]
+            return []
+        seq, digest = head
+        match = next((r for r in rows if r.seq == seq), None)
+        if match is None:
+            ends = f"row {last.seq} (step {last.step})" if last else "no row at all"
+            return [
+                f"rows are missing from the end of the ledger: it ends at {ends}, but {self.head_path.name} records "
+                f"row {seq} ({digest[:12]})"
+            ]
+        if match.row_sha256 != digest:
+            return [
+                f"row {seq} differs from the one {self.head_path.name} records ({digest[:12]}): the ledger was replaced"
+            ]
+        return []
+
+
+def _moves(rows: list[LedgerRow]) -> dict[str, list[tuple[int, str]]]:
+    """``checkpoint -> [(seq, moved_to)]`` from the ledger's ``quarantine`` rows."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    for row in rows:
+        if row.event == "quarantine" and row.detail:
+            try:
+                detail = json.loads(row.detail)
+                out.setdefault(str(detail["checkpoint"]), []).append((row.seq, str(detail["moved_to"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out

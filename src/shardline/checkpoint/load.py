@@ -1,10 +1,24 @@
-"""``load``: check a checkpoint, then load it into a model of any world size and strategy.
+"""``load``: verify a checkpoint, then load it into a model of any world size and strategy.
+
+Note: nothing unverified is used (see ``opening.py`` for the order of checks). Rank 0 anchors
+the manifest and checks the listing; every rank hashes ``.metadata`` before unpickling it and
+checks the model against it (one all-gather); DCP then reads the data through
+:class:`~.reading.VerifyingReader`, each rank hashing a disjoint share of the files in the pass
+that reads them, and DCP's read all-gather is the agreement. Nothing the load produced is used
+before it: buffers, 0-d parameters, the optimizer state (``load_state_dict``) and the trainer
+state are installed, and ``load`` returns, only once every rank knows every file verified.
+Cost: one SHA-256 pass over the checkpoint, spread over the ranks and overlapped with reading.
+
+Like plain DCP, the data is read in place into the model's shards (and into optimizer state
+tensors the optimizer already holds), so a load that raises leaves those values undefined:
+load a checkpoint that verifies (``CheckpointManager.load("auto")`` does) or rebuild them.
+Staging copies would keep them intact at the cost of a copy of every shard per load.
 
 Note: how resharding works. Every parameter target is the live shard exposed as a DTensor
-piece (``ManagedParam.to_dtensor``, no copy); DCP's planner intersects the pieces each rank asks for
-with the chunks each file holds and reads exactly the overlapping rows into the shards in
-place. So W -> W' and FULL_SHARD <-> NO_SHARD (a ``Replicate`` piece asks for all rows) need
-no gather, and a checkpoint saved with kind ``full`` (one chunk per tensor) loads the same way.
+piece (``ManagedParam.to_dtensor``, no copy); DCP's planner intersects the pieces each rank
+asks for with the chunks each file holds and reads exactly the overlapping rows. So W -> W' and
+FULL_SHARD <-> NO_SHARD (a ``Replicate`` piece asks for all rows) need no gather, and a
+checkpoint saved with kind ``full`` (one chunk per tensor) loads the same way.
 
 Note: optimizer state is initialized from the checkpoint's own metadata, not by a dummy
 optimizer step: for each ``optim.state.<fqn>.<name>`` item we allocate an empty tensor shaped
@@ -27,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardline.checkpoint import coord
@@ -36,122 +51,91 @@ from shardline.checkpoint.dcp_io import (
     OPTIM_KEY,
     PER_RANK_KEY,
     TRAINER_KEY,
-    CachedReader,
     SafeLoadPlanner,
     build_tree,
     decode_state,
     key_paths,
-    read_metadata,
     subtree,
 )
-from shardline.checkpoint.fsutil import is_tmp_name
-from shardline.checkpoint.manifest import DCP_METADATA, MANIFEST, manifest_files, read_manifest
 from shardline.checkpoint.model_state import param_index
+from shardline.checkpoint.opening import (
+    CheckedManifest,
+    check_manifest,
+    integrity_error,
+    open_checkpoint,
+    read_checked_metadata,
+)
 from shardline.checkpoint.optim_state import load_optimizer_state_dict, optimizer_params
-from shardline.checkpoint.verify import check_files
+from shardline.checkpoint.reading import VerifyingReader
+from shardline.checkpoint.verify import VerifyLevel, check_files
 from shardline.engine import key_problems, registered_state_dict, release_all
 from shardline.errors import (
     CheckpointError,
     CheckpointMismatchError,
-    CheckpointNotFoundError,
     CheckpointWarning,
-    ConfigurationError,
-    IntegrityError,
+    ShardlineError,
 )
 
-__all__ = ["VERIFY_LEVELS", "check_checkpoint", "load", "load_config", "load_trainer_state"]
+__all__ = ["check_checkpoint", "load", "load_config", "load_trainer_state", "opt_in_note"]
 
-VERIFY_LEVELS = ("manifest", "full", "none")
 _SHOW = 10
-_ERRORS: dict[str, type[CheckpointError]] = {
-    "CheckpointNotFoundError": CheckpointNotFoundError,
-    "IntegrityError": IntegrityError,
-    "CheckpointMismatchError": CheckpointMismatchError,
-}
 
 
-def _raise_remote(error: dict[str, str]) -> None:
-    raise _ERRORS.get(error["type"], CheckpointError)(error["message"])
-
-
-def _check_on_rank0(path: Path, verify: str) -> dict[str, Any]:
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path} is not a checkpoint: no such directory")
-    if is_tmp_name(path.name):
-        raise CheckpointNotFoundError(
-            f"{path} is the temporary directory of a save that never committed (interrupted or failed); it may be "
-            "incomplete and must not be loaded. Load a committed checkpoint (a step-N directory) instead."
+def opt_in_note(checked: CheckedManifest) -> str | None:
+    """The one line that says a checkpoint was used without hashing every byte (None at level ``full``)."""
+    if not checked.level.opt_in:
+        return None
+    if checked.manifest is None:
+        return (
+            f"{checked.path} is a plain torch.distributed.checkpoint directory without a shardline manifest: it has "
+            "no lineage and its files cannot be verified; loading it anyway (verify='none')"
         )
-    if not (path / MANIFEST).is_file():
-        if not (path / DCP_METADATA).is_file():
-            raise CheckpointNotFoundError(
-                f"{path} is not a checkpoint: it has neither {MANIFEST} nor {DCP_METADATA} "
-                f"(contents: {', '.join(sorted(p.name for p in path.iterdir())[:8]) or 'empty'})"
-            )
-        if verify == "full":
-            raise IntegrityError(
-                f"{path} is a plain torch.distributed.checkpoint directory without a shardline manifest, so "
-                "verify='full' cannot check it; load it with verify='manifest' or 'none' (it has no lineage)"
-            )
-        return {"manifest": None}
-    manifest, digest = read_manifest(path)
-    if verify != "none":
-        problems, _ = check_files(path, manifest_files(manifest), "manifest")
-        if problems:
-            listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in problems[:_SHOW])
-            raise IntegrityError(
-                f"checkpoint {path} does not match its manifest -- {listing}. Run `shardline verify {path}` for a "
-                "full report; load another checkpoint."
-            )
-    return {"manifest": manifest, "hash": digest}
+    what = "file sizes only" if checked.level is VerifyLevel.SIZES else "no file checks"
+    return (
+        f"checkpoint {checked.path} loaded with verify={checked.level.value!r} ({what}): its data files were not "
+        "hashed, so damaged bytes would go unnoticed; the default 'full' checks every byte"
+    )
+
+
+def _checked(path: Path, level: VerifyLevel, expected: str | None, group: dist.ProcessGroup | None) -> CheckedManifest:
+    data = coord.rank0_decides(
+        lambda: check_manifest(path, level=level, expected_manifest_hash=expected).to_json(), group
+    )
+    checked = CheckedManifest.from_json(data)
+    note = opt_in_note(checked)
+    if note is not None and coord.group_rank(group) == 0:
+        warnings.warn(note, CheckpointWarning, stacklevel=3)
+    return checked
 
 
 def check_checkpoint(
-    path: str | os.PathLike, *, verify: str = "manifest", process_group: dist.ProcessGroup | None = None
+    path: str | os.PathLike,
+    *,
+    verify: VerifyLevel | str = VerifyLevel.FULL,
+    expected_manifest_hash: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any] | None:
-    """Check the checkpoint before loading (a collective); return its manifest, or None for plain DCP.
+    """Verify a checkpoint without loading it (a collective); return its manifest, or None for plain DCP.
 
-    ``manifest``: manifest hash, every file present with its size. ``full``: also re-hash every
-    file, spread over the ranks. ``none``: only that it is a checkpoint. A plain DCP directory
-    (no manifest) passes with a :class:`CheckpointWarning` on rank 0 (except under ``full``).
+    ``full`` (default): the anchored manifest, the listing, and every file's SHA-256, the files
+    spread over the ranks. ``sizes``: no re-hashing of data files (a :class:`CheckpointWarning`
+    says so). ``none``: only that it is a checkpoint (the only level a plain DCP directory passes).
 
     Raises:
         CheckpointNotFoundError, IntegrityError: on every rank.
     """
-    if verify not in VERIFY_LEVELS:
-        raise ConfigurationError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, got {verify!r}")
-    path = Path(path)
-    verdict: dict[str, Any] = {}
-    rank = coord.group_rank(process_group)
-    if rank == 0:
-        try:
-            verdict = _check_on_rank0(path, verify)
-        except CheckpointError as e:
-            verdict = {"error": {"type": type(e).__name__, "message": str(e)}}
-    verdict = coord.broadcast_object(verdict, process_group)
-    if "error" in verdict:
-        _raise_remote(verdict["error"])
-    manifest = verdict["manifest"]
-    if manifest is None:
-        if rank == 0:
-            warnings.warn(
-                f"{path} is a plain torch.distributed.checkpoint directory without a shardline manifest: it has no "
-                "lineage and its files cannot be verified; loading it anyway",
-                CheckpointWarning,
-                stacklevel=3,
-            )
-        return None
-    if verify == "full":
-        world = coord.group_size(process_group)
-        mine = manifest_files(manifest)[rank::world]
-        problems, _ = check_files(path, mine, "full")
-        found = coord.all_gather_object([f"{p.path}: {p.kind} ({p.detail})" for p in problems], process_group)
-        flat = [p for per_rank in found for p in per_rank]
-        if flat:
-            raise IntegrityError(
-                f"checkpoint {path} failed full verification -- {'; '.join(flat[:_SHOW])}. Load another checkpoint."
-            )
-    return manifest
+    level = VerifyLevel.parse(verify)
+    checked = _checked(Path(path), level, expected_manifest_hash, process_group)
+    if level is VerifyLevel.FULL:
+        rank, world = coord.group_rank(process_group), coord.group_size(process_group)
+
+        def hash_share() -> None:
+            problems, _ = check_files(checked.path, checked.entries()[rank::world], VerifyLevel.FULL)
+            if problems:
+                raise integrity_error(checked.path, problems, what="it must not be loaded")
+
+        coord.all_agree(hash_share, process_group, what=f"verify its share of {path}")
+    return checked.manifest
 
 
 def _mismatch(path: Path, problems: list[str]) -> CheckpointMismatchError:
@@ -214,7 +198,11 @@ def _optim_targets(
     if not entries:
         problems.append("an optimizer was passed but the checkpoint holds no optimizer state ('optim.*' keys)")
         return {}
-    by_fqn = {fqn: managed for _, fqn, managed in optimizer_params(model, optimizer)}
+    params = optimizer_params(model, optimizer)
+    by_fqn = {fqn: managed for _, fqn, managed in params}
+    # Note: state tensors the optimizer already holds (same shape, dtype and device) are read into
+    # in place, as plain DCP would; a fresh optimizer gets new tensors.
+    current = {fqn: optimizer.state.get(param, {}) for param, fqn, _ in params}
     placed = []
     for path, md in entries:
         if not isinstance(md, TensorStorageMetadata):
@@ -231,7 +219,17 @@ def _optim_targets(
         if managed is None or size == ():
             placed.append((path, torch.empty(size, dtype=dtype)))
         elif size == managed.global_shape:
-            local = torch.empty(managed.local_shape, dtype=dtype, device=managed.shard.device)
+            held = current[fqn].get(name)
+            device = managed.shard.device
+            fits = (
+                isinstance(held, torch.Tensor)
+                and held.dtype == dtype
+                and held.device == device
+                and held.is_contiguous()
+            )
+            local = held if fits and tuple(held.shape) == managed.local_shape else None
+            if local is None:
+                local = torch.empty(managed.local_shape, dtype=dtype, device=device)
             placed.append((path, managed.to_dtensor(local)))
         else:
             problems.append(
@@ -240,22 +238,45 @@ def _optim_targets(
     return build_tree(placed)
 
 
+def _dcp_error(path: Path, error: CheckpointException) -> ShardlineError:
+    """One error for every rank from DCP's gathered per-rank failures: the lowest failing rank's."""
+
+    # Note: a rank that could not deserialize an item of a file another rank hashes reports only that;
+    # the hashing rank's "manifest records" verdict names the real cause, so it wins.
+    def precedence(item: tuple[int, Any]) -> tuple[int, int]:
+        rank, (exc, _trace) = item
+        return (0 if "manifest records" in str(exc) else 1 if isinstance(exc, ShardlineError) else 2, rank)
+
+    rank, (exc, _trace) = min(error.failures.items(), key=precedence)
+    if isinstance(exc, ShardlineError):
+        return coord.error_from_payload(coord.error_payload(exc))
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return CheckpointError(f"reading checkpoint {path} failed on rank {rank}: {type(exc).__name__}: {first}")
+
+
 def load(
     path: str | os.PathLike,
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    verify: str = "manifest",
+    verify: VerifyLevel | str = VerifyLevel.FULL,
     strict: bool = True,
+    expected_manifest_hash: str | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint into ``model`` (and ``optimizer``) at any world size and strategy (a collective).
+    """Verify a checkpoint and load it into ``model`` (and ``optimizer``) at any world size and strategy.
+
+    A collective. Nothing is installed into the model or optimizer unless every check passed on
+    every rank (see the module note).
 
     Args:
-        path: A committed checkpoint directory (or a plain DCP directory: loads with a warning).
-        verify: ``"manifest"`` (default: manifest hash, files present with their sizes),
-            ``"full"`` (also re-hash every file, spread over the ranks) or ``"none"``.
+        path: A committed checkpoint directory (a plain DCP directory only with ``verify="none"``).
+        verify: ``"full"`` (default: every byte hashed against the manifest, spread over the ranks
+            while reading), or the opt-ins ``"sizes"`` (file sizes only) and ``"none"``; an opt-in
+            is reported with a :class:`CheckpointWarning`.
         strict: Model keys must match exactly (shapes always must).
+        expected_manifest_hash: The manifest hash to trust (e.g. from the lineage ledger); without
+            it the manifest is checked against ``manifest.sha256`` in the directory.
 
     Returns:
         The trainer state saved with it (rank 0's), plus ``"per_rank"``: the entry this rank
@@ -264,72 +285,84 @@ def load(
 
     Raises:
         CheckpointNotFoundError: not a (committed) checkpoint.
-        IntegrityError: files missing or not matching the manifest.
+        IntegrityError: a file missing, unexpected, or not matching the manifest (named); nothing loaded.
         CheckpointMismatchError: keys or shapes that do not fit; nothing is loaded then.
     """
     path = Path(path)
-    check_checkpoint(path, verify=verify, process_group=process_group)
-    reader = CachedReader(path)
-    metadata = reader.read_metadata()
-    tops = {p[0] for p in key_paths(metadata).values()}
-    prefix: tuple[Any, ...] = (MODEL_KEY,) if MODEL_KEY in tops else ()
-    problems: list[str] = []
-    model_targets, after = _model_targets(model, metadata, prefix, strict, problems)
-    targets: dict[str, Any] = {MODEL_KEY: model_targets} if prefix else dict(model_targets)
-    if optimizer is not None:
-        targets[OPTIM_KEY] = _optim_targets(model, optimizer, metadata, problems)
+    level = VerifyLevel.parse(verify)
+    checked = _checked(path, level, expected_manifest_hash, process_group)
     rank = coord.group_rank(process_group)
-    if TRAINER_KEY in tops:
-        targets[TRAINER_KEY] = None
-    per_rank = {path[0] for path, _ in subtree(metadata, (PER_RANK_KEY,))}
-    if str(rank) in per_rank:
-        targets[PER_RANK_KEY] = {str(rank): None}
+    plan: dict[str, Any] = {}
+
+    def prepare() -> None:
+        metadata = read_checked_metadata(checked)
+        tops = {p[0] for p in key_paths(metadata).values()}
+        prefix: tuple[Any, ...] = (MODEL_KEY,) if MODEL_KEY in tops else ()
+        problems: list[str] = []
+        model_targets, after = _model_targets(model, metadata, prefix, strict, problems)
+        targets: dict[str, Any] = {MODEL_KEY: model_targets} if prefix else dict(model_targets)
+        if optimizer is not None:
+            targets[OPTIM_KEY] = _optim_targets(model, optimizer, metadata, problems)
+        if TRAINER_KEY in tops:
+            targets[TRAINER_KEY] = None
+        if str(rank) in {p[0] for p, _ in subtree(metadata, (PER_RANK_KEY,))}:
+            targets[PER_RANK_KEY] = {str(rank): None}
+        if problems:
+            raise _mismatch(path, problems)
+        plan.update(metadata=metadata, targets=targets, after=after)
+
     # Every rank checked the same metadata against the same model; agree before DCP's collectives.
-    verdicts = coord.all_gather_object(problems, process_group)
-    if any(verdicts):
-        raise _mismatch(path, next(v for v in verdicts if v))
-    release_all(model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(
-            targets,
-            storage_reader=reader,
-            planner=SafeLoadPlanner(),
-            process_group=process_group,
-            no_dist=not dist.is_initialized(),
-        )
+    coord.all_agree(prepare, process_group, what=f"prepare to load {path}")
+    targets = plan["targets"]
+    to_hash = checked.data_entries() if level is VerifyLevel.FULL else []
+    reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash)
+    release_all(model)  # free gathered parameters, so nothing stale shadows the shards being read
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(
+                targets,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=process_group,
+                no_dist=not dist.is_initialized(),
+            )
+    except CheckpointException as e:
+        raise _dcp_error(path, e) from None
     with torch.no_grad():
-        for fn in after:
+        for fn in plan["after"]:
             fn()
     if optimizer is not None:
         load_optimizer_state_dict(model, optimizer, targets[OPTIM_KEY], kind="sharded")
     state = decode_state(targets[TRAINER_KEY]) if targets.get(TRAINER_KEY) is not None else {}
     if not isinstance(state, dict):
-        raise IntegrityError(f"checkpoint {path}: the trainer state is a {type(state).__name__}, not a dict")
+        raise CheckpointMismatchError(f"checkpoint {path}: the trainer state is a {type(state).__name__}, not a dict")
     if PER_RANK_KEY in targets:
         state["per_rank"] = decode_state(targets[PER_RANK_KEY][str(rank)])
     return state
 
 
-def load_config(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The training config stored in a checkpoint (None if it has none). Reads only; no process group needed."""
-    metadata = read_metadata(path)
-    if CONFIG_KEY not in key_paths(metadata):
+def _read_item(path: str | os.PathLike, key: str, verify: VerifyLevel | str) -> Any:
+    opened = open_checkpoint(path, verify=verify)
+    if key not in key_paths(opened.metadata):
         return None
-    target: dict[str, Any] = {CONFIG_KEY: None}
+    target: dict[str, Any] = {key: None}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(target, storage_reader=CachedReader(path), planner=SafeLoadPlanner(), no_dist=True)
-    return json.loads(target[CONFIG_KEY])
+        dcp.load(target, storage_reader=opened.reader(), planner=SafeLoadPlanner(), no_dist=True)
+    return target[key]
 
 
-def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    """The shared trainer state stored in a checkpoint (rank 0's), read offline; ``{}`` if none."""
-    metadata = read_metadata(path)
-    if TRAINER_KEY not in key_paths(metadata):
-        return {}
-    target: dict[str, Any] = {TRAINER_KEY: None}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(target, storage_reader=CachedReader(path), planner=SafeLoadPlanner(), no_dist=True)
-    return decode_state(target[TRAINER_KEY])
+def load_config(path: str | os.PathLike, *, verify: VerifyLevel | str = VerifyLevel.FULL) -> dict[str, Any] | None:
+    """The training config stored in a checkpoint (None if it has none), read after verifying it (no process group).
+
+    ``verify`` as for :func:`load` (``full`` hashes every file first).
+    """
+    text = _read_item(path, CONFIG_KEY, verify)
+    return None if text is None else json.loads(text)
+
+
+def load_trainer_state(path: str | os.PathLike, *, verify: VerifyLevel | str = VerifyLevel.FULL) -> dict[str, Any]:
+    """The shared trainer state stored in a checkpoint (rank 0's), read offline after verifying it; ``{}`` if none."""
+    data = _read_item(path, TRAINER_KEY, verify)
+    return {} if data is None else decode_state(data)

@@ -1,12 +1,7 @@
-"""``CheckpointManager``: the run directory's checkpoints, ``latest`` pointer, ledger, resume and async saves.
+"""``CheckpointManager``: a directory of checkpoints, its ``latest`` pointer and ledger, resume and async saves.
 
-Layout of ``directory``::
-
-    step-100/  step-200/                 committed checkpoints (regular saves)
-    step-250-on_exception/               a checkpoint saved when training raised (tag "on_exception")
-    .step-300.tmp-<hex>/                 a save in progress (or one that crashed): never resumed from
-    latest                               text file naming the newest regular checkpoint ("step-200")
-    lineage.sqlite                       the hash-chained ledger (default location)
+See :mod:`.directory` for the layout. Every method is a collective; each decision is taken on
+rank 0 and reaches every rank through :func:`~.coord.rank0_decides`.
 
 Note: what "newest" means. Checkpoints are ordered by the creation time their manifest
 records (then by step), so after an explicit resume from an older checkpoint the branch
@@ -14,17 +9,22 @@ trained since is what ``auto`` resumes, not an abandoned one with a higher step.
 point of a save is the rename of its directory; ``latest`` and the ledger follow it. If a
 crash falls between the rename and those updates, the checkpoint is still committed: the next
 manager on the directory appends its ledger row (marked ``recovered``) and repoints ``latest``.
+
+Note: failing closed. Opening a manager checks the ledger's chain and compares it with the
+committed checkpoints on disk (:mod:`.lineage`); a chain that does not verify is refused --
+nothing is appended to it -- with the way to continue. ``load("auto")`` loads the newest
+checkpoint that verifies: one that does not is moved aside (``step-N.damaged-<time>``, so a
+later save of step N does not collide with it), the move is recorded in the ledger, and the
+next newest is tried.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import threading
-import warnings
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,36 +33,39 @@ import torch.distributed as dist
 from torch import nn
 
 from shardline import _torch_compat
-from shardline.checkpoint import coord, fault
-from shardline.checkpoint.fsutil import atomic_write_bytes, is_tmp_name
+from shardline.checkpoint import coord
+from shardline.checkpoint.directory import CommittedCheckpoint as CommittedCheckpoint
+from shardline.checkpoint.directory import (
+    checkpoint_name,
+    has_manifest,
+    move_aside,
+    read_latest,
+    scan,
+    step_of,
+    write_latest,
+)
+from shardline.checkpoint.fsutil import is_tmp_name
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
+from shardline.checkpoint.lineage import unrecorded
 from shardline.checkpoint.load import load as load_checkpoint
-from shardline.checkpoint.manifest import DCP_METADATA, MANIFEST, manifest_files, read_manifest
+from shardline.checkpoint.manifest import DCP_METADATA, read_manifest
+from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
-from shardline.checkpoint.verify import check_files
-from shardline.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, ConfigurationError
+from shardline.checkpoint.staging import SaveRequest, StagedCheckpoint
+from shardline.checkpoint.verify import VerifyLevel
+from shardline.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    LineageError,
+)
 
-__all__ = ["LATEST_FILE", "ON_EXCEPTION", "CheckpointManager", "CommittedCheckpoint"]
+__all__ = ["ON_EXCEPTION", "CheckpointManager", "CommittedCheckpoint"]
 
 log = logging.getLogger(__name__)
 
-LATEST_FILE = "latest"
 ON_EXCEPTION = "on_exception"
-_NAME = re.compile(r"^step-(?P<step>\d+)(?:-(?P<tag>[a-z0-9_]+))?$")
-_TAG = re.compile(r"^[a-z0-9_]+$")
-
-
-@dataclass(frozen=True)
-class CommittedCheckpoint:
-    """A committed checkpoint found in the manager's directory."""
-
-    path: Path
-    step: int
-    tag: str | None
-    manifest_hash: str
-    created_unix_ns: int
-    parent_manifest_hash: str | None
-    world_size: int
 
 
 class CheckpointManager:
@@ -78,6 +81,11 @@ class CheckpointManager:
             raises its error, if any. The background thread talks over its own gloo group so
             its collectives never interleave with training's.
         process_group: Group of the ranks that save (default: the world).
+        observer: Told of each save's phases and writes (tests inject faults with one).
+
+    Raises:
+        LineageError: the ledger's chain does not verify, or committed checkpoints on disk are
+            missing from it (on every rank; the message says how to continue).
     """
 
     def __init__(
@@ -87,16 +95,21 @@ class CheckpointManager:
         ledger_path: str | os.PathLike | None = None,
         async_save: bool = False,
         process_group: dist.ProcessGroup | None = None,
+        observer: SaveObserver | None = None,
     ) -> None:
         self.directory = Path(directory).absolute()
         self.ledger = Ledger(Path(ledger_path).absolute() if ledger_path else self.directory / LEDGER_NAME)
         self.async_save = bool(async_save)
+        self.observer = observer or NO_OBSERVER
         self.parent_manifest_hash: str | None = None
+        self.resumed_from: Path | None = None
+        self.moved_aside: list[Path] = []
         self._group = process_group
         self._io_group = process_group
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last: CheckpointInfo | None = None
+        self._last_good: Path | None = None
         self._rank = coord.group_rank(process_group)
         if self.async_save and coord.group_size(process_group) > 1:
             # Note: a dedicated group, created collectively here, so the background thread's
@@ -105,74 +118,56 @@ class CheckpointManager:
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
             kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
             self._io_group = dist.new_group(ranks=ranks, backend="gloo", **kwargs)
-        if self._rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._reconcile()
+        coord.rank0_decides(self._open, process_group)
 
     # ------------------------------------------------------------------ discovery
     def path_for(self, step: int, tag: str | None = None) -> Path:
         """The directory a save at ``step`` with ``tag`` goes to: ``step-N`` or ``step-N-TAG``."""
-        if tag is not None and not _TAG.match(tag):
-            raise ConfigurationError(f"checkpoint tag must match [a-z0-9_]+, got {tag!r}")
-        return self.directory / (f"step-{step}" if tag is None else f"step-{step}-{tag}")
+        return self.directory / checkpoint_name(step, tag)
 
     def committed(self) -> list[CommittedCheckpoint]:
-        """Committed checkpoints in the directory, oldest first (damaged ones are skipped with a warning)."""
-        found = []
-        if not self.directory.is_dir():
-            return found
-        for child in self.directory.iterdir():
-            match = _NAME.match(child.name)
-            if not match or not child.is_dir():
-                continue
-            try:
-                manifest, digest = read_manifest(child)
-            except CheckpointNotFoundError:
-                continue
-            except CheckpointError as e:
-                warnings.warn(f"skipping damaged checkpoint {child}: {e}", CheckpointWarning, stacklevel=2)
-                continue
-            found.append(
-                CommittedCheckpoint(
-                    path=child,
-                    step=int(manifest.get("step", match["step"])),
-                    tag=manifest.get("tag"),
-                    manifest_hash=digest,
-                    created_unix_ns=int(manifest.get("created_unix_ns", 0)),
-                    parent_manifest_hash=manifest.get("parent_manifest_sha256"),
-                    world_size=int(manifest.get("world_size", 0)),
-                )
-            )
-        return sorted(found, key=lambda c: (c.created_unix_ns, c.step))
+        """Committed checkpoints in the directory, oldest first (ones whose manifest is damaged are left out)."""
+        return scan(self.directory)[0]
 
     def latest(self) -> Path | None:
         """The checkpoint the ``latest`` pointer names, or None."""
-        try:
-            name = (self.directory / LATEST_FILE).read_text(encoding="utf-8").strip()
-        except OSError:
-            return None
-        return self.directory / name if name and _NAME.match(name) else None
+        return read_latest(self.directory)
 
-    def _reconcile(self) -> None:
-        """Rank 0: drop leftovers of crashed saves; ledger rows and ``latest`` for checkpoints committed
-        just before a crash."""
+    def _open(self) -> None:
+        """Rank 0: drop leftovers of crashed saves; check the chain against the disk; record a checkpoint committed
+        just before a crash; repoint ``latest``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
         for child in self.directory.iterdir():
             if child.is_dir() and is_tmp_name(child.name):
                 log.warning("removing %s, left by a checkpoint save that did not commit", child)
                 shutil.rmtree(child, ignore_errors=True)
+        problems: list[str] = []
+        if self.ledger.path.is_file():
+            problems += self.ledger.verify(check_checkpoints=False).problems
+        elif self.ledger.head_path.exists():
+            problems.append(f"the ledger is gone but its head record {self.ledger.head_path.name} is still there")
+        missing, recoverable = unrecorded(self.ledger, [self.directory])
+        problems += [
+            f"{c.path.name} (step {c.step}) is committed on disk but missing from the ledger"
+            for c in missing
+            if c is not recoverable
+        ]
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise LineageError(
+                f"the lineage ledger {self.ledger.path} does not verify: {problems[0]}{more}; refusing to append to "
+                f"a broken chain. Restore the ledger from a backup, or run `shardline lineage {self.ledger.path} "
+                "--new-chain` to keep it aside and start a new chain whose first row records the break."
+            )
+        if recoverable is not None:
+            self._ledger_row(recoverable, recovered=True)
         committed = self.committed()
-        known = self.ledger.manifest_hashes()
-        for c in committed:
-            if c.manifest_hash not in known:
-                self._ledger_row(c, recovered=True)
         regular = [c for c in committed if c.tag is None]
         if regular and self.latest() != regular[-1].path:
-            atomic_write_bytes(self.directory / LATEST_FILE, f"{regular[-1].path.name}\n".encode())
+            write_latest(self.directory, regular[-1].path)
+        self._last_good = committed[-1].path if committed else None
 
-    def _resolve_on_rank0(self, resume: str | os.PathLike) -> str | None:
-        if str(resume) == "auto":
-            committed = self.committed()
-            return str(committed[-1].path) if committed else None
+    def _explicit(self, resume: str | os.PathLike) -> Path:
         path = Path(resume)
         if not path.exists() and (self.directory / path).exists():
             path = self.directory / path
@@ -183,96 +178,106 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"cannot resume from {path}: it is the temporary directory of a save that never committed"
             )
-        if not (path / MANIFEST).is_file():
-            if (path / DCP_METADATA).is_file():
-                return str(path)  # plain DCP: load() warns that it has no lineage
+        if not has_manifest(path) and not (path / DCP_METADATA).is_file():
             raise CheckpointNotFoundError(
-                f"cannot resume from {path}: it is not a committed checkpoint (no {MANIFEST} and no {DCP_METADATA})"
+                f"cannot resume from {path}: it is not a committed checkpoint (no manifest.json and no {DCP_METADATA})"
             )
-        manifest, _ = read_manifest(path)
-        problems, _ = check_files(path, manifest_files(manifest), "manifest")
-        if problems:
-            raise CheckpointNotFoundError(
-                f"cannot resume from {path}: it does not match its manifest ({problems[0].path}: {problems[0].kind}, "
-                f"{problems[0].detail}); run `shardline verify {path}`"
-            )
-        return str(path)
+        return path
+
+    def _candidates(self, resume: str | os.PathLike) -> dict[str, Any]:
+        """Rank 0: what to try, newest first, with the manifest hash the ledger records for each (plain data)."""
+        if str(resume) != "auto":
+            paths = [self._explicit(resume)]
+            damaged: list[list[str]] = []
+        else:
+            found, broken = scan(self.directory)
+            paths = [c.path for c in reversed(found)]
+            damaged = [[str(d.path), d.reason] for d in broken]
+        return {
+            "paths": [[str(p), self.ledger.recorded_hash(p)] for p in paths],
+            "damaged": damaged,
+        }
 
     def resolve(self, resume: str | os.PathLike | None) -> Path | None:
-        """Which checkpoint to resume from (a collective; rank 0 decides and tells the others).
+        """Which checkpoint a resume would try first (a collective; rank 0 decides). Nothing is verified here.
 
-        ``None``/``"none"``: none. ``"auto"``: the newest committed checkpoint (an
-        ``on_exception`` one is picked when it is newer than the newest regular one), or None
-        if there is none. A path (or a name inside ``directory``): it must be a committed
-        checkpoint (or a plain DCP directory, which loads with a no-lineage warning).
+        ``None``/``"none"``: none. ``"auto"``: the newest committed checkpoint, or None. A path
+        (or a name inside ``directory``) must be a checkpoint directory.
 
         Raises:
-            CheckpointNotFoundError: an explicit path that is not a committed checkpoint.
+            CheckpointNotFoundError: an explicit path that is not a checkpoint directory.
         """
-        if resume is None or str(resume).lower() in ("", "none", "false"):
+        if _no_resume(resume):
             return None
-        verdict: dict[str, Any] = {}
-        if self._rank == 0:
-            try:
-                verdict = {"path": self._resolve_on_rank0(resume)}
-            except CheckpointError as e:
-                verdict = {"error": str(e)}
-        verdict = coord.broadcast_object(verdict, self._group)
-        if "error" in verdict:
-            raise CheckpointNotFoundError(verdict["error"])
-        return Path(verdict["path"]) if verdict["path"] else None
+        plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
+        return Path(plan["paths"][0][0]) if plan["paths"] else None
 
     # ------------------------------------------------------------------ save / load
-    def save(
-        self,
-        step: int,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        state: dict[str, Any] | None = None,
-        config: dict[str, Any] | None = None,
-        data_fingerprint: str | None = None,
-        tag: str | None = None,
-        kind: str = "sharded",
-    ) -> CheckpointInfo | None:
+    def save(self, request: SaveRequest) -> CheckpointInfo | None:
         """Save ``directory/step-N`` (or ``step-N-TAG``), chained to the previous checkpoint (a collective).
 
         Waits for the previous async save first (raising its error). Synchronous: returns the
         :class:`CheckpointInfo`. Async: returns None once staged; :meth:`wait` returns the info.
+
+        Raises:
+            DiskFullError: the file system filled up; the message names the path, bytes needed
+                vs free, and the last good checkpoint (which, like every earlier one, is intact).
         """
         self.wait()
-        path = self.path_for(step, tag)
+        path = self.path_for(request.step, request.tag)
         tmp = preflight(path, process_group=self._io_group)
         staged = stage_agreed(
-            tmp,
-            process_group=self._io_group,
+            request,
             path=path,
-            model=model,
-            optimizer=optimizer,
-            state=state,
-            step=step,
-            config=config,
-            data_fingerprint=data_fingerprint,
+            tmp=tmp,
             parent_manifest_hash=self.parent_manifest_hash,
-            kind=kind,
-            tag=tag,
             copy=self.async_save,
+            process_group=self._io_group,
         )
         if not self.async_save:
             return self._write(staged, tmp)
         self._thread = threading.Thread(
-            target=self._write_in_background, args=(staged, tmp), name=f"shardline-checkpoint-step-{step}", daemon=True
+            target=self._write_in_background,
+            args=(staged, tmp),
+            name=f"shardline-checkpoint-step-{request.step}",
+            daemon=True,
         )
         self._thread.start()
         return None
 
-    def _write(self, staged: Any, tmp: Path) -> CheckpointInfo:
-        info = write_and_commit(staged, tmp, process_group=self._io_group, after_commit=self._publish)
+    def check_free(self, steps: Iterable[int]) -> None:
+        """Refuse up front (a collective) if a regular save of any of ``steps`` would find its directory taken.
+
+        Raises:
+            CheckpointExistsError: naming the first such directory, before any training is spent.
+        """
+        wanted = sorted(set(steps))
+
+        def check() -> None:
+            for step in wanted:
+                path = self.path_for(step)
+                if path.exists():
+                    raise CheckpointExistsError(
+                        f"{path} already exists, but this run will save step {step} there; checkpoints are never "
+                        "overwritten. Move it away, or resume from it (trainer.resume=auto resumes the newest)."
+                    )
+
+        coord.rank0_decides(check, self._group)
+
+    def _write(self, staged: StagedCheckpoint, tmp: Path) -> CheckpointInfo:
+        info = write_and_commit(
+            staged,
+            tmp,
+            process_group=self._io_group,
+            observer=self.observer,
+            after_commit=self._publish,
+            last_good=self._last_good,
+        )
         self._last = info
         self.parent_manifest_hash = info.manifest_hash
         return info
 
-    def _write_in_background(self, staged: Any, tmp: Path) -> None:
+    def _write_in_background(self, staged: StagedCheckpoint, tmp: Path) -> None:
         try:
             self._write(staged, tmp)
         except BaseException as e:
@@ -281,21 +286,25 @@ class CheckpointManager:
     def _publish(self, info: CheckpointInfo) -> None:
         """Rank 0, right after the commit: repoint ``latest`` (regular saves) and append the ledger row."""
         if info.tag is None:
-            atomic_write_bytes(self.directory / LATEST_FILE, f"{info.path.name}\n".encode())
-        fault.maybe_fail("after_latest", 0)
+            write_latest(self.directory, info.path)
+        self.observer.on_phase(SavePhase.AFTER_LATEST, 0)
         self._ledger_row(info, recovered=False)
+        self._last_good = info.path
 
     def _ledger_row(self, ckpt: CommittedCheckpoint | CheckpointInfo, *, recovered: bool) -> None:
         """Append the ledger row of a committed checkpoint (one found on disk, or one just saved)."""
         self.ledger.append(
             step=ckpt.step,
             tag=ckpt.tag,
-            checkpoint=os.path.relpath(ckpt.path, self.ledger.path.parent),
+            checkpoint=self._rel(ckpt.path),
             manifest_sha256=ckpt.manifest_hash,
             parent_manifest_sha256=ckpt.parent_manifest_hash,
             world_size=ckpt.world_size,
             recovered=recovered,
         )
+
+    def _rel(self, path: Path) -> str:
+        return os.path.relpath(path, self.ledger.path.parent)
 
     def wait(self) -> CheckpointInfo | None:
         """Wait for an async save in flight; raise its error if it failed. Returns the last saved checkpoint."""
@@ -319,22 +328,100 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _move_aside(self, path: Path, reason: str) -> str:
+        """Rank 0: move a checkpoint that failed verification aside and record it; returns the new path."""
+        step = step_of(path.name) or 0
+        recorded = self.ledger.recorded_hash(path)
+        moved = move_aside(path)
+        self.ledger.append(
+            step=step,
+            tag=None,
+            checkpoint=self._rel(moved),
+            manifest_sha256=recorded or "",
+            parent_manifest_sha256=None,
+            world_size=0,
+            event="quarantine",
+            detail={"checkpoint": self._rel(path), "moved_to": self._rel(moved), "reason": reason},
+        )
+        if self._last_good == path:
+            self._last_good = None
+        log.warning(
+            "checkpoint %s failed verification and was moved aside to %s (recorded in the ledger): %s",
+            path.name,
+            moved.name,
+            reason,
+        )
+        return str(moved)
+
     def load(
         self,
         resume: str | os.PathLike | None,
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        verify: str = "manifest",
+        verify: VerifyLevel | str = VerifyLevel.FULL,
     ) -> dict[str, Any] | None:
-        """Resolve ``resume`` (see :meth:`resolve`), load it, and chain the next save to it.
+        """Load the checkpoint ``resume`` names (see :meth:`resolve`) and chain the next save to it.
 
-        Returns the trainer state (see :func:`shardline.checkpoint.load`), or None when there is
-        nothing to resume from.
+        ``"auto"`` loads the newest checkpoint that verifies; each newer one that does not is
+        moved aside and recorded in the ledger (see the module note). An explicit path that
+        does not verify raises. A checkpoint the ledger records is verified against the
+        manifest hash its row holds. ``verify`` other than ``full`` is recorded in the ledger.
+
+        Returns:
+            The trainer state (see :func:`shardline.checkpoint.load`), or None when there is
+            nothing (that verifies) to resume from.
+
+        Raises:
+            CheckpointNotFoundError: an explicit path that is not a checkpoint.
+            IntegrityError: an explicit checkpoint that does not verify.
+            CheckpointMismatchError: the checkpoint does not fit the model (nothing is moved).
         """
-        path = self.resolve(resume)
-        if path is None:
+        if _no_resume(resume):
             return None
-        state = load_checkpoint(path, model=model, optimizer=optimizer, verify=verify, process_group=self._group)
-        self.parent_manifest_hash = read_manifest(path)[1] if (path / MANIFEST).is_file() else None
-        return state
+        level = VerifyLevel.parse(verify)
+        auto = str(resume) == "auto"
+        plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
+        for path, reason in plan["damaged"]:
+            moved = coord.rank0_decides(lambda p=path, r=reason: self._move_aside(Path(p), r), self._group)
+            self.moved_aside.append(Path(moved))
+        for path_text, expected in plan["paths"]:
+            path = Path(path_text)
+            try:
+                state = load_checkpoint(
+                    path,
+                    model=model,
+                    optimizer=optimizer,
+                    verify=level,
+                    expected_manifest_hash=expected,
+                    process_group=self._group,
+                )
+            except IntegrityError as e:
+                if not auto:
+                    raise
+                moved = coord.rank0_decides(lambda p=path, r=str(e): self._move_aside(p, r), self._group)
+                self.moved_aside.append(Path(moved))
+                continue
+            self.resumed_from = path
+            self.parent_manifest_hash = read_manifest(path)[1] if has_manifest(path) else None
+            if level.opt_in:
+                coord.rank0_decides(lambda p=path: self._record_opt_in(p, level), self._group)
+            return state
+        return None
+
+    def _record_opt_in(self, path: Path, level: VerifyLevel) -> None:
+        """Rank 0: a ``resume`` ledger row saying this load checked less than every byte."""
+        self.ledger.append(
+            step=int(read_manifest(path)[0]["step"]) if has_manifest(path) else 0,
+            tag=None,
+            checkpoint=self._rel(path),
+            manifest_sha256=self.parent_manifest_hash or "",
+            parent_manifest_sha256=None,
+            world_size=coord.group_size(self._group),
+            event="resume",
+            detail={"checkpoint": self._rel(path), "verify": level.value},
+        )
+
+
+def _no_resume(resume: str | os.PathLike | None) -> bool:
+    return resume is None or str(resume).lower() in ("", "none", "false")

@@ -1,19 +1,23 @@
 """Check a checkpoint directory against its manifest: missing, altered and unexpected files.
 
-Levels: ``manifest`` (the manifest hash, every file present with its recorded size, the
-derived files, nothing unexpected) and ``full`` (also re-hash every file). Nothing here
-imports torch's checkpoint machinery: a reviewer's check is plain file hashing.
+Levels (:class:`VerifyLevel`): ``full`` (the default everywhere: the manifest hash, every file
+present with its recorded size and SHA-256, the derived files, nothing unexpected), ``sizes``
+(the same without re-hashing the data files: an explicit opt-in that callers record and print)
+and ``none`` (no file checks; loading only). Nothing here imports torch's checkpoint machinery:
+a reviewer's check is plain file hashing.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from shardline.checkpoint.canonical import canonical_json
 from shardline.checkpoint.hashing import sha256_file
@@ -29,9 +33,73 @@ from shardline.checkpoint.manifest import (
 )
 from shardline.errors import ConfigurationError
 
-__all__ = ["FileProblem", "VerifyLevel", "VerifyReport", "check_files", "verify_checkpoint"]
+__all__ = [
+    "FileProblem",
+    "VerifyLevel",
+    "VerifyReport",
+    "check_expected_hash",
+    "check_files",
+    "derived_and_unexpected",
+    "verify_checkpoint",
+]
 
-VerifyLevel = Literal["manifest", "full"]
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class VerifyLevel(str, enum.Enum):
+    """How much of a checkpoint is checked against its manifest before it is used."""
+
+    FULL = "full"
+    """Every file's size and SHA-256 (the default): nothing unverified is read."""
+    SIZES = "sizes"
+    """Files present with their recorded sizes, nothing unexpected, ``.metadata`` hashed; data files
+    not re-hashed. An opt-in: loads record it (ledger) and say so."""
+    NONE = "none"
+    """No file checks (loading only: the one way to load a plain DCP directory). An opt-in, recorded."""
+
+    @classmethod
+    def parse(cls, value: VerifyLevel | str) -> VerifyLevel:
+        """The level named ``value`` (``full``, ``sizes``, ``none``).
+
+        Raises:
+            ConfigurationError: an unknown name (``manifest``, the old name of ``sizes``, says so).
+        """
+        if isinstance(value, VerifyLevel):
+            return value
+        text = str(value).strip().lower()
+        if text == "manifest":
+            raise ConfigurationError(
+                "the verification level 'manifest' is now called 'sizes' (it checks file sizes only, not their "
+                "bytes); use 'full' (the default: every byte hashed) or, knowingly, 'sizes'"
+            )
+        try:
+            return cls(text)
+        except ValueError:
+            raise ConfigurationError(
+                f"unknown verification level {value!r}; use one of {', '.join(v.value for v in cls)}"
+            ) from None
+
+    @property
+    def opt_in(self) -> bool:
+        """Whether this level checks less than every byte (and so must be recorded and reported)."""
+        return self is not VerifyLevel.FULL
+
+
+def check_expected_hash(expected: str | None, *, where: str = "the expected manifest hash") -> str | None:
+    """``expected`` lower-cased if it is a SHA-256 in hex (64 hex digits), None if None.
+
+    Raises:
+        ConfigurationError: it is not 64 hex digits (the argument is wrong, not the checkpoint).
+    """
+    if expected is None:
+        return None
+    text = str(expected).strip().lower()
+    if not _HEX64.match(text):
+        raise ConfigurationError(
+            f"{where} must be a SHA-256 in hex (64 characters 0-9a-f), got {expected!r} ({len(str(expected))} "
+            "characters); copy it from `shardline lineage RUN_DIR` or `shardline inspect CKPT`"
+        )
+    return text
 
 
 @dataclass(frozen=True)
@@ -77,8 +145,11 @@ class VerifyReport:
         }
 
 
-def check_files(root: Path, entries: Sequence[Mapping[str, Any]], level: str) -> tuple[list[FileProblem], int]:
+def check_files(
+    root: Path, entries: Sequence[Mapping[str, Any]], level: VerifyLevel | str
+) -> tuple[list[FileProblem], int]:
     """Problems of the listed files under ``root`` (size; and SHA-256 at level ``full``), and bytes read."""
+    level = VerifyLevel.parse(level)
     problems: list[FileProblem] = []
     read = 0
     for entry in entries:
@@ -91,7 +162,7 @@ def check_files(root: Path, entries: Sequence[Mapping[str, Any]], level: str) ->
         if actual_size != size:
             problems.append(FileProblem(name, "altered", f"size {actual_size} bytes, manifest records {size}"))
             continue
-        if level == "full":
+        if level is VerifyLevel.FULL:
             _, actual = sha256_file(file)
             read += size
             if actual != digest:
@@ -127,19 +198,50 @@ def _unexpected(path: Path, expected: set[str]) -> list[FileProblem]:
     return out
 
 
+def derived_and_unexpected(
+    root: Path, manifest_digest: str, entries: Sequence[Mapping[str, Any]], known: Sequence[FileProblem] = ()
+) -> list[FileProblem]:
+    """``manifest.sha256`` and ``SHA256SUMS`` as the manifest implies them, and files the manifest does not list.
+
+    Files already named in ``known`` are not reported twice.
+    """
+    problems: list[FileProblem] = []
+    named = {p.path for p in known}
+    for name, wanted in (
+        (MANIFEST_HASH_FILE, render_manifest_hash_file(manifest_digest)),
+        (SUMS_FILE, render_sums(manifest_digest, entries)),
+    ):
+        file = root / name
+        if name in named:
+            continue
+        if not file.is_file():
+            problems.append(FileProblem(name, "missing", "derived from the manifest; should be present"))
+        elif file.read_bytes() != wanted:
+            problems.append(FileProblem(name, "altered", "does not match the hashes the manifest records"))
+    expected = {str(e["path"]) for e in entries} | {MANIFEST, MANIFEST_HASH_FILE, SUMS_FILE}
+    problems.extend(_unexpected(root, expected))
+    return problems
+
+
 def verify_checkpoint(
-    path: str | os.PathLike, *, level: VerifyLevel = "full", expected_manifest_hash: str | None = None
+    path: str | os.PathLike, *, level: VerifyLevel | str = "full", expected_manifest_hash: str | None = None
 ) -> VerifyReport:
     """Check every file of the checkpoint at ``path`` against its manifest.
 
     The report names each missing, altered or unexpected file. ``expected_manifest_hash`` (e.g.
     from the lineage ledger or a release note) additionally pins the manifest itself: without
     it, a consistent rewrite of manifest, hashes and data cannot be told from the original.
+
+    Raises:
+        ConfigurationError: ``level`` is not ``full`` or ``sizes``, or ``expected_manifest_hash``
+            is not a SHA-256 in hex.
     """
-    if level not in ("manifest", "full"):
-        raise ConfigurationError(f"verification level must be 'manifest' or 'full', got {level!r}")
+    level = VerifyLevel.parse(level)
+    if level is VerifyLevel.NONE:
+        raise ConfigurationError("verify_checkpoint checks files: use level 'full' (default) or 'sizes'")
+    expected_manifest_hash = check_expected_hash(expected_manifest_hash)
     root = Path(path)
-    base = {"path": str(root), "level": level}
+    base = {"path": str(root), "level": level.value}
     if not root.is_dir():
         return VerifyReport(**base, manifest_hash=None, step=None, files_checked=0, bytes_checked=0,
                             error=f"{root} is not a checkpoint: no such directory")  # fmt: skip
@@ -204,18 +306,7 @@ def verify_checkpoint(
                             bytes_checked=len(raw), problems=tuple(problems))  # fmt: skip
     file_problems, read = check_files(root, entries, level)
     problems.extend(file_problems)
-    for name, wanted in (
-        (MANIFEST_HASH_FILE, render_manifest_hash_file(actual)),
-        (SUMS_FILE, render_sums(actual, entries)),
-    ):
-        file = root / name
-        if not file.is_file():
-            if not any(p.path == name for p in problems):
-                problems.append(FileProblem(name, "missing", "derived from the manifest; should be present"))
-        elif file.read_bytes() != wanted and not any(p.path == name for p in problems):
-            problems.append(FileProblem(name, "altered", "does not match the hashes the manifest records"))
-    expected = {str(e["path"]) for e in entries} | {MANIFEST, MANIFEST_HASH_FILE, SUMS_FILE}
-    problems.extend(_unexpected(root, expected))
+    problems.extend(derived_and_unexpected(root, actual, entries, problems))
     return VerifyReport(
         **base,
         manifest_hash=actual,

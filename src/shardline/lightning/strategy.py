@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import shardline
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
+from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import MixedPrecision, ShardingStrategy
 from shardline.errors import CheckpointExistsError, ConfigurationError
 from shardline.lightning.clipping import clip_globally, log_metric
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 
 _MESH_DIM = "data_parallel"
 _STATE_DICT_TYPES = ("sharded", "full")
-_VERIFY = ("manifest", "full", "none")
 
 
 class _Root(nn.Module):
@@ -105,8 +105,9 @@ class ShardlineStrategy(ParallelStrategy):
         reshard_after_forward: Free gathered parameters after forward (``None``: the strategy's default).
         device_mesh: The data-parallel ranks: ``None`` (all), a 1-D ``DeviceMesh``, or a 2-D one
             whose other dimension has size 1 (its ``"data_parallel"`` dimension is used).
-        verify: How checkpoints are checked before loading: ``"manifest"``, ``"full"`` (re-hash
-            every file) or ``"none"``.
+        verify: How checkpoints are checked before loading: ``"full"`` (default: every byte hashed
+            against the manifest before anything is used), or the recorded opt-ins ``"sizes"`` and
+            ``"none"`` (see docs/checkpoints.md).
         log_grad_norm: Name under which the global gradient norm is logged every step (``None``: not logged).
         process_group_backend: ``gloo``/``nccl`` (default: from the device).
         timeout: Collective timeout.
@@ -124,7 +125,7 @@ class ShardlineStrategy(ParallelStrategy):
         state_dict_type: str = "sharded",
         reshard_after_forward: bool | None = None,
         device_mesh: DeviceMesh | None = None,
-        verify: str = "manifest",
+        verify: VerifyLevel | str = VerifyLevel.FULL,
         log_grad_norm: str | None = "grad_norm",
         process_group_backend: str | None = None,
         timeout: datetime.timedelta | None = datetime.timedelta(minutes=30),
@@ -160,9 +161,7 @@ class ShardlineStrategy(ParallelStrategy):
                 f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}"
             )
         self.reshard_after_forward = reshard_after_forward
-        if verify not in _VERIFY:
-            raise ConfigurationError(f"verify={verify!r}; use one of {', '.join(_VERIFY)}")
-        self.verify = verify
+        self.verify = VerifyLevel.parse(verify)
         self.log_grad_norm_as = log_grad_norm
         self._process_group_backend = process_group_backend
         self._timeout = timeout

@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from shardline.train.records import attempt_path
+
 __all__ = ["LossPlot", "MetricsCSV", "ProgressBar", "Summary", "TensorBoard"]
 
 log = logging.getLogger("shardline.train")
@@ -32,6 +34,7 @@ METRIC_FIELDS = (
     "step_time_s",
     "peak_mem_mib",
     "comm_mib",
+    "attempt",
 )
 
 
@@ -89,38 +92,46 @@ class ProgressBar:
 
 
 class MetricsCSV:
-    """``metrics.csv`` in the run directory: one row per step, plus the initial evaluation (step 0)."""
+    """``metrics.csv`` in the run directory: one row per step, plus the initial evaluation (step 0).
+
+    Append-only: a resumed attempt adds its rows after the earlier attempts' (``attempt`` column:
+    0, 1, ...), never truncating them. Steps an interrupted attempt ran past its last checkpoint
+    appear again, recomputed, under the next attempt; the newest row of a step is the one the
+    final model descends from.
+    """
 
     def __init__(self, filename: str = "metrics.csv") -> None:
         self.filename = filename
         self._file: IO[str] | None = None
         self._writer: Any = None
+        self._attempt = 0
 
     def on_fit_start(self, trainer: Any) -> None:
         if not trainer.is_rank0:
             return
         path = Path(trainer.run_dir) / self.filename
-        kept: list[dict[str, str]] = []
-        if trainer.start_step and path.is_file():
-            # Resuming: keep the rows up to the checkpoint; later ones belong to the interrupted attempt
-            # and are about to be recomputed (bit-identically).
+        fields: list[str] = list(METRIC_FIELDS)
+        exists = path.is_file() and path.stat().st_size > 0
+        if exists:
             with open(path, newline="") as f:
-                kept = [row for row in csv.DictReader(f) if int(row["step"]) <= trainer.start_step]
-        self._file = open(path, "w", newline="")  # noqa: SIM115 - closed at fit end
-        self._writer = csv.DictWriter(self._file, fieldnames=METRIC_FIELDS)
-        self._writer.writeheader()
-        self._writer.writerows(kept)
+                reader = csv.DictReader(f)
+                fields = list(reader.fieldnames or METRIC_FIELDS)
+                self._attempt = 1 + max((int(row.get("attempt") or 0) for row in reader), default=-1)
+        self._file = open(path, "a", newline="")  # noqa: SIM115 - closed at fit end
+        self._writer = csv.DictWriter(self._file, fieldnames=fields, extrasaction="ignore")
+        if not exists:
+            self._writer.writeheader()
 
     def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
         if self._writer is not None and step == 0:
-            self._writer.writerow({"step": 0, "val_loss": repr(val_loss)})
+            self._writer.writerow({"step": 0, "val_loss": repr(val_loss), "attempt": self._attempt})
 
     def on_step_end(self, trainer: Any, m: Any) -> None:
         if self._writer is None:
             return
-        row = {name: getattr(m, name) for name in METRIC_FIELDS}
+        row = {name: getattr(m, name) for name in METRIC_FIELDS if name != "attempt"}
         # repr() keeps every bit of the floats, so two runs can be compared exactly.
-        self._writer.writerow({k: ("" if v is None else repr(v)) for k, v in row.items()})
+        self._writer.writerow({**{k: ("" if v is None else repr(v)) for k, v in row.items()}, "attempt": self._attempt})
         self._file.flush()
 
     def on_fit_end(self, trainer: Any, summary: Any) -> None:
@@ -190,7 +201,7 @@ class LossPlot:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(Path(trainer.run_dir) / self.filename)
+        fig.savefig(attempt_path(trainer.run_dir, self.filename))
         plt.close(fig)
 
 
@@ -207,7 +218,7 @@ class Summary:
     def on_fit_end(self, trainer: Any, summary: Any) -> None:
         if not trainer.is_rank0:
             return
-        (Path(trainer.run_dir) / self.filename).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        attempt_path(trainer.run_dir, self.filename).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
         drop = summary.initial_val_loss - summary.final_val_loss
         rel = drop / summary.initial_val_loss if summary.initial_val_loss else math.nan
         table = Table(title=f"shardline train - {summary.experiment}", show_header=False, title_justify="left")

@@ -18,13 +18,15 @@ the job and the last committed checkpoint is where ``trainer.resume=auto`` start
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from shardline.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
 from shardline.checkpoint.manager import ON_EXCEPTION
+from shardline.errors import CheckpointNotFoundError
 
 __all__ = ["CHECKPOINT_DIR", "LEDGER_FILE", "TrainingCheckpoints", "TrainingDiverged", "find_resumable_run"]
 
@@ -62,13 +64,25 @@ class TrainingCheckpoints:
         self.last_saved_step: int | None = None
 
     def resume(self, trainer: Any, resume: Any) -> int:
-        """Load ``resume`` (``auto``, a path, or None) into the trainer; returns the step to start from."""
-        state = self.manager.load(resume, model=trainer.model, optimizer=trainer.optimizer, verify=self.cfg.verify)
+        """Load ``resume`` (``auto``, a path, or None) into the trainer; returns the step to start from.
+
+        With ``auto``, checkpoints that fail verification are moved aside (one warning line each,
+        recorded in the ledger) and the newest one that verifies is loaded. Then every save this
+        run will make is checked to have a free directory, before any training is spent.
+        """
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = self.manager.load(resume, model=trainer.model, optimizer=trainer.optimizer, verify=self.cfg.verify)
+        for w in caught:  # an opt-in verification level, said once, on one line
+            if trainer.is_rank0 and "torch.distributed is disabled" not in str(w.message):
+                log.warning("%s", w.message)
+        step = 0 if state is None else int(state["step"])
+        self.manager.check_free(self._planned_saves(trainer, step))
         if state is None:
             if resume is not None and str(resume) == "auto":
+                self._refuse_restart_over_records(trainer)
                 log.info("trainer.resume=auto: no committed checkpoint yet, starting from step 0")
             return 0
-        step = int(state["step"])
         data = state.get("data") or {}
         if data.get("fingerprint") not in (None, trainer.corpus.fingerprint):
             log.warning(
@@ -87,6 +101,24 @@ class TrainingCheckpoints:
         log.info("resumed from step %d", step)
         return step
 
+    def _planned_saves(self, trainer: Any, start: int) -> list[int]:
+        every, last = self.cfg.every_n_steps, trainer.max_steps
+        steps = list(range(start + every - start % every, last + 1, every)) if every else []
+        if self.cfg.save_last and last > start:
+            steps.append(last)
+        return steps
+
+    def _refuse_restart_over_records(self, trainer: Any) -> None:
+        """``resume=auto`` found nothing that verifies: do not start over inside a run that has records."""
+        moved = self.manager.moved_aside
+        records = trainer.run_dir / "metrics.csv"
+        if moved and records.is_file() and records.stat().st_size > 0:
+            raise CheckpointNotFoundError(
+                f"trainer.resume=auto: no checkpoint in {self.manager.directory} verifies (moved aside: "
+                f"{', '.join(p.name for p in moved)}), and {trainer.run_dir} holds an earlier attempt's records; "
+                "starting over from step 0 here would mix two trainings. Start a new run (a new trainer.run_dir)."
+            )
+
     def _state(self, trainer: Any, step: int) -> dict[str, Any]:
         state: dict[str, Any] = {
             "step": step,
@@ -104,14 +136,16 @@ class TrainingCheckpoints:
     def save(self, trainer: Any, step: int, *, tag: str | None = None) -> None:
         """Save ``step`` (sync or async per ``checkpoint.async_save``)."""
         self.manager.save(
-            step,
-            model=trainer.model,
-            optimizer=trainer.optimizer,
-            state=self._state(trainer, step),
-            config=self.config,
-            data_fingerprint=trainer.corpus.fingerprint,
-            tag=tag,
-            kind=self.kind,
+            SaveRequest(
+                step=step,
+                model=trainer.model,
+                optimizer=trainer.optimizer,
+                state=self._state(trainer, step),
+                config=self.config,
+                data_fingerprint=trainer.corpus.fingerprint,
+                tag=tag,
+                kind=self.kind,
+            )
         )
         self.last_saved_step = step
         done = "queued" if self.cfg.async_save else "saved"

@@ -22,6 +22,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 from shardline.train.config_layers import DEFAULT_EXPERIMENT, ConfigPlan, apply_model_replacement, prepare, suggest
@@ -299,8 +300,10 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
         raise ConfigurationError(
             "no model configured: select an experiment (experiment=tiny_gpt) or set model._target_"
         )
-    if cfg.checkpoint.verify not in ("manifest", "full", "none"):
-        raise ConfigurationError(f"checkpoint.verify={cfg.checkpoint.verify!r}; use one of manifest, full, none")
+    try:
+        VerifyLevel.parse(cfg.checkpoint.verify)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"checkpoint.verify={cfg.checkpoint.verify!r}: {exc}") from None
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigurationError(
             f"checkpoint.every_n_steps must be >= 0 (0 disables), got {cfg.checkpoint.every_n_steps}"

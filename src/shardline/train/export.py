@@ -46,6 +46,6 @@ class Export:
             if not wanted:
                 continue
             out = trainer.run_dir / self.folder / name
-            result = consolidate(last.path, out, dtype=self.dtype, verify="manifest", adapters=adapters)
+            result = consolidate(last.path, out, dtype=self.dtype, verify="full", adapters=adapters)
             log.info("exported the %s of step %d to %s (%d tensors)", name, last.step, out, result.tensors)
             print(f"exported the {name} of step {last.step} to {out} ({result.tensors} tensors)", flush=True)

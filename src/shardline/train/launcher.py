@@ -6,8 +6,14 @@ Three ways to run, one code path per worker (:func:`shardline.train.worker.run_w
 * ``trainer.devices=1``: train in this process (a one-rank group);
 * ``trainer.devices=N``: start N workers on this node with torch's elastic launcher (the
   machinery behind torchrun). Rank 0 keeps the terminal; the others log to files. If any worker
-  fails, the launcher stops the rest at once and this command exits 1 showing that worker's
-  error; a worker stuck in a collective fails after ``trainer.collective_timeout_s``.
+  fails, the launcher stops the rest at once and this command exits 1 with one first line naming
+  the cause (the failing rank, its exception's type and message; for a collective that timed
+  out, the stalled rank(s) and ``trainer.collective_timeout_s``), then the worker's traceback.
+
+Before any worker starts, everything that can be checked is (exit code 2, one line): the config
+(:mod:`.config`), the model and policies on the meta device (:mod:`.build`), numbers and data
+and the checkpoint a resume will load (:mod:`.preflight`), and the run directory, whose lock
+this process holds for the whole run (:mod:`.runlock`).
 """
 
 from __future__ import annotations
@@ -24,15 +30,20 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
+from shardline import _torch_compat
 from shardline.distributed import free_port
 from shardline.errors import ShardlineError
 from shardline.train.build import preflight
 from shardline.train.config import compose_config, experiment_name, to_yaml, validate
-from shardline.train.worker import elastic_entry, make_run_dir, run_worker
+from shardline.train.preflight import check_data, check_values
+from shardline.train.reports import ReportServer
+from shardline.train.worker import elastic_entry, open_run_dir, run_worker
 
 __all__ = ["train"]
 
 _FALLOUT = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "SignalException")
+# Seconds torch's launcher gives the other workers after a failure before it kills them.
+_SHUTDOWN_S = 5
 
 
 def _under_torchrun() -> bool:
@@ -53,36 +64,55 @@ def train(overrides: Sequence[str], *, print_config: bool = False, config_dirs: 
         launched = _under_torchrun()
         validate(cfg, launched=launched)
         preflight(cfg)
+        check_values(cfg)
+        check_data(cfg)
         experiment = experiment_name(overrides)
         config = OmegaConf.to_container(cfg, resolve=True)
         if launched:
             run_worker(config, run_dir=None, experiment=experiment)
             return 0
-        run_dir = make_run_dir(cfg, experiment)
+        run_dir, lock = open_run_dir(cfg, experiment)
     except ShardlineError as exc:
-        err.print("[bold red]error:[/]", escape(str(exc)))
+        err.print("[bold red]error:[/]", escape(_one_line(exc)))
         return 2
-    if cfg.trainer.devices == 1:
-        try:
-            run_worker(config, run_dir=str(run_dir), experiment=experiment)
-        except Exception as exc:
-            err.print("[bold red]error:[/] training failed:", escape(f"{type(exc).__name__}: {exc}"))
-            err.print(traceback.format_exc().rstrip(), markup=False)
-            err.print(f"log: {run_dir / 'logs' / 'rank0.log'}", markup=False)
-            return 1
-        return 0
-    return _launch_local(cfg, config, run_dir, experiment, err)
+    try:
+        if lock.stale is not None:
+            err.print(f"note: took over the stale lock of {run_dir}, left by {lock.stale.describe()}", markup=False)
+        if cfg.trainer.devices == 1:
+            return _run_here(config, run_dir, experiment, err)
+        return _launch_local(cfg, config, run_dir, experiment, err)
+    finally:
+        lock.release()
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _run_here(config: dict[str, Any], run_dir: Path, experiment: str, err: Console) -> int:
+    try:
+        run_worker(config, run_dir=str(run_dir), experiment=experiment)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        err.print("[bold red]error:[/]", escape(f"rank 0 failed: {type(exc).__name__}: {first}"))
+        err.print(traceback.format_exc().rstrip(), markup=False)
+        err.print(f"log: {run_dir / 'logs' / 'rank0.log'}", markup=False)
+        return 1
+    return 0
 
 
 def _launch_local(cfg: DictConfig, config: dict[str, Any], run_dir: Path, experiment: str, err: Console) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     devices = cfg.trainer.devices
     if cfg.trainer.accelerator != "cuda" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // devices))
-    launch = LaunchConfig(
+    launch = _torch_compat.elastic_launch_config(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=devices,
@@ -96,25 +126,59 @@ def _launch_local(cfg: DictConfig, config: dict[str, Any], run_dir: Path, experi
             log_dir=str(run_dir / "logs" / "workers"),
             redirects=dict.fromkeys(range(1, devices), Std.ALL),
         ),
+        shutdown_timeout=_SHUTDOWN_S,
     )
-    quiet = logging.getLogger("torch.distributed.elastic")
-    previous = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # we print the failing worker's error ourselves, once
+    # We print the failing worker's error ourselves, once: silence torch's launcher loggers (each
+    # sets its own level when imported, so the parent logger's level is not enough).
+    quiet = [
+        logger
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger)
+    ]
+    previous = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    server = ReportServer(devices, timeout_s=cfg.trainer.collective_timeout_s)
+    failed: BaseException | None = None
     try:
-        elastic_launch(launch, elastic_entry)(config, str(run_dir), experiment)
+        elastic_launch(launch, elastic_entry)(config, str(run_dir), experiment, server.address)
     except ChildFailedError as exc:
-        rank, message, trace = _root_cause(exc)
-        err.print("[bold red]error:[/]", escape(f"worker rank {rank} failed: {message}"))
-        if trace:
-            err.print(trace.rstrip(), markup=False, highlight=False)
-        err.print(f"logs of every rank: {run_dir / 'logs'}", markup=False)
-        return 1
+        failed = exc
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
+    except Exception as exc:  # torch's launcher failed on its own bookkeeping (e.g. an empty error file)
+        failed = exc
     finally:
-        quiet.setLevel(previous)
-    return 0
+        server.close()
+        for logger, level in zip(quiet, previous, strict=True):
+            logger.setLevel(level)
+    if failed is None:
+        return 0
+    headline, trace = _explain(failed, server, ChildFailedError)
+    err.print("[bold red]error:[/]", escape(headline))
+    if trace:
+        err.print(trace.rstrip(), markup=False, highlight=False)
+    err.print(f"logs of every rank: {run_dir / 'logs'}", markup=False)
+    return 1
+
+
+def _explain(failed: BaseException, server: ReportServer, child_failed: type) -> tuple[str, str]:
+    """The first line naming the cause, and a traceback: from the workers' own reports when there are any."""
+    verdict = server.verdict()
+    if verdict is not None:
+        return verdict
+    if isinstance(failed, child_failed):
+        try:
+            rank, message, trace = _root_cause(failed)
+            return f"worker rank {rank} failed: {message}", trace
+        except Exception:  # never let the launcher's own bookkeeping hide the failure
+            pass
+    return (
+        f"a worker failed and reported nothing; torch's launcher says: {type(failed).__name__}: "
+        f"{' '.join(str(failed).split())[:300]} (a full disk can leave its error files empty)",
+        "",
+    )
 
 
 def _root_cause(exc: Any) -> tuple[int, str, str]:
@@ -124,7 +188,9 @@ def _root_cause(exc: Any) -> tuple[int, str, str]:
     rank, failure = real[0]
     data = failure.error_file_data or {}
     message = data.get("message", {}) if isinstance(data.get("message"), dict) else {}
-    text = message.get("message") or str(failure.message) or f"exit code {failure.exitcode}"
+    text = message.get("message") or ""
+    if not text or text.startswith("To enable traceback"):
+        text = f"exit code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.exitcode < 0 else "")
     trace = message.get("extraInfo", {}).get("py_callstack", "")
     return failure.local_rank if hasattr(failure, "local_rank") else rank, text, trace
 

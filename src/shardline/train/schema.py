@@ -148,8 +148,9 @@ class CheckpointConfig:
     """Save a step-N-on_exception checkpoint when the loss diverges (seen by every rank)."""
     async_save: bool = False
     """Write checkpoints in a background thread while training continues."""
-    verify: str = "manifest"
-    """On resume: manifest (files present, sizes, manifest hash), full (also re-hash every file) or none."""
+    verify: str = "full"
+    """On resume: full (every byte hashed against the manifest), or the opt-ins sizes (file sizes only) and none;
+    an opt-in is printed and recorded in the ledger."""
 
 
 @dataclass

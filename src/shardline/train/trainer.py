@@ -83,28 +83,29 @@ def _peak_mem_mib(device: torch.device) -> float:
 
 
 def _read_metrics(path: Path, *, upto: int) -> list[StepMetrics]:
-    """The rows of an earlier attempt's ``metrics.csv`` up to ``upto`` (the resumed step)."""
+    """The metrics of steps 1..``upto`` (the resumed step) from earlier attempts' ``metrics.csv``.
+
+    Where attempts overlap, a step's newest row wins (it is the one the resumed state descends from).
+    """
     if not path.is_file():
         return []
-    out = []
+    out: dict[int, StepMetrics] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             step = int(row["step"])
             if 0 < step <= upto and row["loss"]:
-                out.append(
-                    StepMetrics(
-                        step=step,
-                        loss=float(row["loss"]),
-                        lr=float(row["lr"]),
-                        grad_norm=float(row["grad_norm"]),
-                        tokens_per_s=float(row["tokens_per_s"]),
-                        step_time_s=float(row["step_time_s"]),
-                        peak_mem_mib=float(row["peak_mem_mib"]),
-                        comm_mib=float(row.get("comm_mib") or 0.0),
-                        val_loss=float(row["val_loss"]) if row["val_loss"] else None,
-                    )
+                out[step] = StepMetrics(
+                    step=step,
+                    loss=float(row["loss"]),
+                    lr=float(row["lr"]),
+                    grad_norm=float(row["grad_norm"]),
+                    tokens_per_s=float(row["tokens_per_s"]),
+                    step_time_s=float(row["step_time_s"]),
+                    peak_mem_mib=float(row["peak_mem_mib"]),
+                    comm_mib=float(row.get("comm_mib") or 0.0),
+                    val_loss=float(row["val_loss"]) if row["val_loss"] else None,
                 )
-    return out
+    return [out[step] for step in sorted(out)]
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

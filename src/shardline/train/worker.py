@@ -1,10 +1,17 @@
-"""What every training process runs: join the group, log to its own file, build the trainer, fit."""
+"""What every training process runs: join the group, log to its own file, build the trainer, fit.
+
+Also the run directory's setup, shared by the local launcher and torchrun's rank 0:
+:func:`open_run_dir` picks the directory, takes its lock (one run per directory, see
+:mod:`.runlock`), checks what a resume will load (:mod:`.preflight`) and records the config.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -14,55 +21,96 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardline.distributed import DistInfo, init_distributed
+from shardline.checkpoint import coord
+from shardline.distributed import init_distributed
 from shardline.errors import ConfigurationError
 from shardline.train.build import build_callbacks, build_policies
 from shardline.train.checkpointing import find_resumable_run
 from shardline.train.config import resolve_accelerator, to_yaml
+from shardline.train.preflight import check_resume
+from shardline.train.reports import Reporter, is_collective_timeout, stall_grace_s
+from shardline.train.runlock import RunLock
 from shardline.train.trainer import Trainer
 
-__all__ = ["elastic_entry", "make_run_dir", "run_worker"]
+__all__ = ["elastic_entry", "open_run_dir", "resolve_run_dir", "run_worker"]
 
 log = logging.getLogger("shardline.train")
 
 
-def make_run_dir(cfg: DictConfig, experiment: str) -> Path:
-    """Create (or, for ``trainer.resume=auto``, find) the run directory and record the config in it.
+def resolve_run_dir(cfg: DictConfig, experiment: str) -> Path:
+    """Which run directory this run uses (nothing is created here).
 
     New runs go to ``<run_root>/<experiment>/<timestamp>`` or ``trainer.run_dir``. With
     ``trainer.resume=auto`` the run continues in ``trainer.run_dir`` or, without one, in the newest
-    run of the experiment that has a committed checkpoint. Raises ConfigurationError if the
-    directory cannot be created or written, or if an explicit ``trainer.run_dir`` already holds
-    files and the run is not resuming (nothing there is ever overwritten).
+    run of the experiment that has a committed checkpoint.
+
+    Raises:
+        ConfigurationError: ``trainer.run_dir`` is a file, or already holds files and the run is
+            not resuming (nothing there is ever overwritten).
     """
     explicit = cfg.trainer.run_dir
     resuming = str(cfg.trainer.resume) == "auto"
     if explicit:
         path = Path(str(explicit))
-        if path.exists() and any(path.iterdir()) and not resuming:
+        if path.exists() and not path.is_dir():
+            raise ConfigurationError(f"trainer.run_dir={path} is a file, not a directory; choose a directory path")
+        if path.is_dir() and any(path.iterdir()) and not resuming:
             raise ConfigurationError(
                 f"trainer.run_dir={path} already contains files; choose a new directory (runs never overwrite), "
                 "or pass trainer.resume=auto to continue that run"
             )
-    else:
-        found = find_resumable_run(Path(cfg.trainer.run_root), experiment) if resuming else None
-        base = Path(cfg.trainer.run_root) / experiment / datetime.now().strftime("%Y%m%d-%H%M%S")
-        path, n = found or base, 1
-        while found is None and path.exists():
-            path = base.with_name(f"{base.name}-{n}")
-            n += 1
+        return path
+    found = find_resumable_run(Path(cfg.trainer.run_root), experiment) if resuming else None
+    base = Path(cfg.trainer.run_root) / experiment / datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, n = found or base, 1
+    while found is None and path.exists():
+        path = base.with_name(f"{base.name}-{n}")
+        n += 1
+    return path
+
+
+def open_run_dir(cfg: DictConfig, experiment: str) -> tuple[Path, RunLock]:
+    """Create the run directory, take its lock, check the resume, record the config; returns (path, held lock).
+
+    The caller releases the lock when the run ends. A stale lock (left by a run that died) is
+    taken over; ``lock.stale`` names its holder for the caller to report.
+
+    Raises:
+        ConfigurationError: the directory cannot be created or written, or the resume does not fit.
+        RunLockedError: another run holds the directory (the message names it).
+    """
+    path = resolve_run_dir(cfg, experiment)
+    created = not path.exists()
     try:
         (path / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    lock = RunLock(path)
+    try:
+        lock.acquire()
+        check_resume(cfg, path)
         probe = path / ".write-test"
         probe.write_text("ok")
         probe.unlink()
         _record_config(path, cfg)
     except OSError as exc:
-        raise ConfigurationError(
-            f"cannot create the run directory {path}: {exc.strerror or exc}. Set trainer.run_root (or "
-            "trainer.run_dir) to a writable location."
-        ) from None
-    return path
+        lock.release()
+        raise _unwritable(path, exc) from None
+    except BaseException:
+        lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                (path / "logs").rmdir()
+                path.rmdir()
+        raise
+    return path, lock
+
+
+def _unwritable(path: Path, exc: OSError) -> ConfigurationError:
+    return ConfigurationError(
+        f"cannot create the run directory {path}: {exc.strerror or exc}. Set trainer.run_root (or "
+        "trainer.run_dir) to a writable location."
+    )
 
 
 def _record_config(path: Path, cfg: DictConfig) -> None:
@@ -74,19 +122,27 @@ def _record_config(path: Path, cfg: DictConfig) -> None:
     target.write_text(to_yaml(cfg))
 
 
-def _agree_on_run_dir(run_dir: str | None, cfg: DictConfig, experiment: str, info: DistInfo) -> Path:
-    """Under torchrun no parent made the run directory: rank 0 makes it and tells the others."""
+def _agree_on_run_dir(run_dir: str | None, cfg: DictConfig, experiment: str, locks: list[RunLock]) -> Path:
+    """Under torchrun no parent made the run directory: rank 0 opens it (and holds its lock) and tells the others."""
     if run_dir is None:
-        box = [str(make_run_dir(cfg, experiment)) if info.rank == 0 else None]
-        if info.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        run_dir = box[0]
+
+        def open_here() -> str:
+            path, lock = open_run_dir(cfg, experiment)
+            locks.append(lock)
+            if lock.stale is not None:
+                log.warning("took over the stale lock of %s, left by %s", path, lock.stale.describe())
+            return str(path)
+
+        run_dir = coord.rank0_decides(open_here, None)
     path = Path(run_dir)
     (path / "logs").mkdir(parents=True, exist_ok=True)  # other nodes may not share the filesystem
     return path
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:
+    # A full disk must not turn every log call into a printed traceback: the failure that matters is
+    # reported once, through the launcher.
+    logging.raiseExceptions = False
     handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("shardline")
@@ -112,8 +168,9 @@ def run_worker(config: dict[str, Any], *, run_dir: str | None, experiment: str) 
     info = init_distributed(
         backend="nccl" if accelerator == "cuda" else "gloo", timeout=cfg.trainer.collective_timeout_s
     )
+    locks: list[RunLock] = []
     try:
-        path = _agree_on_run_dir(run_dir, cfg, experiment, info)
+        path = _agree_on_run_dir(run_dir, cfg, experiment, locks)
         _setup_logging(path, info.rank)
         log.info("rank %d of %d on %s (%s)", info.rank, info.world_size, info.device, info.backend)
         try:
@@ -132,11 +189,39 @@ def run_worker(config: dict[str, Any], *, run_dir: str | None, experiment: str) 
         log.info("done: %s", summary.to_dict())
         return summary.to_dict() if info.rank == 0 else None
     finally:
+        for lock in locks:
+            lock.release()
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
 @record
-def elastic_entry(config: dict[str, Any], run_dir: str, experiment: str) -> dict[str, Any] | None:
-    """Entry point of the workers the local launcher starts (errors are recorded for the parent)."""
-    return run_worker(config, run_dir=run_dir, experiment=experiment)
+def elastic_entry(
+    config: dict[str, Any], run_dir: str, experiment: str, report_address: str | None = None
+) -> dict[str, Any] | None:
+    """Entry point of the workers the local launcher starts.
+
+    Errors are recorded for torch's launcher (``@record``) and reported to shardline's launcher
+    over ``report_address`` (see :mod:`.reports`): a collective timeout lingers briefly so that
+    every rank that waited reports, and the launcher can name the rank that did not.
+    """
+    reporter = None
+    if report_address:
+        try:
+            reporter = Reporter(report_address, int(os.environ.get("RANK", "0")))
+        except OSError:
+            reporter = None
+    clean = False
+    try:
+        result = run_worker(config, run_dir=run_dir, experiment=experiment)
+        clean = True
+        return result
+    except BaseException as error:
+        if reporter is not None:
+            reporter.failed(error)
+            if is_collective_timeout(error):
+                time.sleep(stall_grace_s(config["trainer"]["collective_timeout_s"]))
+        raise
+    finally:
+        if reporter is not None:
+            reporter.close(clean=clean)

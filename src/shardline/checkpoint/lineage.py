@@ -1,0 +1,114 @@
+"""The ledger against the disk: every committed checkpoint on disk must be in the chain.
+
+:meth:`Ledger.verify <shardline.checkpoint.ledger.Ledger.verify>` checks the chain itself (row
+hashes, links, the head record) and that each recorded checkpoint still on disk has the
+manifest hash its row records. :func:`audit` adds the other direction: a committed checkpoint
+on disk that the ledger does not record. Exactly one such checkpoint is expected after a crash
+between a save's commit and its ledger row -- the newest one, descending from a recorded
+checkpoint (or from none) -- and is only noted: the next manager records it as ``recovered``.
+Anything else means rows are missing, and the chain does not verify.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+from shardline.checkpoint.directory import CommittedCheckpoint, scan
+from shardline.checkpoint.ledger import Ledger, LedgerRow, LineageReport
+
+__all__ = ["audit", "checkpoint_directories", "start_new_chain", "unrecorded"]
+
+
+def checkpoint_directories(ledger: Ledger) -> list[Path]:
+    """Where a ledger's checkpoints live: the directories its rows name, the ledger's own, and ``checkpoints/``."""
+    base = ledger.path.parent
+    found = {base, base / "checkpoints"}
+    if ledger.path.is_file():
+        found |= {(base / r.checkpoint).parent for r in ledger.rows() if r.is_commit and r.checkpoint}
+    return sorted(p for p in found if p.is_dir())
+
+
+def unrecorded(
+    ledger: Ledger, directories: Iterable[Path]
+) -> tuple[list[CommittedCheckpoint], CommittedCheckpoint | None]:
+    """Committed checkpoints on disk the ledger does not record, and which one of them (if any) is a
+    legitimate interrupted publish (the newest on disk, its parent recorded or none, the only one, and the
+    ledger reaches the row its head record names)."""
+    committed: list[CommittedCheckpoint] = []
+    for directory in directories:
+        committed += scan(directory)[0]
+    committed.sort(key=lambda c: (c.created_unix_ns, c.step))
+    recorded = ledger.manifest_hashes()
+    missing = [c for c in committed if c.manifest_hash not in recorded]
+    if (
+        not ledger.head_problems()  # a ledger short of its own head record lost rows: nothing was interrupted
+        and len(missing) == 1
+        and missing[0] is committed[-1]
+        and (missing[0].parent_manifest_hash is None or missing[0].parent_manifest_hash in recorded)
+    ):
+        return missing, missing[0]
+    return missing, None
+
+
+def audit(
+    ledger: Ledger, *, directories: Iterable[Path] | None = None, check_checkpoints: bool = True
+) -> LineageReport:
+    """:meth:`Ledger.verify` plus the disk: problems name every committed checkpoint the chain lacks.
+
+    Raises:
+        LineageError: the ledger file is missing or unreadable.
+    """
+    report = ledger.verify(check_checkpoints=check_checkpoints)
+    if not check_checkpoints:
+        return report
+    dirs = list(directories) if directories is not None else checkpoint_directories(ledger)
+    missing, recoverable = unrecorded(ledger, dirs)
+    problems, notes = list(report.problems), list(report.notes)
+    head = next((r for r in reversed(report.rows) if r.is_commit), None)
+    where = f"row {head.seq} (step {head.step}, {head.checkpoint})" if head else "no checkpoint"
+    for c in missing:
+        if c is recoverable:
+            notes.append(
+                f"{c.path.name} (step {c.step}, manifest {c.manifest_hash[:12]}) is committed but not yet in the "
+                "ledger: "
+                "its save was interrupted after the commit; the next training run on this directory records it "
+                "(marked recovered)"
+            )
+        else:
+            problems.append(
+                f"{c.path.name} (step {c.step}, manifest {c.manifest_hash[:12]}) is committed on disk but missing from "
+                f"the ledger, whose newest checkpoint is {where}"
+            )
+    return replace(report, problems=tuple(problems), notes=tuple(notes))
+
+
+def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[LedgerRow]]:
+    """Keep a ledger that does not verify aside and start a new chain that records the break.
+
+    The new ledger's first row is a ``chain_break`` naming the old file (kept, with its SHA-256)
+    and ``problems``; then every committed checkpoint on disk is recorded again, oldest first,
+    marked ``recovered``, so the new chain covers what is there and training can append to it.
+    Returns (where the old ledger went, the new rows).
+    """
+    dirs = checkpoint_directories(ledger)
+    aside, first = ledger.start_new_chain(reason="the ledger did not verify", problems=problems)
+    committed: list[CommittedCheckpoint] = []
+    for directory in dirs:
+        committed += scan(directory)[0]
+    rows = [first]
+    for c in sorted(committed, key=lambda c: (c.created_unix_ns, c.step)):
+        rows.append(
+            ledger.append(
+                step=c.step,
+                tag=c.tag,
+                checkpoint=os.path.relpath(c.path, ledger.path.parent),
+                manifest_sha256=c.manifest_hash,
+                parent_manifest_sha256=c.parent_manifest_hash,
+                world_size=c.world_size,
+                recovered=True,
+            )
+        )
+    return aside, rows

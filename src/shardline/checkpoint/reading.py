@@ -1,0 +1,248 @@
+"""A DCP ``StorageReader`` that verifies the checkpoint's data files in the pass that reads them.
+
+Note: how a verified load reads every byte once and hashes it once.
+
+* The coordinator's ``prepare_global_plan`` sees every rank's read plan. It gives each data
+  file to exactly one rank to hash -- the rank that reads the most of it (at the same world
+  size and layout, rank r hashes the file rank r wrote, which it reads whole anyway), ties
+  going to the rank with the least to hash -- so the ranks hash disjoint shares covering every
+  file, including files no rank reads anything from. The assignment rides to each rank in its
+  ``LoadPlan.storage_data``; DCP scatters the plans already, so this costs no collective.
+* ``read_data`` reads a file it must hash from start to end in one sequential pass: each item's
+  bytes are read once into memory, fed to SHA-256 (on a helper thread, overlapping the
+  deserialization of the same bytes where a core is free) and deserialized from that memory;
+  the gaps between items are read and hashed too. Files it need not hash are read item by item.
+* A rank whose file differs from the manifest (or is short) raises ``IntegrityError`` at the end
+  of ``read_data``. DCP runs ``read_data`` inside an all-gather and re-raises any rank's error on
+  every rank, so that all-gather is the one agreement: either every rank learns that every
+  file verified, or every rank raises. ``load`` reads into staging tensors and installs nothing
+  until then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from shardline.checkpoint.dcp_io import MetadataReader
+from shardline.checkpoint.hashing import hasher_pool
+from shardline.checkpoint.verify import FileProblem
+from shardline.errors import CheckpointError, IntegrityError
+
+__all__ = ["ASSIGNMENT_KEY", "VerifyingReader", "assign_hashing"]
+
+ASSIGNMENT_KEY = "shardline_hash_files"
+_CHUNK = 8 << 20
+_OVERLAP_MIN = 1 << 20
+
+
+def assign_hashing(files: Mapping[str, int], reads: Sequence[Mapping[str, int]]) -> list[list[str]]:
+    """Which files each rank hashes: each file to one rank, the one reading most of it, then the least loaded.
+
+    Args:
+        files: ``name -> size`` of every file to hash.
+        reads: Per rank, ``name -> bytes`` that rank reads from that file.
+    """
+    load = [0] * len(reads)
+    out: list[list[str]] = [[] for _ in reads]
+    for name, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
+        best = max(range(len(reads)), key=lambda r: (reads[r].get(name, 0), -load[r], -r))
+        out[best].append(name)
+        load[best] += size
+    return out
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+class VerifyingReader(MetadataReader):
+    """DCP reader over checked metadata that hashes its share of ``to_hash`` while reading.
+
+    Args:
+        path: The checkpoint directory.
+        metadata: Its DCP metadata, already checked against the manifest.
+        to_hash: The manifest entries (``{path, bytes, sha256}``) of the data files to verify;
+            empty to read without hashing (level ``sizes``/``none``).
+    """
+
+    def __init__(self, path: str | os.PathLike, metadata: Metadata, *, to_hash: Sequence[Mapping[str, Any]]) -> None:
+        super().__init__(path, metadata)
+        self._to_hash = {str(e["path"]): e for e in to_hash}
+        self.hashed: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ planning (coordinator)
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().prepare_global_plan(plans)
+        if not self._to_hash:
+            return plans
+        reads: list[dict[str, int]] = []
+        for plan in plans:
+            per_file: dict[str, int] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                per_file[info.relative_path] = per_file.get(info.relative_path, 0) + int(info.length)
+            reads.append(per_file)
+        shares = assign_hashing({name: int(e["bytes"]) for name, e in self._to_hash.items()}, reads)
+        return [
+            dataclasses.replace(plan, storage_data={ASSIGNMENT_KEY: share})
+            for plan, share in zip(plans, shares, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ reading (every rank)
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assignment = plan.storage_data.get(ASSIGNMENT_KEY) if isinstance(plan.storage_data, dict) else None
+        if self._to_hash and assignment is None:
+            # Note: fail closed. Every rank's plan carries its share (possibly empty); a plan without one
+            # means the coordinator's assignment was lost on the way, and nothing would be verified.
+            raise CheckpointError(
+                f"reading checkpoint {self.path}: this rank's load plan carries no hashing assignment, so its "
+                "files would go unverified; this torch version may rebuild load plans (see checkpoint/reading.py)"
+            )
+        mine = set(assignment or ())
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        problems: list[FileProblem] = []
+        for name in sorted(set(per_file) | mine):
+            try:
+                if name in mine:
+                    self._read_hashing(name, per_file.get(name, []), planner, problems)
+                else:
+                    self._read_items(name, per_file[name], planner)
+            except FileNotFoundError:
+                problems.append(FileProblem(name, "missing", "listed in the checkpoint but not present"))
+        if problems:
+            listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in problems)
+            raise IntegrityError(
+                f"checkpoint {self.path} does not match its manifest -- {listing}; it was not loaded. Run "
+                f"`shardline verify {self.path}` for a full report."
+            )
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _groups(self, items: list[ReadItem]) -> list[tuple[int, int, list[ReadItem]]]:
+        """Items by byte range, in file order (DCP never writes overlapping ranges)."""
+        ranges: dict[tuple[int, int], list[ReadItem]] = {}
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            ranges.setdefault((int(info.offset), int(info.length)), []).append(item)
+        return [(off, length, group) for (off, length), group in sorted(ranges.items())]
+
+    def _read_items(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        with open(Path(self.path) / name, "rb", buffering=0) as f:
+            for offset, length, group in self._groups(items):
+                f.seek(offset)
+                data = f.read(length)
+                if len(data) != length:
+                    raise IntegrityError(
+                        f"checkpoint {self.path}: {name} is truncated ({offset + len(data)} bytes where an item ends "
+                        f"at {offset + length}); it was not loaded"
+                    )
+                try:
+                    self._load(group, data, planner)
+                except Exception as e:
+                    raise IntegrityError(
+                        f"checkpoint {self.path} does not match its manifest -- {name}: an item at byte {offset} "
+                        f"cannot be read ({type(e).__name__}: {_first_line(e)}); it was not loaded"
+                    ) from None
+
+    def _read_hashing(
+        self, name: str, items: list[ReadItem], planner: LoadPlanner, problems: list[FileProblem]
+    ) -> None:
+        entry = self._to_hash.get(name)
+        if entry is None:
+            problems.append(FileProblem(name, "unexpected", "read by DCP but not listed in the manifest"))
+            return
+        digest = hashlib.sha256()
+        pool = hasher_pool()
+        pos = 0
+        short = False
+        unreadable: str | None = None  # once an item fails to deserialize, the rest is only hashed
+        with open(Path(self.path) / name, "rb", buffering=0) as f:
+            for offset, length, group in self._groups(items):
+                if offset < pos:
+                    problems.append(FileProblem(name, "altered", f"items overlap at byte {offset}"))
+                    return
+                pos = self._hash_span(f, digest, pos, offset)
+                data = f.read(length)
+                if len(data) != length:
+                    short = True
+                    break
+                pending = pool.submit(digest.update, data) if length >= _OVERLAP_MIN else None
+                try:
+                    if unreadable is None:
+                        self._load(group, data, planner)
+                except Exception as e:
+                    unreadable = f"an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
+                finally:
+                    if pending is not None:
+                        pending.result()
+                if pending is None:
+                    digest.update(data)
+                pos += length
+            if not short:
+                pos = self._hash_span(f, digest, pos, None)
+        size = os.path.getsize(Path(self.path) / name)
+        actual = digest.hexdigest()
+        self.hashed[name] = actual
+        if short or size != int(entry["bytes"]):
+            problems.append(FileProblem(name, "altered", f"size {size} bytes, manifest records {entry['bytes']}"))
+        elif actual != entry["sha256"]:
+            problems.append(FileProblem(name, "altered", f"sha256 {actual}, manifest records {entry['sha256']}"))
+        elif unreadable is not None:  # it matches the manifest, yet does not deserialize: a writer's bug, not damage
+            problems.append(FileProblem(name, "unreadable", unreadable))
+
+    @staticmethod
+    def _hash_span(f: Any, digest: Any, pos: int, end: int | None) -> int:
+        """Read and hash from ``pos`` to ``end`` (to the end of the file when None); returns the new position."""
+        while end is None or pos < end:
+            chunk = f.read(_CHUNK if end is None else min(_CHUNK, end - pos))
+            if not chunk:
+                break
+            digest.update(chunk)
+            pos += len(chunk)
+        return pos
+
+    def _load(self, group: list[ReadItem], data: bytes, planner: LoadPlanner) -> None:
+        for item in group:
+            info = self.storage_data[item.storage_index]
+            stream: Any = io.BytesIO(data)
+            descriptors = getattr(info, "transform_descriptors", None) or ()
+            if descriptors:  # DCP extensions (e.g. compression); shardline writes none
+                stream = self.transforms.transform_load_stream(item, descriptors, stream)
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(stream.read(-1)))
+                continue
+            if not stream.seekable():
+                stream = io.BytesIO(stream.read(-1))
+            tensor = _narrow(
+                torch.load(stream, map_location="cpu", weights_only=True), item.storage_offsets, item.lengths
+            )
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise IntegrityError(
+                    f"checkpoint {self.path}: item {item.storage_index.fqn} has shape {tuple(tensor.size())} where its "
+                    f"metadata promises {tuple(target.size())}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)

@@ -1,0 +1,188 @@
+"""Checks the launcher runs before any worker starts: every bad input is one error line and exit code 2.
+
+Beyond the schema and :func:`~shardline.train.config.validate` (types, ranges) and
+:func:`~shardline.train.build.preflight` (class paths, policies on the meta model):
+
+* :func:`check_values` -- numbers that must be finite (``optimizer.lr=nan``), optimizer ranges;
+* :func:`check_data` -- the corpus is built here once, exactly as the workers will build it
+  (``data.root`` missing, ``data.max_bytes`` too small, too little data for ``data.seq_len``);
+* :func:`check_resume` -- what a resume will load: an explicit ``trainer.resume`` must be a
+  committed checkpoint (its manifest anchored, its files present with their sizes; the workers
+  hash every byte), and the model this config builds must fit it -- keys, shapes and dtypes read
+  from the checkpoint's manifest, compared with the model built on the meta device. With
+  ``resume=auto`` a run directory that holds an earlier attempt's records but no checkpoint is
+  refused instead of restarted over them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shardline.checkpoint.dcp_io import MODEL_KEY, key_paths
+from shardline.checkpoint.directory import scan
+from shardline.checkpoint.opening import check_manifest, read_checked_metadata
+from shardline.checkpoint.staging import dtype_name
+from shardline.checkpoint.verify import VerifyLevel
+from shardline.errors import CheckpointError, ConfigurationError
+from shardline.train.build import build_model
+from shardline.train.data import Batches, load_corpus
+
+__all__ = ["check_data", "check_resume", "check_values", "world_size"]
+
+_SHOW = 4
+RECORDS = ("metrics.csv", "summary.json")
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Ranks the job will have: torchrun's ``WORLD_SIZE``, else devices x nodes."""
+    env = os.environ.get("WORLD_SIZE")
+    return int(env) if env and env.isdigit() else int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+
+
+def _floats(node: Any, where: str) -> list[tuple[str, float]]:
+    if isinstance(node, float):
+        return [(where, node)]
+    if isinstance(node, Mapping):
+        return [item for k, v in node.items() for item in _floats(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(node, (list, tuple)):
+        return [item for i, v in enumerate(node) for item in _floats(v, f"{where}[{i}]")]
+    return []
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Every number in the config is finite; the optimizer's hyper-parameters are in range.
+
+    Raises:
+        ConfigurationError: naming the key, its value and what is allowed.
+    """
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for key, value in _floats(plain, ""):
+        if not math.isfinite(value):
+            raise ConfigurationError(f"{key}={value} is not a finite number; set it to a real value")
+    opt = cfg.optimizer
+    for i, beta in enumerate(opt.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigurationError(f"optimizer.betas[{i}]={beta}; each beta must be in [0, 1), e.g. [0.9, 0.95]")
+    if opt.eps <= 0:
+        raise ConfigurationError(f"optimizer.eps={opt.eps}; it must be positive (e.g. 1e-8)")
+    if opt.weight_decay < 0:
+        raise ConfigurationError(f"optimizer.weight_decay={opt.weight_decay}; it must be >= 0")
+
+
+def check_data(cfg: DictConfig) -> None:
+    """Build the corpus and the batch splitting exactly as the workers will (a fraction of a second).
+
+    Raises:
+        ConfigurationError: ``data.root`` missing or unreadable, too little data, a batch that does not split.
+    """
+    data = cfg.data
+    if data.root is not None:
+        root = Path(str(data.root))
+        if not root.exists():
+            raise ConfigurationError(f"data.root={data.root}: no such directory; point it at a directory of .py files")
+        if not root.is_dir():
+            raise ConfigurationError(f"data.root={data.root} is a file, not a directory of .py files")
+    try:
+        corpus = load_corpus(name=data.name, max_bytes=data.max_bytes, val_every=data.val_every, root=data.root)
+    except OSError as e:
+        raise ConfigurationError(f"data.root={data.root}: cannot read the corpus ({e.strerror or e})") from None
+    world = world_size(cfg)
+    trainer = cfg.trainer
+    for split, tokens, per_rank in (
+        ("train", corpus.train, trainer.micro_batch_size * trainer.accumulate_grad_batches),
+        ("validation", corpus.val, trainer.micro_batch_size),
+    ):
+        try:
+            Batches(tokens, seq_len=data.seq_len, global_batch=per_rank * world, rank=0, world_size=world, seed=0)
+        except ConfigurationError as e:
+            raise ConfigurationError(f"{split} data: {e} (data.max_bytes={data.max_bytes})") from None
+
+
+def _stored_state(path: Path, verify: VerifyLevel) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``key -> (shape, dtype)`` of the model entries a checkpoint holds (its manifest; else its .metadata).
+
+    The manifest is anchored, the listing checked and ``.metadata`` hashed here; the workers hash the data files.
+    """
+    checked = check_manifest(path, level=VerifyLevel.SIZES if verify is VerifyLevel.FULL else verify)
+    metadata = read_checked_metadata(checked)  # small: hashed against the manifest, then unpickled safely
+    state = (checked.manifest or {}).get("model", {}).get("state")
+    if isinstance(state, dict):
+        return {k: (tuple(v[0]), str(v[1])) for k, v in state.items()}
+    paths = key_paths(metadata)
+    flat = not any(p[0] == MODEL_KEY for p in paths.values())
+    out = {}
+    for key, p in paths.items():
+        md = metadata.state_dict_metadata[key]
+        if not isinstance(md, TensorStorageMetadata) or (not flat and (len(p) != 2 or p[0] != MODEL_KEY)):
+            continue
+        out[p[-1]] = (tuple(md.size), dtype_name(md.properties.dtype))
+    return out
+
+
+def _fit_problems(cfg: DictConfig, stored: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
+    model = build_model(cfg, device="meta")
+    have = {k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in model.state_dict(keep_vars=True).items()}
+    problems = [f"the checkpoint lacks {k}" for k in sorted(have.keys() - stored.keys())]
+    problems += [f"the model lacks {k}" for k in sorted(stored.keys() - have.keys())]
+    for key in sorted(have.keys() & stored.keys()):
+        (shape, dtype), (want, want_dtype) = stored[key], have[key]
+        if shape != want and not (want == () and shape == (1,)):
+            problems.append(f"{key}: checkpoint shape {shape} vs model {want}")
+        elif dtype != want_dtype:
+            problems.append(f"{key}: checkpoint dtype {dtype} vs model {want_dtype}")
+    return problems
+
+
+def check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
+    """The checkpoint a resume will load exists, is committed and fits the configured model (see the module note).
+
+    Args:
+        run_dir: The run directory (for ``resume=auto``); None when not known yet.
+
+    Raises:
+        ConfigurationError: one line naming the checkpoint and what does not fit.
+    """
+    resume = cfg.trainer.resume
+    if resume is None or str(resume).lower() in ("", "none", "false"):
+        return
+    level = VerifyLevel.parse(cfg.checkpoint.verify)
+    if str(resume) == "auto":
+        if run_dir is None:
+            return
+        committed, damaged = scan(run_dir / "checkpoints")
+        if not committed and not damaged:
+            records = [n for n in RECORDS if (run_dir / n).is_file() and (run_dir / n).stat().st_size > 0]
+            if records:
+                raise ConfigurationError(
+                    f"trainer.resume=auto: {run_dir} holds an earlier run's records ({', '.join(records)}) but no "
+                    "committed checkpoint to resume from; restarting at step 0 there would mix two trainings. Start "
+                    "a new run (another trainer.run_dir), or restore its checkpoints."
+                )
+            return
+        if not committed:
+            return  # only damaged ones: the workers move them aside and start over (or refuse, with records)
+        path, what = committed[-1].path, "trainer.resume=auto"
+        try:
+            stored = _stored_state(path, VerifyLevel.NONE)
+        except CheckpointError:
+            return  # damaged: the workers verify it, move it aside and fall back to an older one
+    else:
+        path, what = Path(str(resume)), f"trainer.resume={resume}"
+        try:
+            stored = _stored_state(path, level)
+        except CheckpointError as e:
+            raise ConfigurationError(f"{what}: {e}") from None
+    problems = _fit_problems(cfg, stored)
+    if problems:
+        more = f"; and {len(problems) - _SHOW} more" if len(problems) > _SHOW else ""
+        raise ConfigurationError(
+            f"{what}: checkpoint {path} does not fit the configured model -- {'; '.join(problems[:_SHOW])}{more}. "
+            f"Resume with the model config it was saved with (`shardline inspect {path}`), or start a new run."
+        )
