@@ -15,8 +15,9 @@ Note: how a verified load reads every byte once and hashes it once.
 * A rank whose file differs from the manifest (or is short) raises ``IntegrityError`` at the end
   of ``read_data``. DCP runs ``read_data`` inside an all-gather and re-raises any rank's error on
   every rank, so that all-gather is the one agreement: either every rank learns that every
-  file verified, or every rank raises. ``load`` reads into staging tensors and installs nothing
-  until then.
+  file verified, or every rank raises. Like plain DCP, ``load`` reads the model's shards in
+  place; buffers, 0-d parameters, the optimizer state and the trainer state are installed, and
+  ``load`` returns, only after that agreement (see the note in ``load.py``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from shardline.checkpoint.staging import dtype_name
 from shardline.checkpoint.verify import VerifyLevel
 from shardline.errors import CheckpointError, ConfigurationError
 from shardline.train.build import build_model
-from shardline.train.data import Batches, load_corpus
+from shardline.train.data import load_corpus, make_batches
 
 __all__ = ["check_data", "check_resume", "check_values", "world_size"]
 
@@ -83,26 +83,30 @@ def check_data(cfg: DictConfig) -> None:
         ConfigurationError: ``data.root`` missing or unreadable, too little data, a batch that does not split.
     """
     data = cfg.data
-    if data.root is not None:
+    if data.name == "stdlib" and data.root is not None:
         root = Path(str(data.root))
         if not root.exists():
             raise ConfigurationError(f"data.root={data.root}: no such directory; point it at a directory of .py files")
         if not root.is_dir():
             raise ConfigurationError(f"data.root={data.root} is a file, not a directory of .py files")
     try:
-        corpus = load_corpus(name=data.name, max_bytes=data.max_bytes, val_every=data.val_every, root=data.root)
+        corpus = load_corpus(data)
     except OSError as e:
-        raise ConfigurationError(f"data.root={data.root}: cannot read the corpus ({e.strerror or e})") from None
+        where = f"data.root={data.root}" if data.name == "stdlib" else f"data.path={data.path}"
+        raise ConfigurationError(f"{where}: cannot read the corpus ({e.strerror or e})") from None
     world = world_size(cfg)
     trainer = cfg.trainer
-    for split, tokens, per_rank in (
-        ("train", corpus.train, trainer.micro_batch_size * trainer.accumulate_grad_batches),
-        ("validation", corpus.val, trainer.micro_batch_size),
+    for split, per_rank in (
+        ("train", trainer.micro_batch_size * trainer.accumulate_grad_batches),
+        ("val", trainer.micro_batch_size),
     ):
         try:
-            Batches(tokens, seq_len=data.seq_len, global_batch=per_rank * world, rank=0, world_size=world, seed=0)
+            make_batches(
+                corpus, split, seq_len=data.seq_len, global_batch=per_rank * world, rank=0, world_size=world, seed=0
+            )
         except ConfigurationError as e:
-            raise ConfigurationError(f"{split} data: {e} (data.max_bytes={data.max_bytes})") from None
+            size = f"data.max_bytes={data.max_bytes}" if data.name == "stdlib" else f"data.name={data.name}"
+            raise ConfigurationError(f"{'validation' if split == 'val' else split} data: {e} ({size})") from None
 
 
 def _stored_state(path: Path, verify: VerifyLevel) -> dict[str, tuple[tuple[int, ...], str]]:
