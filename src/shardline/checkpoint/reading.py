@@ -10,8 +10,9 @@ Note: how a verified load reads every byte once and hashes it once.
   ``LoadPlan.storage_data``; DCP scatters the plans already, so this costs no collective.
 * ``read_data`` reads a file it must hash from start to end in one sequential pass: each item's
   bytes are read once into memory, fed to SHA-256 (on a helper thread, overlapping the
-  deserialization of the same bytes where a core is free) and deserialized from that memory;
-  the gaps between items are read and hashed too. Files it need not hash are read item by item.
+  deserialization of the same bytes and the read of the next item) and deserialized from that
+  memory; the gaps between items are read and hashed too. Files it need not hash are read item
+  by item.
 * A rank whose file differs from the manifest (or is short) raises ``IntegrityError`` at the end
   of ``read_data``. DCP runs ``read_data`` inside an all-gather and re-raises any rank's error on
   every rank, so that all-gather is the one agreement: either every rank learns that every
@@ -61,6 +62,12 @@ def assign_hashing(files: Mapping[str, int], reads: Sequence[Mapping[str, int]])
         out[best].append(name)
         load[best] += size
     return out
+
+
+def _settle(pending: Any) -> None:
+    """Wait for a digest update running on a helper thread (``None``: nothing pending)."""
+    if pending is not None:
+        pending.result()
 
 
 def _first_line(error: BaseException) -> str:
@@ -179,30 +186,39 @@ class VerifyingReader(MetadataReader):
         pos = 0
         short = False
         unreadable: str | None = None  # once an item fails to deserialize, the rest is only hashed
-        with open(Path(self.path) / name, "rb", buffering=0) as f:
-            for offset, length, group in self._groups(items):
-                if offset < pos:
-                    problems.append(FileProblem(name, "altered", f"items overlap at byte {offset}"))
-                    return
-                pos = self._hash_span(f, digest, pos, offset)
-                data = f.read(length)
-                if len(data) != length:
-                    short = True
-                    break
-                pending = pool.submit(digest.update, data) if length >= _OVERLAP_MIN else None
-                try:
-                    if unreadable is None:
-                        self._load(group, data, planner)
-                except Exception as e:
-                    unreadable = f"an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
-                finally:
-                    if pending is not None:
-                        pending.result()
-                if pending is None:
-                    digest.update(data)
-                pos += length
-            if not short:
-                pos = self._hash_span(f, digest, pos, None)
+        # Note: the digest of item k runs on a helper thread while this thread deserializes item k and
+        # reads item k+1 from disk; it is waited for only before the next update, so updates stay in
+        # file order and hashing overlaps both decoding and I/O.
+        pending: Any = None
+        try:
+            with open(Path(self.path) / name, "rb", buffering=0) as f:
+                for offset, length, group in self._groups(items):
+                    if offset < pos:
+                        problems.append(FileProblem(name, "altered", f"items overlap at byte {offset}"))
+                        return
+                    if offset > pos:
+                        pending = _settle(pending)
+                        pos = self._hash_span(f, digest, pos, offset)
+                    data = f.read(length)
+                    if len(data) != length:
+                        short = True
+                        break
+                    pending = _settle(pending)
+                    if length >= _OVERLAP_MIN:
+                        pending = pool.submit(digest.update, data)
+                    else:
+                        digest.update(data)
+                    try:
+                        if unreadable is None:
+                            self._load(group, data, planner)
+                    except Exception as e:
+                        unreadable = f"an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
+                    pos += length
+                pending = _settle(pending)
+                if not short:
+                    pos = self._hash_span(f, digest, pos, None)
+        finally:
+            _settle(pending)
         size = os.path.getsize(Path(self.path) / name)
         actual = digest.hexdigest()
         self.hashed[name] = actual
