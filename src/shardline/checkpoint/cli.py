@@ -159,16 +159,26 @@ def find_ledger(run_dir: str | Path) -> Path:
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.ledger import Ledger
     from shardline.checkpoint.lineage import audit
+    from shardline.checkpoint.provenance import chain_statements
+    from shardline.checkpoint.retention import record_deletions
 
     try:
         ledger = Ledger(find_ledger(args.run_dir))
+        if args.record_deletions:
+            recorded = record_deletions(ledger)
+            print(f"Recorded {len(recorded)} deletion(s) with tombstone rows.", file=sys.stderr)
         report = audit(ledger, check_checkpoints=not args.no_check_checkpoints)
         if args.new_chain:
             return _new_chain(args, ledger, report)
+        statements = chain_statements(ledger.path.parent, report.rows) if args.json else {}
     except (ShardlineError, OSError) as e:
         return _fail(args, e)
     if args.json:
-        _emit_json(report.to_json())
+        out = report.to_json()
+        for row in out["rows"]:
+            if row["seq"] in statements:
+                row["provenance"] = statements[row["seq"]]
+        _emit_json(out)
         return 0 if report.ok else 1
     print(f"Lineage ledger {report.path}: {len(report.rows)} committed checkpoint(s)")
     for row in report.rows:
@@ -213,6 +223,8 @@ def _event_text(row: Any) -> str:
         return f"{detail.get('checkpoint')} failed verification, moved to {detail.get('moved_to')}"
     if row.event == "resume":
         return f"resumed from {detail.get('checkpoint')} with verify={detail.get('verify')!r} (not every byte hashed)"
+    if row.event == "tombstone":
+        return f"{detail.get('checkpoint')} deleted on purpose ({detail.get('reason')}); its record stays in the chain"
     if row.event == "chain_break":
         return (
             f"new chain; the previous ledger ({detail.get('previous_ledger', 'missing')}) did not verify: "
@@ -296,7 +308,14 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="if the chain does not verify: keep the ledger aside and start a new one that records the break",
     )
-    lineage.add_argument("--json", action="store_true", help="machine-readable output")
+    lineage.add_argument(
+        "--record-deletions",
+        action="store_true",
+        help="append a tombstone row for each recorded checkpoint deleted by hand (gone from disk without one)",
+    )
+    lineage.add_argument(
+        "--json", action="store_true", help="machine-readable output, with each checkpoint's provenance statement"
+    )
     lineage.set_defaults(func=_cmd_lineage)
 
 
