@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigurationError, LineageError, ShardlineError
+from shardline.errors import ConfigurationError, LineageError, ShardlineError, SignatureError
 
 __all__ = ["find_ledger", "main", "register"]
 
@@ -51,28 +51,49 @@ def _sha256_arg(text: str) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.export_verify import is_export, verify_export
+    from shardline.checkpoint.signing import verify_signature
     from shardline.checkpoint.verify import verify_checkpoint
 
+    export = is_export(args.checkpoint)
+    signed, sig_error = None, None
     try:
-        report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
+        if export:
+            report = verify_export(args.checkpoint)
+        else:
+            report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
+        if args.public_key:
+            try:
+                signed = verify_signature(args.checkpoint, public_key=args.public_key, signature=args.signature)
+            except SignatureError as e:
+                sig_error = str(e)
     except (ShardlineError, OSError) as e:
         return _fail(args, e)
+    ok = report.ok and sig_error is None
     if args.json:
-        _emit_json(report.to_json())
-        return 0 if report.ok else 1
+        out = report.to_json() | {"ok": ok}
+        if args.public_key:
+            out["signature"] = signed.to_json() | {"ok": True} if signed else {"ok": False, "error": sig_error}
+        _emit_json(out)
+        return 0 if ok else 1
     if report.ok:
         print(
-            f"OK: {report.path} (step {report.step}): {report.files_checked} files match the manifest"
+            f"OK: {report.path} (step {report.step}): {report.files_checked} files match the "
+            f"{'export record' if export else 'manifest'}"
             f"{' (hashes re-computed)' if args.level == 'full' else ' (sizes only)'}; "
-            f"manifest hash {report.manifest_hash}"
+            f"{'source ' if export else ''}manifest hash {report.manifest_hash}"
         )
-        return 0
-    print(f"FAILED: {report.path}", file=sys.stderr)
-    for p in report.problems:
-        print(f"  {p.kind:<10} {p.path}: {p.detail}", file=sys.stderr)
-    if report.error:
-        print(f"  {report.error}", file=sys.stderr)
-    return 1
+    else:
+        print(f"FAILED: {report.path}", file=sys.stderr)
+        for p in report.problems:
+            print(f"  {p.kind:<10} {p.path}: {p.detail}", file=sys.stderr)
+        if report.error:
+            print(f"  {report.error}", file=sys.stderr)
+    if signed is not None:
+        print(f"OK: signature {signed.signature} verifies with {args.public_key} over {len(signed.files)} files.")
+    elif sig_error is not None:
+        print(f"FAILED: {sig_error}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -256,7 +277,9 @@ def register(subparsers: Any) -> None:
     verify = subparsers.add_parser(
         "verify", help="check every file of a checkpoint against its manifest (exit 1 naming any mismatch)"
     )
-    verify.add_argument("checkpoint", help="checkpoint directory (e.g. run/checkpoints/step-100)")
+    verify.add_argument(
+        "checkpoint", help="checkpoint directory (e.g. run/checkpoints/step-100), or an export directory of one"
+    )
     verify.add_argument(
         "--level",
         choices=("full", "sizes"),
@@ -265,6 +288,14 @@ def register(subparsers: Any) -> None:
     )
     verify.add_argument(
         "--expect", metavar="SHA256", type=_sha256_arg, help="also require this manifest hash (e.g. from the ledger)"
+    )
+    verify.add_argument(
+        "--public-key",
+        metavar="PUB.pem",
+        help="also check the model-signing signature (from `shardline sign`) with this public key; needs [signing]",
+    )
+    verify.add_argument(
+        "--signature", metavar="PATH", help="the signature file (default: CHECKPOINT.sig beside the directory)"
     )
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=_cmd_verify)
