@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shardline.checkpoint.sign_cli import register as register_sign
     from shardline.diagnostics.bench_cli import register as register_bench
     from shardline.diagnostics.estimate_cli import register as register_estimate
+    from shardline.report.cli import register as register_report
     from shardline.train.cli import register as register_train
 
     register_train(sub)
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(sub)
     register_checkpoint(sub)
     register_sign(sub)
+    register_report(sub)
     env = sub.add_parser("env", help="print versions and available communication backends")
     env.set_defaults(func=_cmd_env)
     return parser

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigurationError, LineageError, ShardlineError, SignatureError
+from shardline.errors import ConfigurationError, ShardlineError, SignatureError
 
 __all__ = ["find_ledger", "main", "register"]
 
@@ -164,17 +164,10 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def find_ledger(run_dir: str | Path) -> Path:
-    """The ledger for ``run_dir``: the path itself if a file, else ``lineage.sqlite`` in it or in ``checkpoints/``."""
-    from shardline.checkpoint.ledger import LEDGER_NAME
+    """The ledger for ``run_dir`` (see :func:`shardline.checkpoint.lineage.find_ledger`)."""
+    from shardline.checkpoint.lineage import find_ledger as find
 
-    root = Path(run_dir)
-    if root.is_file():
-        return root
-    candidates = [root / LEDGER_NAME, root / "checkpoints" / LEDGER_NAME]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise LineageError(f"no lineage ledger found: looked for {', '.join(str(c) for c in candidates)}")
+    return find(run_dir)
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
@@ -201,7 +194,8 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
                 row["provenance"] = statements[row["seq"]]
         _emit_json(out)
         return 0 if report.ok else 1
-    print(f"Lineage ledger {report.path}: {len(report.rows)} committed checkpoint(s)")
+    commits = sum(1 for r in report.rows if r.is_commit)
+    print(f"Lineage ledger {report.path}: {commits} committed checkpoint(s), {len(report.rows) - commits} event(s)")
     for row in report.rows:
         if not row.is_commit:
             print(f"  #{row.seq:<3} {row.event}: {_event_text(row)}  row {row.row_sha256[:12]}  {row.committed_at}")

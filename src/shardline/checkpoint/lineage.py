@@ -18,11 +18,27 @@ from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint.directory import CommittedCheckpoint, scan
-from shardline.checkpoint.ledger import Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
 from shardline.checkpoint.provenance import STATEMENT_FILE, read_statement
-from shardline.errors import IntegrityError
+from shardline.errors import IntegrityError, LineageError
 
-__all__ = ["audit", "checkpoint_directories", "start_new_chain", "unrecorded"]
+__all__ = ["audit", "checkpoint_directories", "find_ledger", "start_new_chain", "unrecorded"]
+
+
+def find_ledger(run_dir: str | os.PathLike) -> Path:
+    """The ledger for ``run_dir``: the path itself if a file, else ``lineage.sqlite`` in it or in ``checkpoints/``.
+
+    Raises:
+        LineageError: none of those exists.
+    """
+    root = Path(run_dir)
+    if root.is_file():
+        return root
+    candidates = [root / LEDGER_NAME, root / "checkpoints" / LEDGER_NAME]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise LineageError(f"no lineage ledger found: looked for {', '.join(str(c) for c in candidates)}")
 
 
 def checkpoint_directories(ledger: Ledger) -> list[Path]:

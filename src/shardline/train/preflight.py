@@ -90,7 +90,7 @@ def check_data(cfg: DictConfig) -> None:
         if not root.is_dir():
             raise ConfigurationError(f"data.root={data.root} is a file, not a directory of .py files")
     try:
-        corpus = load_corpus(name=data.name, max_bytes=data.max_bytes, val_every=data.val_every, root=data.root)
+        corpus = load_corpus(data)
     except OSError as e:
         raise ConfigurationError(f"data.root={data.root}: cannot read the corpus ({e.strerror or e})") from None
     world = world_size(cfg)
