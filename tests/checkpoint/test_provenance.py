@@ -59,7 +59,8 @@ def test_statement_says_where_the_checkpoint_came_from(saved_run: Path) -> None:
     assert p["distributed"]["world_size"] == 2
     assert p["distributed"]["strategy"] == "full_shard"
     assert p["checkpoint"]["step"] == 4
-    assert p["code"]["name"] == "shardline" and p["code"]["version"]
+    assert p["code"]["name"] == "shardline"
+    assert p["code"]["version"]
     git = shutil.which("git")
     if git is not None:
         root = Path(__file__).resolve().parents[2]

@@ -77,7 +77,9 @@ def test_page_is_self_contained_and_says_what_was_checked(run) -> None:
     page = _Page()
     page.feed(html)
     tags = [t for t, _ in page.tags]
-    assert "script" not in tags and "link" not in tags and "iframe" not in tags
+    assert "script" not in tags
+    assert "link" not in tags
+    assert "iframe" not in tags
     for _, attrs in page.tags:  # nothing fetched from anywhere: no src/href but inline data and in-page anchors
         for name in ("src", "href"):
             value = attrs.get(name)
@@ -85,7 +87,8 @@ def test_page_is_self_contained_and_says_what_was_checked(run) -> None:
     assert not re.search(r"url\((?!#)", html)  # CSS loads nothing either
     text = " ".join(page.text)
     # the run summary
-    assert "parity" in text and "5.6000 → 2.4000 (57% lower)" in text
+    assert "parity" in text
+    assert "5.6000 → 2.4000 (57% lower)" in text
     # the loss plot: one point per logged step, on an SVG polyline
     train = re.search(r'<polyline class="train" points="([^"]+)"', html).group(1).split()
     assert len(train) == len(LOSSES)
@@ -107,7 +110,8 @@ def test_page_is_self_contained_and_says_what_was_checked(run) -> None:
     assert f"model_signing verify key --signature {sig} --public_key {pub} {run_dir / 'checkpoints' / 'step-4'}" in text
     assert "Not signed. To sign it:" in text  # step-2 has no signature
     assert f"shardline sign {run_dir / 'checkpoints' / 'step-2'} --private-key KEY.pem" in text
-    assert "Training configuration fingerprint" in text and "git commit" in text
+    assert "Training configuration fingerprint" in text
+    assert "git commit" in text
 
 
 def test_the_printed_commands_work(run) -> None:
@@ -137,14 +141,16 @@ def test_damage_and_deletion_show_up(run, capsys) -> None:
     assert main(["report", str(run_dir), "--public-key", str(pub)]) == 1
     assert "NOT verified: step-2" in capsys.readouterr().out
     html = (run_dir / "report.html").read_text()
-    assert 'class="node failed"' in html and "__1_0.distcp: altered" in html
+    assert 'class="node failed"' in html
+    assert "__1_0.distcp: altered" in html
     facts = collect_run(run_dir)
     assert facts.checkpoints[1].signature_status.startswith("signed (signature file present; not checked")
 
 
 def test_no_ledger_is_said_plainly(tmp_path: Path) -> None:
     path, facts = write_report(tmp_path)
-    assert facts.lineage_error and "no lineage ledger found" in path.read_text()
+    assert facts.lineage_error
+    assert "no lineage ledger found" in path.read_text()
 
 
 def _browser() -> str | None:
@@ -170,11 +176,13 @@ def test_renders_in_headless_chromium(run, tmp_path: Path) -> None:
              f"--screenshot={shot}", path.as_uri()],
             capture_output=True, text=True, timeout=90, check=False,
         )  # fmt: skip
-    assert done.returncode == 0 and shot.is_file(), done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert shot.is_file(), done.stderr[-2000:]
     image = Image.open(shot).convert("RGB")
     assert image.size == (1000, 2400)
     colors = image.getcolors(maxcolors=1 << 20)
-    assert colors is not None and len(colors) > 50  # text, boxes and curves, not a blank page
+    assert colors is not None
+    assert len(colors) > 50
     pixels = {rgb for _, rgb in colors}
     assert (0x1E, 0x8E, 0x3E) in pixels  # the "verified" green of the badges and boxes
     assert (0x1A, 0x73, 0xE8) in pixels or any(abs(r - 0x1A) + abs(g - 0x73) + abs(b - 0xE8) < 40 for r, g, b in pixels)

@@ -65,9 +65,11 @@ def test_keep_last_n_deletes_after_commit_and_tombstones_keep_the_chain(tmp_path
     commits = {r.checkpoint: r for r in rows if r.is_commit}
     for tomb in tombs:
         commit = commits[tomb.checkpoint]
-        assert tomb.seq > commit.seq and tomb.manifest_sha256 == commit.manifest_sha256
+        assert tomb.seq > commit.seq
+        assert tomb.manifest_sha256 == commit.manifest_sha256
         detail = json.loads(tomb.detail)
-        assert detail["keep_last_n"] == 2 and detail["files"] == 3  # .metadata, one shard, the statement
+        assert detail["keep_last_n"] == 2
+        assert detail["files"] == 3
         # the statement copy in the tombstone is byte for byte the one the commit row chained
         copy = json.dumps(detail["provenance"], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
         assert hashlib.sha256(copy).hexdigest() == json.loads(commit.detail)["provenance"]["sha256"]
@@ -78,8 +80,9 @@ def test_keep_last_n_deletes_after_commit_and_tombstones_keep_the_chain(tmp_path
     assert sum("deleted on purpose" in n for n in report.notes) == 2
     assert cli.main(["lineage", "--json", str(directory)]) == 0
     out = json.loads(capsys.readouterr().out)
-    gone = [r for r in out["rows"] if r["checkpoint"] == "step-1" and r["event"] == "commit"][0]
-    assert gone["provenance"]["source"] == "tombstone" and gone["provenance"]["matches_ledger"] is True
+    gone = next(r for r in out["rows"] if r["checkpoint"] == "step-1" and r["event"] == "commit")
+    assert gone["provenance"]["source"] == "tombstone"
+    assert gone["provenance"]["matches_ledger"] is True
 
 
 def test_deletions_check_by_hand(tmp_path: Path) -> None:
@@ -111,14 +114,15 @@ def test_deleted_by_hand_is_a_problem_until_recorded(tmp_path: Path, capsys) -> 
     assert cli.main(["lineage", str(directory), "--record-deletions"]) == 0
     assert "Recorded 1 deletion(s)" in capsys.readouterr().err
     rows = ckpt.Ledger(directory / "lineage.sqlite").rows()
-    assert rows[-1].event == "tombstone" and "outside shardline" in json.loads(rows[-1].detail)["reason"]
+    assert rows[-1].event == "tombstone"
+    assert "outside shardline" in json.loads(rows[-1].detail)["reason"]
 
 
 def test_an_interrupted_deletion_is_finished_without_a_second_row(tmp_path: Path, monkeypatch) -> None:
     from shardline.checkpoint import retention
 
     directory = tmp_path / "checkpoints"
-    model, opt = _model()
+    model, _opt = _model()
     manager = ckpt.CheckpointManager(directory, keep_last_n=1)
     manager.save(ckpt.SaveRequest(step=1, model=model))
     real = retention._remove
@@ -126,7 +130,8 @@ def test_an_interrupted_deletion_is_finished_without_a_second_row(tmp_path: Path
     manager.save(ckpt.SaveRequest(step=2, model=model))  # the tombstone is written, the deletion fails
     assert _dirs(directory) == ["step-1", "step-2"]
     report = ckpt.audit(ckpt.Ledger(directory / "lineage.sqlite"))
-    assert report.ok and any("interrupted deletion" in n for n in report.notes)
+    assert report.ok
+    assert any("interrupted deletion" in n for n in report.notes)
     monkeypatch.setattr(retention, "_remove", real)
     (directory / ".step-0.deleting-0123456789ab").mkdir()  # a crash after a rename: the next manager clears it
     manager = ckpt.CheckpointManager(directory, keep_last_n=1)
@@ -139,7 +144,7 @@ def test_an_interrupted_deletion_is_finished_without_a_second_row(tmp_path: Path
 
 def test_signature_goes_with_its_checkpoint(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
-    model, opt = _model()
+    model, _opt = _model()
     manager = ckpt.CheckpointManager(directory, keep_last_n=1)
     manager.save(ckpt.SaveRequest(step=1, model=model))
     (directory / "step-1.sig").write_text("{}")

@@ -78,7 +78,8 @@ def test_reference_tool_and_shardline_verify_the_signature(signed, keys, capsys)
     capsys.readouterr()
     assert cli.main(["verify", str(ckpt), "--public-key", str(keys["p256"][1])]) == 0
     out = capsys.readouterr().out
-    assert "OK: signature" in out and "over 7 files" in out
+    assert "OK: signature" in out
+    assert "over 7 files" in out
     result = verify_signature(ckpt, public_key=keys["p256"][1])
     manifest_hash = (ckpt / "manifest.sha256").read_text().split()[0]
     assert result.manifest_sha256 == manifest_hash  # the signature pins the manifest hash
@@ -122,12 +123,14 @@ def test_exports_are_signed_too(saved_run: Path, tmp_path: Path, keys, capsys) -
     capsys.readouterr()
     assert cli.main(["verify", str(out), "--public-key", str(keys["p256"][1])]) == 0
     text = capsys.readouterr().out
-    assert "match the export record" in text and "OK: signature" in text
+    assert "match the export record" in text
+    assert "OK: signature" in text
     _flip(out / "model.safetensors")
     assert _reference(sig, keys["p256"][1], out).returncode != 0
     assert cli.main(["verify", str(out), "--public-key", str(keys["p256"][1])]) == 1
     err = capsys.readouterr().err
-    assert "model.safetensors" in err and "FAILED: signature" in err
+    assert "model.safetensors" in err
+    assert "FAILED: signature" in err
     single = tmp_path / "model.safetensors"
     consolidate(saved_run / "step-4", single)
     result = sign(single, private_key=keys["p256"][0])
@@ -135,13 +138,13 @@ def test_exports_are_signed_too(saved_run: Path, tmp_path: Path, keys, capsys) -
 
 
 def test_keys_and_places_that_are_refused(saved_run: Path, signed, keys, tmp_path: Path, monkeypatch) -> None:
-    ckpt, sig = signed
+    ckpt, _sig = signed
     with pytest.raises(SignatureError, match="already exists; pass --force"):
         sign(ckpt, private_key=keys["p256"][0])
     sign(ckpt, private_key=keys["p256"][0], overwrite=True)
     with pytest.raises(SignatureError, match="inside"):
         sign(ckpt, private_key=keys["p256"][0], signature=ckpt / "x.sig")
-    with pytest.raises(SignatureError, match="RSAPrivateKey key.*P-256"):
+    with pytest.raises(SignatureError, match=r"RSAPrivateKey key.*P-256"):
         sign(ckpt, private_key=keys["rsa"][0], signature=tmp_path / "r.sig")
     with pytest.raises(SignatureError, match="encrypted: pass its password"):
         sign(ckpt, private_key=keys["locked"][0], signature=tmp_path / "l.sig")
