@@ -52,7 +52,12 @@ def test_manifest_records_what_the_issue_lists(saved_run: Path) -> None:
         data = (saved_run / "step-4" / f["path"]).read_bytes()
         assert f["bytes"] == len(data)
         assert f["sha256"] == hashlib.sha256(data).hexdigest()
-    assert {f["path"]: f["rank"] for f in m["files"]} == {".metadata": 0, "__0_0.distcp": 0, "__1_0.distcp": 1}
+    assert {f["path"]: f["rank"] for f in m["files"]} == {
+        ".metadata": 0,
+        "__0_0.distcp": 0,
+        "__1_0.distcp": 1,
+        "provenance.intoto.json": 0,
+    }
     assert m["model"]["tied"] == [["emb.weight", "head.weight"]]
 
 

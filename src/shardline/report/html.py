@@ -142,7 +142,7 @@ def _event_words(row: Any) -> str:
     if row.event == "tombstone":
         kept = detail.get("keep_last_n")
         why = f"retention keeps the newest {kept}" if kept else "deletion recorded by hand"
-        return f"{detail.get('checkpoint')} deleted on purpose ({why}); its record stays"
+        return f"{detail.get('checkpoint')} deleted on purpose ({why})"
     if row.event == "quarantine":
         return f"{detail.get('checkpoint')} failed verification, moved to {detail.get('moved_to')}"
     if row.event == "resume":
