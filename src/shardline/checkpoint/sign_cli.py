@@ -48,7 +48,7 @@ def _cmd_sign(args: argparse.Namespace) -> int:
     pinned = f"; it pins manifest hash {result.manifest_sha256}" if result.manifest_sha256 else ""
     print(f"Signed {result.path} ({len(result.files)} files, verified first) -> {result.signature}{pinned}.")
     print(
-        "Anyone can check it without shardline (pip install model-signing):\n"
+        "Anyone can check it without shardline (pip install model-signing pyOpenSSL):\n"
         f"  model_signing verify key --signature {result.signature} --public_key PUB.pem {result.path}"
     )
     return 0

@@ -4,7 +4,7 @@ The signature is what the reference tool writes and reads -- a Sigstore bundle h
 envelope over an in-toto statement that lists every file of the directory with its SHA-256 --
 so a reviewer checks it without shardline::
 
-    pip install model-signing
+    pip install model-signing pyOpenSSL   # model-signing 1.1 needs pyOpenSSL but does not declare it
     model_signing verify key --signature step-100.sig --public_key pub.pem step-100
 
 shardline uses the ``model_signing`` library (the optional ``[signing]`` extra) for the

@@ -207,9 +207,10 @@ def _commands(c: CheckpointFacts, public_key: Path | None) -> str:
         else f'<p class="note">Not signed. To sign it: <code>shardline sign {escape(_q(c.path))} --private-key '
         "KEY.pem</code>.</p>"
     )
-    return "<p>Check it yourself (GNU coreutils; the signature with <code>pip install model-signing</code>):</p>" + (
-        f"<pre>{escape(text)}</pre>{more}"
+    intro = (
+        "<p>Check it yourself (GNU coreutils; the signature with <code>pip install model-signing pyOpenSSL</code>):</p>"
     )
+    return f"{intro}<pre>{escape(text)}</pre>{more}"
 
 
 def _verdict(c: CheckpointFacts) -> str:
