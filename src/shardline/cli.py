@@ -39,14 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shardline {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from shardline.checkpoint.cli import register as register_checkpoint
+    from shardline.checkpoint.sign_cli import register as register_sign
     from shardline.diagnostics.bench_cli import register as register_bench
     from shardline.diagnostics.estimate_cli import register as register_estimate
+    from shardline.report.cli import register as register_report
     from shardline.train.cli import register as register_train
 
     register_train(sub)
     register_estimate(sub)
     register_bench(sub)
     register_checkpoint(sub)
+    register_sign(sub)
+    register_report(sub)
     env = sub.add_parser("env", help="print versions and available communication backends")
     env.set_defaults(func=_cmd_env)
     return parser

@@ -22,6 +22,7 @@ __all__ = [
     "RunLockedError",
     "ShardingError",
     "ShardlineError",
+    "SignatureError",
     "StateDictError",
 ]
 
@@ -76,6 +77,10 @@ class LineageError(CheckpointError):
 
 class DiskFullError(CheckpointError):
     """A checkpoint could not be written because the file system is full; nothing was committed."""
+
+
+class SignatureError(CheckpointError):
+    """A signature cannot be made or does not verify (bad key, missing signing extra, altered files)."""
 
 
 class RunLockedError(ShardlineError, RuntimeError):

@@ -47,12 +47,17 @@ def test_manifest_records_what_the_issue_lists(saved_run: Path) -> None:
     assert m["hash"]["algorithm"] == "sha256"
     assert "file" in m["hash"]["covers"]
     names = sorted(f["path"] for f in m["files"])
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "provenance.intoto.json"]
     for f in m["files"]:
         data = (saved_run / "step-4" / f["path"]).read_bytes()
         assert f["bytes"] == len(data)
         assert f["sha256"] == hashlib.sha256(data).hexdigest()
-    assert {f["path"]: f["rank"] for f in m["files"]} == {".metadata": 0, "__0_0.distcp": 0, "__1_0.distcp": 1}
+    assert {f["path"]: f["rank"] for f in m["files"]} == {
+        ".metadata": 0,
+        "__0_0.distcp": 0,
+        "__1_0.distcp": 1,
+        "provenance.intoto.json": 0,
+    }
     assert m["model"]["tied"] == [["emb.weight", "head.weight"]]
 
 
@@ -71,7 +76,7 @@ def test_documented_procedure_matches(saved_run: Path) -> None:
     assert out[0] == (step / "manifest.sha256").read_text().split()[0]
     sums = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=step, capture_output=True, text=True)
     assert sums.returncode == 0, sums.stdout + sums.stderr
-    assert sums.stdout.count(": OK") == 4  # .metadata, two shard files, manifest.json
+    assert sums.stdout.count(": OK") == 5  # .metadata, two shard files, the provenance statement, manifest.json
 
 
 def test_canonical_json_rules() -> None:

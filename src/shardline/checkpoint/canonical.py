@@ -31,6 +31,7 @@ __all__ = [
     "config_hash",
     "manifest_hash",
     "sha256_hex",
+    "tag_floats",
 ]
 
 HASH_ALGORITHM = "sha256"
@@ -98,6 +99,11 @@ def _tag_floats(value: Any) -> Any:
         f"the training config must be plain JSON-able data (dicts, lists, strings, numbers, booleans, null); "
         f"found {type(value).__name__}: {value!r}. Resolve it first, e.g. OmegaConf.to_container(cfg, resolve=True)."
     )
+
+
+def tag_floats(value: Any) -> Any:
+    """``value`` with each float ``f`` written ``{"$float": repr(f)}``: the form :func:`config_hash` hashes."""
+    return _tag_floats(value)
 
 
 def config_hash(config: Mapping[str, Any]) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigurationError, LineageError, ShardlineError
+from shardline.errors import ConfigurationError, ShardlineError, SignatureError
 
 __all__ = ["find_ledger", "main", "register"]
 
@@ -51,28 +51,49 @@ def _sha256_arg(text: str) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.export_verify import is_export, verify_export
+    from shardline.checkpoint.signing import verify_signature
     from shardline.checkpoint.verify import verify_checkpoint
 
+    export = is_export(args.checkpoint)
+    signed, sig_error = None, None
     try:
-        report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
+        if export:
+            report = verify_export(args.checkpoint)
+        else:
+            report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
+        if args.public_key:
+            try:
+                signed = verify_signature(args.checkpoint, public_key=args.public_key, signature=args.signature)
+            except SignatureError as e:
+                sig_error = str(e)
     except (ShardlineError, OSError) as e:
         return _fail(args, e)
+    ok = report.ok and sig_error is None
     if args.json:
-        _emit_json(report.to_json())
-        return 0 if report.ok else 1
+        out = report.to_json() | {"ok": ok}
+        if args.public_key:
+            out["signature"] = signed.to_json() | {"ok": True} if signed else {"ok": False, "error": sig_error}
+        _emit_json(out)
+        return 0 if ok else 1
     if report.ok:
         print(
-            f"OK: {report.path} (step {report.step}): {report.files_checked} files match the manifest"
+            f"OK: {report.path} (step {report.step}): {report.files_checked} files match the "
+            f"{'export record' if export else 'manifest'}"
             f"{' (hashes re-computed)' if args.level == 'full' else ' (sizes only)'}; "
-            f"manifest hash {report.manifest_hash}"
+            f"{'source ' if export else ''}manifest hash {report.manifest_hash}"
         )
-        return 0
-    print(f"FAILED: {report.path}", file=sys.stderr)
-    for p in report.problems:
-        print(f"  {p.kind:<10} {p.path}: {p.detail}", file=sys.stderr)
-    if report.error:
-        print(f"  {report.error}", file=sys.stderr)
-    return 1
+    else:
+        print(f"FAILED: {report.path}", file=sys.stderr)
+        for p in report.problems:
+            print(f"  {p.kind:<10} {p.path}: {p.detail}", file=sys.stderr)
+        if report.error:
+            print(f"  {report.error}", file=sys.stderr)
+    if signed is not None:
+        print(f"OK: signature {signed.signature} verifies with {args.public_key} over {len(signed.files)} files.")
+    elif sig_error is not None:
+        print(f"FAILED: {sig_error}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -143,34 +164,38 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def find_ledger(run_dir: str | Path) -> Path:
-    """The ledger for ``run_dir``: the path itself if a file, else ``lineage.sqlite`` in it or in ``checkpoints/``."""
-    from shardline.checkpoint.ledger import LEDGER_NAME
+    """The ledger for ``run_dir`` (see :func:`shardline.checkpoint.lineage.find_ledger`)."""
+    from shardline.checkpoint.lineage import find_ledger as find
 
-    root = Path(run_dir)
-    if root.is_file():
-        return root
-    candidates = [root / LEDGER_NAME, root / "checkpoints" / LEDGER_NAME]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise LineageError(f"no lineage ledger found: looked for {', '.join(str(c) for c in candidates)}")
+    return find(run_dir)
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.ledger import Ledger
     from shardline.checkpoint.lineage import audit
+    from shardline.checkpoint.provenance import chain_statements
+    from shardline.checkpoint.retention import record_deletions
 
     try:
         ledger = Ledger(find_ledger(args.run_dir))
+        if args.record_deletions:
+            recorded = record_deletions(ledger)
+            print(f"Recorded {len(recorded)} deletion(s) with tombstone rows.", file=sys.stderr)
         report = audit(ledger, check_checkpoints=not args.no_check_checkpoints)
         if args.new_chain:
             return _new_chain(args, ledger, report)
+        statements = chain_statements(ledger.path.parent, report.rows) if args.json else {}
     except (ShardlineError, OSError) as e:
         return _fail(args, e)
     if args.json:
-        _emit_json(report.to_json())
+        out = report.to_json()
+        for row in out["rows"]:
+            if row["seq"] in statements:
+                row["provenance"] = statements[row["seq"]]
+        _emit_json(out)
         return 0 if report.ok else 1
-    print(f"Lineage ledger {report.path}: {len(report.rows)} committed checkpoint(s)")
+    commits = sum(1 for r in report.rows if r.is_commit)
+    print(f"Lineage ledger {report.path}: {commits} committed checkpoint(s), {len(report.rows) - commits} event(s)")
     for row in report.rows:
         if not row.is_commit:
             print(f"  #{row.seq:<3} {row.event}: {_event_text(row)}  row {row.row_sha256[:12]}  {row.committed_at}")
@@ -213,6 +238,8 @@ def _event_text(row: Any) -> str:
         return f"{detail.get('checkpoint')} failed verification, moved to {detail.get('moved_to')}"
     if row.event == "resume":
         return f"resumed from {detail.get('checkpoint')} with verify={detail.get('verify')!r} (not every byte hashed)"
+    if row.event == "tombstone":
+        return f"{detail.get('checkpoint')} deleted on purpose ({detail.get('reason')}); its record stays in the chain"
     if row.event == "chain_break":
         return (
             f"new chain; the previous ledger ({detail.get('previous_ledger', 'missing')}) did not verify: "
@@ -244,7 +271,9 @@ def register(subparsers: Any) -> None:
     verify = subparsers.add_parser(
         "verify", help="check every file of a checkpoint against its manifest (exit 1 naming any mismatch)"
     )
-    verify.add_argument("checkpoint", help="checkpoint directory (e.g. run/checkpoints/step-100)")
+    verify.add_argument(
+        "checkpoint", help="checkpoint directory (e.g. run/checkpoints/step-100), or an export directory of one"
+    )
     verify.add_argument(
         "--level",
         choices=("full", "sizes"),
@@ -253,6 +282,14 @@ def register(subparsers: Any) -> None:
     )
     verify.add_argument(
         "--expect", metavar="SHA256", type=_sha256_arg, help="also require this manifest hash (e.g. from the ledger)"
+    )
+    verify.add_argument(
+        "--public-key",
+        metavar="PUB.pem",
+        help="also check the model-signing signature (from `shardline sign`) with this public key; needs [signing]",
+    )
+    verify.add_argument(
+        "--signature", metavar="PATH", help="the signature file (default: CHECKPOINT.sig beside the directory)"
     )
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=_cmd_verify)
@@ -296,7 +333,14 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="if the chain does not verify: keep the ledger aside and start a new one that records the break",
     )
-    lineage.add_argument("--json", action="store_true", help="machine-readable output")
+    lineage.add_argument(
+        "--record-deletions",
+        action="store_true",
+        help="append a tombstone row for each recorded checkpoint deleted by hand (gone from disk without one)",
+    )
+    lineage.add_argument(
+        "--json", action="store_true", help="machine-readable output, with each checkpoint's provenance statement"
+    )
     lineage.set_defaults(func=_cmd_lineage)
 
 

@@ -7,10 +7,34 @@ import re
 import uuid
 from pathlib import Path
 
-__all__ = ["TMP_PATTERN", "atomic_write_bytes", "fsync_dir", "fsync_file", "is_tmp_name", "tmp_dir_for"]
+__all__ = [
+    "TMP_PATTERN",
+    "TRASH_PATTERN",
+    "atomic_write_bytes",
+    "fsync_dir",
+    "fsync_file",
+    "is_tmp_name",
+    "is_trash_name",
+    "tmp_dir_for",
+    "trash_dir_for",
+]
 
 # Temporary directories of saves in progress: ".step-100.tmp-<hex>" next to the final "step-100".
 TMP_PATTERN = re.compile(r"^\.(?P<final>.+)\.tmp-[0-9a-f]{12}$")
+
+
+# Checkpoints being deleted by retention: ".step-100.deleting-<hex>", renamed away before removal.
+TRASH_PATTERN = re.compile(r"^\.(?P<final>.+)\.deleting-[0-9a-f]{12}$")
+
+
+def trash_dir_for(path: Path) -> Path:
+    """A fresh hidden name beside ``path`` to rename a checkpoint to before removing it."""
+    return path.parent / f".{path.name}.deleting-{uuid.uuid4().hex[:12]}"
+
+
+def is_trash_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint that retention renamed away and had not finished removing."""
+    return TRASH_PATTERN.match(name) is not None
 
 
 def tmp_dir_for(final: Path) -> Path:

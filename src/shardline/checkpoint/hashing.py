@@ -24,7 +24,7 @@ import hashlib
 import io
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ from torch.futures import Future
 
 from shardline import _torch_compat
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
-from shardline.errors import CheckpointError
+from shardline.errors import CheckpointError, IntegrityError
 
 __all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "hasher_pool", "sha256_file"]
 
@@ -226,6 +226,9 @@ class HashingWriter(FileSystemWriter):
         final_path: Where the directory will be renamed to; recorded as the checkpoint id in
             ``.metadata``'s storage metadata instead of the temporary path.
         observer: Told of every write and of the ``after_shards`` phase (tests inject faults here).
+        check_written: Called on each rank after its file is written, with (directory, plan, planner,
+            write results); returns problems, and any fails the save. An async save passes the check
+            that the bytes written are the bytes staged (:mod:`.staged_check`).
     """
 
     def __init__(
@@ -234,12 +237,14 @@ class HashingWriter(FileSystemWriter):
         *,
         final_path: str | os.PathLike | None = None,
         observer: SaveObserver = NO_OBSERVER,
+        check_written: Callable[[Path, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
         self._hfs = HashingFileSystem(observer)
         self._observer = observer
         _torch_compat.set_writer_filesystem(self, self._hfs)
         self._final_path = final_path
+        self._check_written = check_written
         self.file_digests: list[FileDigest] | None = None
 
     def storage_meta(self) -> StorageMeta | None:
@@ -254,6 +259,14 @@ class HashingWriter(FileSystemWriter):
         results = list(super().write_data(plan, planner).wait())
         rank = self.rank or 0
         written = self._hfs.take()
+        if self._check_written is not None:
+            problems = self._check_written(Path(self.path), plan, planner, results)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise IntegrityError(
+                    f"rank {rank} wrote bytes that differ from what it staged -- {problems[0]}{more}; the "
+                    "staged copy changed before it was written (a torn write), so this checkpoint is not committed"
+                )
         self._observer.on_phase(SavePhase.AFTER_SHARDS, rank)
         for full, (size, digest) in sorted(written.items()):
             name = os.path.relpath(full, self.path)

@@ -9,7 +9,9 @@ editing, deleting or reordering any row breaks the chain from there on. Triggers
 Rows other than commits carry an ``event``: ``quarantine`` (a checkpoint that failed
 verification was moved aside), ``resume`` (a load that checked less than every byte, an
 explicit opt-in), ``chain_break`` (the first row of a new chain started after the previous
-ledger failed to verify). ``detail`` holds the event's canonical JSON. Rows written before
+ledger failed to verify), ``tombstone`` (a checkpoint deleted on purpose -- by retention, or
+recorded by hand -- with what it held; :mod:`.retention`). ``detail`` holds the event's
+canonical JSON; a commit row's ``detail`` names its provenance statement and that file's SHA-256. Rows written before
 these columns existed have them NULL, and a NULL ``event``/``detail`` is left out of the row hash.
 
 Note: the head record. After each append the ledger's last row (``seq row_sha256``) is written
@@ -37,7 +39,7 @@ from shardline.checkpoint.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.fsutil import atomic_write_bytes
 from shardline.errors import LineageError
 
-__all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
+__all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "TOMBSTONE", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
 
 LEDGER_NAME = "lineage.sqlite"
 GENESIS = "0" * 64
@@ -79,7 +81,8 @@ _COLUMNS = (
 )
 _ADDED = ("event", "detail")  # columns added later: a NULL there is not part of the row hash
 COMMIT = "commit"
-EVENTS = (COMMIT, "quarantine", "resume", "chain_break")
+TOMBSTONE = "tombstone"
+EVENTS = (COMMIT, "quarantine", "resume", "chain_break", TOMBSTONE)
 
 
 @dataclass(frozen=True)
@@ -301,7 +304,7 @@ class Ledger:
     def verify(self, *, check_checkpoints: bool = True) -> LineageReport:
         """Recompute every row hash and link; with ``check_checkpoints``, also compare each checkpoint still on
         disk (``checkpoint`` is relative to the ledger's directory) with its recorded manifest hash. Deleted
-        checkpoints are noted, not errors."""
+        checkpoints are problems unless a later ``tombstone`` (or ``quarantine``) row accounts for them."""
         from shardline.checkpoint.manifest import read_manifest  # verification helpers, not needed to append
 
         rows = self.rows()
@@ -311,6 +314,7 @@ class Ledger:
         prev = GENESIS
         seen: set[str] = set()
         moved = _moves(rows)
+        buried = _tombstones(rows)
         for i, row in enumerate(rows):
             fields = row.to_json()
             if row.seq != i + 1:
@@ -341,8 +345,32 @@ class Ledger:
                 )
                 continue
             where = self.path.parent / row.checkpoint
+            tomb = next(
+                (
+                    t
+                    for t in buried.get(row.checkpoint, [])
+                    if t.seq > row.seq and t.manifest_sha256 == row.manifest_sha256
+                ),
+                None,
+            )
+            if tomb is not None:
+                still = where.exists() and _manifest_hash_or_none(where) == row.manifest_sha256
+                notes.append(
+                    f"row {row.seq} (step {row.step}): {row.checkpoint} "
+                    + (
+                        f"is recorded deleted (tombstone row {tomb.seq}) but still on disk: an interrupted deletion "
+                        "that the next save finishes"
+                        if still
+                        else f"was deleted on purpose; tombstone row {tomb.seq} records what it held"
+                    )
+                )
+                continue
             if not where.exists():
-                notes.append(f"row {row.seq} (step {row.step}): {row.checkpoint} is no longer on disk")
+                problems.append(
+                    f"row {row.seq} (step {row.step}): {row.checkpoint} is gone from disk and no tombstone row records "
+                    "its deletion (deleted outside shardline, or lost); if it was deleted on purpose, record that with "
+                    "`shardline lineage RUN_DIR --record-deletions`"
+                )
                 continue
             try:
                 _, digest = read_manifest(where)
@@ -382,6 +410,24 @@ class Ledger:
                 f"row {seq} differs from the one {self.head_path.name} records ({digest[:12]}): the ledger was replaced"
             ]
         return []
+
+
+def _tombstones(rows: list[LedgerRow]) -> dict[str, list[LedgerRow]]:
+    """``checkpoint -> its tombstone rows`` (deletions on purpose)."""
+    out: dict[str, list[LedgerRow]] = {}
+    for row in rows:
+        if row.event == TOMBSTONE:
+            out.setdefault(row.checkpoint, []).append(row)
+    return out
+
+
+def _manifest_hash_or_none(path: Path) -> str | None:
+    from shardline.checkpoint.manifest import read_manifest
+
+    try:
+        return read_manifest(path)[1]
+    except Exception:
+        return None
 
 
 def _moves(rows: list[LedgerRow]) -> dict[str, list[tuple[int, str]]]:

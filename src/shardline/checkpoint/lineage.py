@@ -15,11 +15,30 @@ import os
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from shardline.checkpoint.directory import CommittedCheckpoint, scan
-from shardline.checkpoint.ledger import Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.provenance import STATEMENT_FILE, read_statement
+from shardline.errors import IntegrityError, LineageError
 
-__all__ = ["audit", "checkpoint_directories", "start_new_chain", "unrecorded"]
+__all__ = ["audit", "checkpoint_directories", "find_ledger", "start_new_chain", "unrecorded"]
+
+
+def find_ledger(run_dir: str | os.PathLike) -> Path:
+    """The ledger for ``run_dir``: the path itself if a file, else ``lineage.sqlite`` in it or in ``checkpoints/``.
+
+    Raises:
+        LineageError: none of those exists.
+    """
+    root = Path(run_dir)
+    if root.is_file():
+        return root
+    candidates = [root / LEDGER_NAME, root / "checkpoints" / LEDGER_NAME]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise LineageError(f"no lineage ledger found: looked for {', '.join(str(c) for c in candidates)}")
 
 
 def checkpoint_directories(ledger: Ledger) -> list[Path]:
@@ -85,6 +104,14 @@ def audit(
     return replace(report, problems=tuple(problems), notes=tuple(notes))
 
 
+def _provenance_detail(path: Path) -> dict[str, Any] | None:
+    try:
+        found = read_statement(path)
+    except IntegrityError:
+        return None
+    return {"provenance": {"file": STATEMENT_FILE, "sha256": found[1]}} if found else None
+
+
 def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[LedgerRow]]:
     """Keep a ledger that does not verify aside and start a new chain that records the break.
 
@@ -109,6 +136,7 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
                 parent_manifest_sha256=c.parent_manifest_hash,
                 world_size=c.world_size,
                 recovered=True,
+                detail=_provenance_detail(c.path),
             )
         )
     return aside, rows

@@ -44,12 +44,14 @@ from shardline.checkpoint.directory import (
     step_of,
     write_latest,
 )
-from shardline.checkpoint.fsutil import is_tmp_name
+from shardline.checkpoint.fsutil import is_tmp_name, is_trash_name
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.lineage import unrecorded
 from shardline.checkpoint.load import load as load_checkpoint
 from shardline.checkpoint.manifest import DCP_METADATA, read_manifest
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.provenance import STATEMENT_FILE, read_statement
+from shardline.checkpoint.retention import RetentionPolicy, apply_retention
 from shardline.checkpoint.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
 from shardline.checkpoint.staging import SaveRequest, StagedCheckpoint
 from shardline.checkpoint.verify import VerifyLevel
@@ -82,6 +84,9 @@ class CheckpointManager:
             its collectives never interleave with training's.
         process_group: Group of the ranks that save (default: the world).
         observer: Told of each save's phases and writes (tests inject faults with one).
+        keep_last_n: Keep only the newest N regular checkpoints (0, the default, keeps all). Older
+            ones are deleted only after a newer one has committed, each recorded by a ``tombstone``
+            row in the ledger first (:mod:`.retention`), so the chain still verifies without them.
 
     Raises:
         LineageError: the ledger's chain does not verify, or committed checkpoints on disk are
@@ -96,7 +101,9 @@ class CheckpointManager:
         async_save: bool = False,
         process_group: dist.ProcessGroup | None = None,
         observer: SaveObserver | None = None,
+        keep_last_n: int = 0,
     ) -> None:
+        self.retention = RetentionPolicy(keep_last_n=keep_last_n)
         self.directory = Path(directory).absolute()
         self.ledger = Ledger(Path(ledger_path).absolute() if ledger_path else self.directory / LEDGER_NAME)
         self.async_save = bool(async_save)
@@ -140,6 +147,9 @@ class CheckpointManager:
         for child in self.directory.iterdir():
             if child.is_dir() and is_tmp_name(child.name):
                 log.warning("removing %s, left by a checkpoint save that did not commit", child)
+                shutil.rmtree(child, ignore_errors=True)
+            elif child.is_dir() and is_trash_name(child.name):
+                log.info("removing %s, a checkpoint retention had recorded deleted and not finished removing", child)
                 shutil.rmtree(child, ignore_errors=True)
         problems: list[str] = []
         if self.ledger.path.is_file():
@@ -290,10 +300,28 @@ class CheckpointManager:
         self.observer.on_phase(SavePhase.AFTER_LATEST, 0)
         self._ledger_row(info, recovered=False)
         self._last_good = info.path
+        apply_retention(
+            directory=self.directory,
+            ledger=self.ledger,
+            policy=self.retention,
+            just_committed=info.path,
+            rel=self._rel,
+        )
 
     def _ledger_row(self, ckpt: CommittedCheckpoint | CheckpointInfo, *, recovered: bool) -> None:
-        """Append the ledger row of a committed checkpoint (one found on disk, or one just saved)."""
+        """Append the ledger row of a committed checkpoint (one found on disk, or one just saved).
+
+        Its ``detail`` names the provenance statement and that file's SHA-256, so the ledger chains the statements.
+        """
+        statement = getattr(ckpt, "provenance_sha256", None)
+        if statement is None:
+            try:
+                found = read_statement(ckpt.path)
+            except IntegrityError:
+                found = None
+            statement = found[1] if found else None
         self.ledger.append(
+            detail={"provenance": {"file": STATEMENT_FILE, "sha256": statement}} if statement else None,
             step=ckpt.step,
             tag=ckpt.tag,
             checkpoint=self._rel(ckpt.path),

@@ -27,7 +27,9 @@ else, so the previous checkpoints stay as they were.
 
 from __future__ import annotations
 
+import datetime
 import errno
+import functools
 import os
 import shutil
 import sqlite3
@@ -56,6 +58,8 @@ from shardline.checkpoint.manifest import (
     render_sums,
 )
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.provenance import STATEMENT_FILE, build_statement
+from shardline.checkpoint.staged_check import check_written
 from shardline.checkpoint.staging import SaveRequest, StagedCheckpoint, stage
 from shardline.checkpoint.summary import human_bytes
 from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError
@@ -78,6 +82,8 @@ class CheckpointInfo:
     files: int
     total_bytes: int
     parent_manifest_hash: str | None
+    provenance_sha256: str | None = None
+    """SHA-256 of the checkpoint's provenance statement (``provenance.intoto.json``)."""
 
 
 def _prepare(final: Path) -> Path:
@@ -239,7 +245,10 @@ def write_and_commit(
         CheckpointError: any other failure, named in the first line of the message.
     """
     final = staged.final.absolute()
-    writer = HashingWriter(tmp, final_path=final, observer=observer)
+    check = None
+    if staged.staged_digests is not None:
+        check = functools.partial(check_written, staged=staged.staged_digests)
+    writer = HashingWriter(tmp, final_path=final, observer=observer, check_written=check)
     failure: BaseException | None = None
     try:
         with warnings.catch_warnings():
@@ -265,11 +274,16 @@ def write_and_commit(
         committed = False
         try:
             digests = writer.file_digests or []
-            manifest_digest, committed = _finalize(staged, tmp, final, digests, observer)
-            info = _info(staged, final, manifest_digest, digests)
+            manifest_digest, committed, files, statement_digest = _finalize(staged, tmp, final, digests, observer)
+            info = _info(staged, final, manifest_digest, files, statement_digest)
             if after_commit is not None:
                 after_commit(info)
-            return {"hash": manifest_digest, "files": info.files, "bytes": info.total_bytes}
+            return {
+                "hash": manifest_digest,
+                "files": info.files,
+                "bytes": info.total_bytes,
+                "provenance": statement_digest,
+            }
         except Exception as e:
             if not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -289,10 +303,13 @@ def write_and_commit(
         files=outcome["files"],
         total_bytes=outcome["bytes"],
         parent_manifest_hash=staged.parent_manifest_hash,
+        provenance_sha256=outcome["provenance"],
     )
 
 
-def _info(staged: StagedCheckpoint, final: Path, digest: str, files: list[FileDigest]) -> CheckpointInfo:
+def _info(
+    staged: StagedCheckpoint, final: Path, digest: str, files: list[FileDigest], statement_digest: str
+) -> CheckpointInfo:
     return CheckpointInfo(
         path=final,
         step=staged.step,
@@ -303,6 +320,7 @@ def _info(staged: StagedCheckpoint, final: Path, digest: str, files: list[FileDi
         files=len(files),
         total_bytes=sum(f.bytes for f in files),
         parent_manifest_hash=staged.parent_manifest_hash,
+        provenance_sha256=statement_digest,
     )
 
 
@@ -315,8 +333,11 @@ def _write_durable(path: Path, data: bytes) -> None:
 
 def _finalize(
     staged: StagedCheckpoint, tmp: Path, final: Path, digests: list[FileDigest], observer: SaveObserver
-) -> tuple[str, bool]:
-    """Rank 0: manifest, hash files, fsync, rename. Returns (manifest hash, committed)."""
+) -> tuple[str, bool, list[FileDigest], str]:
+    """Rank 0: provenance statement, manifest, hash files, fsync, rename.
+
+    Returns (manifest hash, committed, every listed file, the statement's sha256).
+    """
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
     listed = {d.path for d in digests}
     present = {p.name for p in tmp.iterdir()}
@@ -325,6 +346,25 @@ def _finalize(
             f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "
             f"{sorted(listed - present)}; another process may be writing into it"
         )
+    created = datetime.datetime.now(datetime.timezone.utc)
+    statement = canonical_json(
+        build_statement(
+            files=[d.to_json() for d in digests],
+            step=staged.step,
+            tag=staged.tag,
+            kind=staged.kind,
+            created_at=created.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            config=staged.config,
+            config_sha256=staged.config_sha256,
+            data_fingerprint=staged.data_fingerprint,
+            parent_manifest_sha256=staged.parent_manifest_hash,
+            world_size=staged.world_size,
+            units=staged.units,
+        )
+    )
+    _write_durable(tmp / STATEMENT_FILE, statement)
+    statement_digest = sha256_hex(statement)
+    files = sorted([*digests, FileDigest(path=STATEMENT_FILE, rank=0, bytes=len(statement), sha256=statement_digest)])
     manifest = build_manifest(
         step=staged.step,
         tag=staged.tag,
@@ -336,13 +376,14 @@ def _finalize(
         config_sha256=staged.config_sha256,
         data_fingerprint=staged.data_fingerprint,
         parent_manifest_sha256=staged.parent_manifest_hash,
-        files=digests,
+        files=files,
+        created=created,
     )
     data = canonical_json(manifest)
     digest = sha256_hex(data)
     _write_durable(tmp / MANIFEST, data)
     _write_durable(tmp / MANIFEST_HASH_FILE, render_manifest_hash_file(digest))
-    _write_durable(tmp / SUMS_FILE, render_sums(digest, [d.to_json() for d in digests]))
+    _write_durable(tmp / SUMS_FILE, render_sums(digest, [d.to_json() for d in files]))
     fsync_dir(tmp)
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
     if final.exists() or final.is_symlink():
@@ -350,7 +391,7 @@ def _finalize(
     os.rename(tmp, final)
     fsync_dir(final.parent)
     observer.on_phase(SavePhase.AFTER_RENAME, 0)
-    return digest, True
+    return digest, True, files, statement_digest
 
 
 def commit(

@@ -29,6 +29,7 @@ from shardline.checkpoint.hf_export import hf_metadata
 from shardline.checkpoint.manifest import describe_units
 from shardline.checkpoint.model_state import model_state_dict, param_index
 from shardline.checkpoint.optim_state import optimizer_state_dict
+from shardline.checkpoint.staged_check import digest_staged
 from shardline.engine import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
@@ -99,6 +100,11 @@ class StagedCheckpoint:
     total_bytes: int = 0
     """Bytes of tensor and object data all ranks stage (what the write needs on disk, before DCP's framing)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    config: Mapping[str, Any] | None = None
+    """The resolved training config (recorded in the provenance statement)."""
+    staged_digests: Mapping[int, Any] | None = None
+    """For a copied (async) save: this rank's staged tensors by storage, each with the SHA-256 of its bytes
+    (:mod:`.staged_check`); the write checks the bytes in the files against them."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -250,4 +256,6 @@ def stage(
         data_fingerprint=request.data_fingerprint,
         parent_manifest_hash=parent_manifest_hash,
         total_bytes=_local_bytes(sd),
+        config=request.config,
+        staged_digests=digest_staged(sd) if copy else None,
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint.manifest import manifest_files, read_manifest
+from shardline.checkpoint.provenance import STATEMENT_FILE
 
 __all__ = ["human_bytes", "render_summary", "summarize"]
 
@@ -36,7 +37,8 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
     """
     root = Path(path)
     manifest, digest = read_manifest(root)
-    files = manifest_files(manifest)
+    listed = manifest_files(manifest)
+    files = [f for f in listed if f["path"] != STATEMENT_FILE]
     shards = [f for f in files if str(f["path"]).endswith(".distcp")]
     units = manifest.get("units", [])
     strategies = sorted({u["strategy"] for u in units})
@@ -60,6 +62,7 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
         "data_fingerprint": manifest.get("data_fingerprint"),
         "parent_manifest_sha256": manifest.get("parent_manifest_sha256"),
         "manifest_sha256": digest,
+        "provenance_statement": STATEMENT_FILE if len(files) != len(listed) else None,
     }
 
 
@@ -94,6 +97,11 @@ def render_summary(s: dict[str, Any]) -> str:
         lines.append(f"Training configuration fingerprint: {s['config_sha256']}.")
     if s.get("data_fingerprint"):
         lines.append(f"Training data fingerprint: {s['data_fingerprint']}.")
+    if s.get("provenance_statement"):
+        lines.append(
+            f"Where it came from (config, data, parent, code version, torch version, world size, strategy) is stated "
+            f"in {s['provenance_statement']}, an in-toto statement that the manifest lists like the data files."
+        )
     lines.append(
         f"The manifest hash {s['manifest_sha256']} is a fingerprint of the complete checkpoint: it covers the "
         "SHA-256 of every file, so changing any byte of any file changes it. To check the files, run "

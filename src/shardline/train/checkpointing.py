@@ -59,7 +59,10 @@ class TrainingCheckpoints:
         self.kind = cfg.trainer.strategy.state_dict_type
         self.config = OmegaConf.to_container(cfg, resolve=True)
         self.manager = CheckpointManager(
-            run_dir / CHECKPOINT_DIR, ledger_path=run_dir / LEDGER_FILE, async_save=self.cfg.async_save
+            run_dir / CHECKPOINT_DIR,
+            ledger_path=run_dir / LEDGER_FILE,
+            async_save=self.cfg.async_save,
+            keep_last_n=int(self.cfg.keep_last_n),
         )
         self.last_saved_step: int | None = None
 

@@ -22,6 +22,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from shardline.checkpoint.retention import RetentionPolicy
 from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
@@ -308,6 +309,7 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
         raise ConfigurationError(
             f"checkpoint.every_n_steps must be >= 0 (0 disables), got {cfg.checkpoint.every_n_steps}"
         )
+    RetentionPolicy(keep_last_n=cfg.checkpoint.keep_last_n)  # a negative count is an error before any worker starts
     resume = cfg.trainer.resume
     if resume is not None and str(resume) != "auto" and not os.path.isdir(str(resume)):
         raise ConfigurationError(

@@ -147,7 +147,11 @@ class CheckpointConfig:
     save_on_exception: bool = True
     """Save a step-N-on_exception checkpoint when the loss diverges (seen by every rank)."""
     async_save: bool = False
-    """Write checkpoints in a background thread while training continues."""
+    """Write checkpoints in a background thread while training continues (the bytes written are checked against
+    the bytes staged)."""
+    keep_last_n: int = 0
+    """Keep only the newest N regular checkpoints (0: keep all); older ones are deleted after a newer one commits,
+    each recorded by a tombstone row in the ledger."""
     verify: str = "full"
     """On resume: full (every byte hashed against the manifest), or the opt-ins sizes (file sizes only) and none;
     an opt-in is printed and recorded in the ledger."""

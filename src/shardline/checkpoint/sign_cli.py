@@ -1,0 +1,78 @@
+"""``shardline sign``: argument parsing for :func:`shardline.checkpoint.signing.sign` (verification is
+``shardline verify CKPT --public-key PUB.pem``, in :mod:`.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from shardline.errors import ShardlineError
+
+__all__ = ["register"]
+
+
+def _password(args: argparse.Namespace) -> str | None:
+    if args.password_env is None:
+        return None
+    value = os.environ.get(args.password_env)
+    if value is None:
+        raise ShardlineError(f"--password-env {args.password_env}: no such environment variable is set")
+    return value
+
+
+def _cmd_sign(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.signing import sign
+
+    try:
+        result = sign(
+            args.path,
+            private_key=args.private_key,
+            signature=args.signature,
+            password=_password(args),
+            expected_manifest_hash=args.expect,
+            overwrite=args.force,
+        )
+    except (ShardlineError, OSError) as e:
+        message = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
+        if args.json:
+            print(json.dumps({"ok": False, "error": message, "error_type": type(e).__name__}, indent=2))
+        else:
+            print(f"error: {message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"ok": True, **result.to_json()}, indent=2, sort_keys=True))
+        return 0
+    pinned = f"; it pins manifest hash {result.manifest_sha256}" if result.manifest_sha256 else ""
+    print(f"Signed {result.path} ({len(result.files)} files, verified first) -> {result.signature}{pinned}.")
+    print(
+        "Anyone can check it without shardline (pip install model-signing pyOpenSSL):\n"
+        f"  model_signing verify key --signature {result.signature} --public_key PUB.pem {result.path}"
+    )
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``sign`` to an argparse subparsers object."""
+    from shardline.checkpoint.cli import _sha256_arg
+
+    sign = subparsers.add_parser(
+        "sign",
+        help="sign a checkpoint or export (OpenSSF model-signing format, offline, private key); needs [signing]",
+    )
+    sign.add_argument("path", help="checkpoint directory, export directory (consolidate OUT/), or a single file")
+    sign.add_argument("--private-key", required=True, metavar="KEY.pem", help="elliptic-curve private key (PEM)")
+    sign.add_argument(
+        "--signature", metavar="PATH", help="where to write the signature (default: PATH.sig beside the directory)"
+    )
+    sign.add_argument(
+        "--password-env", metavar="NAME", help="environment variable holding the private key's password, if any"
+    )
+    sign.add_argument(
+        "--expect", metavar="SHA256", type=_sha256_arg, help="require this manifest hash (e.g. from the ledger)"
+    )
+    sign.add_argument("--force", action="store_true", help="replace an existing signature file")
+    sign.add_argument("--json", action="store_true", help="machine-readable output")
+    sign.set_defaults(func=_cmd_sign)

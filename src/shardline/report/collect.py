@@ -1,0 +1,204 @@
+"""What a reviewer's report says about a run, gathered from its directory -- and checked, not just read.
+
+:func:`collect_run` reads the run's summary, metrics and ledger, audits the ledger's chain
+against the disk, and for every checkpoint the chain records: verifies its files against the
+manifest hash its ledger row records (every byte), reads its provenance statement and checks the
+statement's SHA-256 against the ledger, and checks its signature when a public key is given.
+A checkpoint deleted by retention is described from its tombstone row. Nothing is modified.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardline.checkpoint.ledger import Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.lineage import audit, find_ledger
+from shardline.checkpoint.provenance import chain_statements
+from shardline.checkpoint.retention import signature_path_for, tombstone_detail
+from shardline.checkpoint.summary import render_summary, summarize
+from shardline.checkpoint.verify import verify_checkpoint
+from shardline.errors import ShardlineError
+
+__all__ = ["CheckpointFacts", "RunFacts", "Status", "collect_run"]
+
+
+class Status:
+    """A checkpoint's verification outcome, as the report shows it."""
+
+    VERIFIED = "verified"
+    FAILED = "failed"
+    DELETED = "deleted"
+    MOVED = "moved aside"
+
+
+@dataclass
+class CheckpointFacts:
+    """One checkpoint of the chain: its ledger row, what verifying it found, its provenance and signature."""
+
+    row: LedgerRow
+    path: Path
+    status: str
+    problems: list[str] = field(default_factory=list)
+    summary_text: str | None = None
+    statement: dict[str, Any] | None = None
+    statement_source: str | None = None
+    statement_matches_ledger: bool | None = None
+    signature: Path | None = None
+    signature_status: str = "not signed"
+    signature_ok: bool | None = None
+    tombstone: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass
+class RunFacts:
+    """Everything the report shows about one run directory."""
+
+    run_dir: Path
+    ledger_path: Path | None
+    summary: dict[str, Any] | None
+    metrics: list[dict[str, float]]
+    val: list[tuple[int, float]]
+    lineage: LineageReport | None
+    lineage_error: str | None
+    checkpoints: list[CheckpointFacts]
+    events: list[LedgerRow]
+    public_key: Path | None
+    loss_png: Path | None
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any] | None:
+    file = run_dir / "summary.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_metrics(run_dir: Path) -> tuple[list[dict[str, float]], list[tuple[int, float]]]:
+    """Training loss per step and validation loss per evaluation; a step's newest row wins (resumed attempts)."""
+    file = run_dir / "metrics.csv"
+    steps: dict[int, float] = {}
+    val: dict[int, float] = {}
+    try:
+        with open(file, newline="") as f:
+            for row in csv.DictReader(f):
+                try:
+                    step = int(row.get("step") or "")
+                except ValueError:
+                    continue
+                if row.get("loss"):
+                    steps[step] = float(row["loss"])
+                if row.get("val_loss"):
+                    val[step] = float(row["val_loss"])
+    except OSError:
+        return [], []
+    return [{"step": s, "loss": steps[s]} for s in sorted(steps)], sorted(val.items())
+
+
+def _check_signature(facts: CheckpointFacts, public_key: Path | None) -> None:
+    sig = signature_path_for(facts.path)
+    if not sig.is_file():
+        return
+    facts.signature = sig
+    if public_key is None:
+        facts.signature_status = "signed (signature file present; not checked: no public key was given to the report)"
+        return
+    from shardline.checkpoint.signing import verify_signature
+
+    try:
+        verify_signature(facts.path, public_key=public_key, signature=sig)
+    except ShardlineError as e:
+        facts.signature_ok = False
+        facts.signature_status = f"signature does NOT verify: {e}"
+        return
+    facts.signature_ok = True
+    facts.signature_status = f"signature verifies with {public_key.name} (OpenSSF model-signing, every file re-hashed)"
+
+
+def _facts(base: Path, row: LedgerRow, report: LineageReport, rows: list[LedgerRow]) -> CheckpointFacts:
+    path = base / row.checkpoint
+    later = [r for r in rows if r.seq > row.seq and r.checkpoint == row.checkpoint]
+    tomb = next((r for r in later if r.event == "tombstone" and r.manifest_sha256 == row.manifest_sha256), None)
+    moved = next(
+        (r for r in rows if r.seq > row.seq and r.event == "quarantine"
+         and tombstone_detail(r).get("checkpoint") == row.checkpoint),
+        None,
+    )  # fmt: skip
+    if tomb is not None and not path.is_dir():
+        return CheckpointFacts(row=row, path=path, status=Status.DELETED, tombstone=tombstone_detail(tomb))
+    if moved is not None:
+        detail = tombstone_detail(moved)
+        return CheckpointFacts(
+            row=row,
+            path=path,
+            status=Status.MOVED,
+            problems=[f"failed verification and was moved aside to {detail.get('moved_to')}: {detail.get('reason')}"],
+        )
+    verdict = verify_checkpoint(path, level="full", expected_manifest_hash=row.manifest_sha256)
+    facts = CheckpointFacts(row=row, path=path, status=Status.VERIFIED if verdict.ok else Status.FAILED)
+    facts.problems = [f"{p.path}: {p.kind} ({p.detail})" for p in verdict.problems]
+    if verdict.error:
+        facts.problems.append(verdict.error)
+    try:
+        facts.summary_text = render_summary(summarize(path))
+    except ShardlineError as e:
+        facts.problems.append(str(e))
+    return facts
+
+
+def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | None = None) -> RunFacts:
+    """Gather and check what the report shows about ``run_dir`` (a run directory, or a checkpoints directory)."""
+    root = Path(run_dir).absolute()
+    metrics, val = _read_metrics(root)
+    key = Path(public_key).absolute() if public_key is not None else None
+    facts = RunFacts(
+        run_dir=root,
+        ledger_path=None,
+        summary=_read_summary(root),
+        metrics=metrics,
+        val=val,
+        lineage=None,
+        lineage_error=None,
+        checkpoints=[],
+        events=[],
+        public_key=key,
+        loss_png=(root / "loss.png") if (root / "loss.png").is_file() else None,
+    )
+    try:
+        ledger = Ledger(find_ledger(root))
+        report = audit(ledger)
+    except ShardlineError as e:
+        facts.lineage_error = str(e)
+        return facts
+    facts.ledger_path, facts.lineage = ledger.path, report
+    rows = list(report.rows)
+    statements = chain_statements(ledger.path.parent, rows)
+    for row in rows:
+        if not row.is_commit:
+            facts.events.append(row)
+            continue
+        item = _facts(ledger.path.parent, row, report, rows)
+        found = statements.get(row.seq) or {}
+        item.statement = found.get("statement")
+        item.statement_source = found.get("source")
+        item.statement_matches_ledger = found.get("matches_ledger")
+        if item.statement_matches_ledger is False:
+            item.problems.append("its provenance statement's SHA-256 differs from the one the ledger row records")
+            if item.status == Status.VERIFIED:
+                item.status = Status.FAILED
+        if item.status != Status.DELETED:
+            _check_signature(item, key)
+            if item.signature_ok is False and item.status == Status.VERIFIED:
+                item.status = Status.FAILED
+        facts.checkpoints.append(item)
+    return facts

@@ -1,0 +1,95 @@
+"""Async saves write exactly the bytes they staged: a staged copy that changes before the write is caught."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardline.checkpoint as ckpt
+from shardline.checkpoint import staging
+from shardline.checkpoint.observer import SaveObserver
+from shardline.checkpoint.staged_check import digest_staged
+from shardline.errors import CheckpointError
+
+
+class _HoldWrites(SaveObserver):
+    """Blocks the background writer at its first write until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def before_write(self, path: str, nbytes: int, rank: int) -> None:
+        assert self.release.wait(30), "the test never released the writer"
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+
+
+def test_a_staged_copy_that_is_not_a_copy_is_caught(tmp_path: Path, monkeypatch) -> None:
+    directory = tmp_path / "checkpoints"
+    model = _model()
+    manager = ckpt.CheckpointManager(directory, async_save=True)
+    manager.save(ckpt.SaveRequest(step=1, model=model))
+    manager.wait()
+    # pytorch#144657: staging that hands the writer the live tensors instead of copies
+    monkeypatch.setattr(staging, "_snapshot", lambda sd: sd)
+    hold = _HoldWrites()
+    manager.observer = hold
+    manager.save(ckpt.SaveRequest(step=2, model=model))  # returns once "staged"
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # training goes on and updates the weights in place
+    hold.release.set()
+    with pytest.raises(CheckpointError, match=r"differ from what it staged -- model\.0\.weight: the bytes written"):
+        manager.wait()
+    assert not (directory / "step-2").exists()  # nothing committed
+    assert [p.name for p in directory.iterdir() if p.name.startswith(".step-2")] == []
+    assert ckpt.verify_checkpoint(directory / "step-1").ok  # the previous checkpoint is intact
+    assert [r.step for r in ckpt.Ledger(directory / "lineage.sqlite").rows()] == [1]
+
+
+def test_real_copies_pass_and_every_tensor_is_compared(tmp_path: Path, monkeypatch) -> None:
+    from shardline.checkpoint import staged_check
+
+    compared: list[int] = []
+    real = staged_check._written_digest
+
+    def counting(*args):
+        compared.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(staged_check, "_written_digest", counting)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    manager = ckpt.CheckpointManager(tmp_path / "c", async_save=True)
+    hold = _HoldWrites()
+    manager.observer = hold
+    manager.save(ckpt.SaveRequest(step=1, model=model, optimizer=opt))
+    before = model[0].weight.detach().clone()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the staged copy is a copy: this must not reach the file
+    hold.release.set()
+    info = manager.wait()
+    # 4 parameters + 2 Adam moments each (the 0-d step counts are replicated tensors too)
+    assert len(compared) >= 12
+    loaded = _model()
+    ckpt.load(info.path, model=loaded)
+    assert torch.equal(loaded[0].weight, before)
+
+
+def test_digest_staged_hashes_the_bytes_torch_save_writes() -> None:
+    import hashlib
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    view = t[1:]  # does not span its storage: DCP clones it, so the digest is of the view's bytes
+    digests = digest_staged({"a": t, "b": {"c": view}, "empty": torch.empty(0)})
+    assert len(digests) == 2
+    by_name = {d.name: d for d in digests.values()}
+    assert by_name["a"].sha256 == hashlib.sha256(t.numpy().tobytes()).hexdigest()
+    assert by_name["b.c"].sha256 == hashlib.sha256(view.contiguous().numpy().tobytes()).hexdigest()
