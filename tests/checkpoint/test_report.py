@@ -153,6 +153,16 @@ def test_no_ledger_is_said_plainly(tmp_path: Path) -> None:
     assert "no lineage ledger found" in path.read_text()
 
 
+def test_a_path_that_is_not_a_run_is_refused_and_nothing_is_created(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-run"
+    result = subprocess.run(
+        [sys.executable, "-m", "shardline.cli", "report", str(missing)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"{missing} is not a run directory (no such directory)" in result.stderr
+    assert not missing.exists(), "a report must not create the run directory it was pointed at"
+
+
 def _browser() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         found = shutil.which(name)

@@ -45,7 +45,7 @@ def _checkpoint_of_another_shape(path: Path) -> None:
     ("case", "expected"),
     [
         ("lr_nan", "optimizer.lr=nan is not a finite number"),
-        ("no_data_root", "data.root=/nonexistent: no such directory"),
+        ("no_data_root", "/no-such-dir: no such directory"),
         ("tiny_data", "data.max_bytes must be at least 1024, got 10"),
         ("resume_not_a_checkpoint", "is not a checkpoint"),
         ("resume_other_shape", "blocks.0.attn.proj.weight: checkpoint shape (32, 32) vs model (64, 64)"),
@@ -55,7 +55,7 @@ def _checkpoint_of_another_shape(path: Path) -> None:
 def test_bad_input_is_refused_before_workers_start(capsys, tmp_path: Path, case: str, expected: str) -> None:
     overrides = {
         "lr_nan": ["optimizer.lr=nan"],
-        "no_data_root": ["data.root=/nonexistent"],
+        "no_data_root": [f"data.root={tmp_path / 'no-such-dir'}"],
         "tiny_data": ["data.max_bytes=10"],
         "resume_not_a_checkpoint": [f"trainer.resume={tmp_path}"],
         "resume_other_shape": [f"trainer.resume={tmp_path / 'step-1'}"],

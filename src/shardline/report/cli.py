@@ -17,9 +17,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     try:
         path, facts = write_report(args.run_dir, out=args.out, public_key=args.public_key)
-    except (ShardlineError, OSError) as e:
+    except (ShardlineError, OSError) as e:  # a bad path or an unwritable --out: nothing was checked
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     bad = [c.name for c in facts.checkpoints if c.status in (Status.FAILED, Status.MOVED)]
     broken = facts.lineage is None or not facts.lineage.ok
     print(

@@ -22,7 +22,7 @@ from shardline.checkpoint.provenance import chain_statements
 from shardline.checkpoint.retention import signature_path_for, tombstone_detail
 from shardline.checkpoint.summary import render_summary, summarize
 from shardline.checkpoint.verify import verify_checkpoint
-from shardline.errors import ShardlineError
+from shardline.errors import CheckpointNotFoundError, ShardlineError
 
 __all__ = ["CheckpointFacts", "RunFacts", "Status", "collect_run"]
 
@@ -159,6 +159,11 @@ def _facts(base: Path, row: LedgerRow, report: LineageReport, rows: list[LedgerR
 def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | None = None) -> RunFacts:
     """Gather and check what the report shows about ``run_dir`` (a run directory, or a checkpoints directory)."""
     root = Path(run_dir).absolute()
+    if not root.is_dir():
+        raise CheckpointNotFoundError(
+            f"{run_dir} is not a run directory ({'a file' if root.exists() else 'no such directory'}); pass the "
+            "directory of a training run (RUN_DIR, holding lineage.sqlite) or its checkpoints directory"
+        )
     metrics, val = _read_metrics(root)
     key = Path(public_key).absolute() if public_key is not None else None
     facts = RunFacts(
