@@ -168,3 +168,33 @@ def _zero_grad(rank: int, world_size: int, set_to_none: bool) -> None:
     model(x).sum().backward()
     second = [p.grad for p in model.parameters() if p.grad is not None]
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def _inference_first(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    reference = nn.Sequential(Block(), Block())
+    torch.manual_seed(0)
+    model = shardline.wrap(nn.Sequential(Block(), Block()), shardline.layer_policy(Block))
+    x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():  # an evaluation before any training: the first gathers happen here
+        evaluated = model(local_slice(x, rank, world_size))
+    reference(x).pow(2).mean().backward()
+    model(local_slice(x, rank, world_size)).pow(2).mean().backward()
+    full = {k: v.grad for k, v in reference.named_parameters() if v.grad is not None}
+    errs = []
+    for unit in shardline.engine.subtree_units(model):
+        for sp in unit.params:
+            if sp.sharded.grad is None:
+                continue
+            name = f"{unit.name}.{sp.fqn}" if unit.name else sp.fqn
+            rows = full[name].reshape(sp.layout.rows, -1)[
+                sp.layout.row_start : sp.layout.row_start + sp.layout.local_rows
+            ]
+            errs.append(max_rel_err(sp.sharded.grad.reshape(rows.shape), rows))
+    return {"evaluated": tuple(evaluated.shape), "err": max(errs)}
+
+
+def test_a_first_forward_under_inference_mode_does_not_poison_training() -> None:
+    res = run_distributed(_inference_first, 2)[0]
+    assert res["evaluated"] == (4, DIM)
+    assert res["err"] <= 1e-6

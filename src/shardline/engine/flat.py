@@ -185,10 +185,11 @@ class FlatGroup:
                     )
                 self._finish_all_gather(pending, flat, memory)
         if self.params[0].unsharded is None:
-            for sp, offset in zip(self.params, self.layout.unsharded_offsets, strict=True):
-                full = alias(flat)[offset : offset + sp.layout.numel].view(sp.layout.shape)
-                sp.unsharded = nn.Parameter(full, requires_grad=sp.sharded.requires_grad)
-                setattr(sp.unsharded, GATHERED_ATTR, sp.fqn)
+            with torch.inference_mode(False):  # see _alloc_unsharded_flat
+                for sp, offset in zip(self.params, self.layout.unsharded_offsets, strict=True):
+                    full = alias(flat)[offset : offset + sp.layout.numel].view(sp.layout.shape)
+                    sp.unsharded = nn.Parameter(full, requires_grad=sp.sharded.requires_grad)
+                    setattr(sp.unsharded, GATHERED_ATTR, sp.fqn)
 
     def prefetch(self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str) -> bool:
         """Start gathering asynchronously; False when there is nothing to communicate or it already started."""
@@ -218,7 +219,11 @@ class FlatGroup:
     def _alloc_unsharded_flat(self, memory: MemoryTracker) -> torch.Tensor:
         flat = self._unsharded_flat
         if flat is None:
-            flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
+            # Note: the gathered buffer and parameters live for the whole run and are refilled in
+            # place; created under torch.inference_mode() (a first evaluation) they would be
+            # inference tensors that no later training gather may write into.
+            with torch.inference_mode(False):
+                flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
             self._unsharded_flat = flat
         elif flat.untyped_storage().nbytes() == 0:
             flat.untyped_storage().resize_(nbytes(flat))
