@@ -138,13 +138,11 @@ class _PostForward:
                 for tensor in outputs:  # one hook per output: any of them may start backward into the module
                     tensor.register_hook(hook)
         if unit.pinned:
-            free = False
-        elif backward_follows:
-            free = unit.reshard_after_forward and unit.sync_gradients
-        else:
-            free = True  # no backward can come through this call
-        if free:
-            unit.reshard()
+            pass
+        elif not backward_follows:
+            unit.reshard()  # no backward can come through this call
+        elif unit.reshard_after_forward and unit.sync_gradients:
+            unit.reshard(after_forward=True)
         if ctx.forward_root is unit:
             ctx.forward_root = None
             unit.set_forward_order(list(ctx.order.values()))
@@ -219,9 +217,13 @@ def _root_pre_forward(ctx: RootContext, root: ShardUnit) -> None:
         root.subtree = subtree_units(root.module)
     for unit in root.subtree:
         unit.forward_root_unit = root
-        # Left gathered by a forward whose backward has not run (touched since the last end of
-        # backward); units a no_sync backward keeps gathered on purpose are not touched any more.
-        if unit.residency is Residency.GATHERED and unit.sync_gradients and id(unit) in ctx.touched:
+        # Left gathered (or partly resharded) by a forward whose backward has not run (touched since the
+        # last end of backward); units a no_sync backward keeps gathered on purpose are not touched any more.
+        if (
+            unit.residency in (Residency.GATHERED, Residency.PARTIAL)
+            and unit.sync_gradients
+            and id(unit) in ctx.touched
+        ):
             unit.reshard()
 
 
@@ -236,11 +238,11 @@ def _on_grad_ready(unit: ShardUnit, index: int) -> None:
 
 def _reduce(ctx: RootContext, unit: ShardUnit) -> None:
     """Reduce (or, under no_sync, set aside) the unit's gradients."""
-    if unit.sync_gradients:
+    if unit.keeps_gradients_local:
+        unit.accumulate_unsynced()
+    else:
         ctx.land_pending()  # bound in-flight reductions to one
         ctx.pending.extend(unit.reduce_gradients())
-    else:
-        unit.accumulate_unsynced()
 
 
 def _finalize_backward(ctx: RootContext) -> None:

@@ -3,13 +3,16 @@
 Two kinds of components:
 
 * **tracked** -- buffers the engine allocates and frees itself, counted at each allocation
-  and release, with a high-water mark: gathered parameters (``unsharded_params``) and
+  and release, with a high-water mark: gathered parameters (``unsharded_params``, including
+  the pieces a partial reshard keeps after forward) and
   communication buffers (``comm_buffers``: all-gather outputs and casts, packed gradients and
   reduction outputs). Tracked per sharded model (its root's :class:`MemoryTracker`).
 * **measured** -- tensors that live on the model and optimizer, summed when asked:
-  ``sharded_params`` (flat shard buffers), ``sharded_grads``, ``unsharded_grads`` (full
-  gradients not yet reduced, e.g. under ``no_sync``) and ``optimizer_state`` (when the
-  optimizer is passed). Tensors sharing storage are counted once.
+  ``sharded_params`` (the master buffers: flat shards, or the full parameters SHARD_OPT keeps),
+  ``sharded_grads`` (reduced gradients -- SHARD_OPT's are views of the full all-reduced
+  gradients, so those count whole -- and partial sums awaiting a deferred all-reduce across
+  replicas), ``unsharded_grads`` (full gradients not yet reduced, e.g. under ``no_sync``) and
+  ``optimizer_state`` (when the optimizer is passed). Tensors sharing storage are counted once.
 """
 
 from __future__ import annotations
