@@ -44,10 +44,10 @@ def _train(rank: int, world_size: int, strategy: str, shape: tuple[int, int], mi
         records = []
         for i, (t, y) in enumerate(pieces):
             deferring = i < micro - 1
-            with shardline.count_collectives(model) as counter:
-                with model.no_sync(reduce_scatter=True) if deferring else torch.enable_grad():
-                    loss = loss_fn(model(t), y) / micro
-                    loss.backward()
+            sync = model.no_sync(reduce_scatter=True) if deferring else torch.enable_grad()
+            with shardline.count_collectives(model) as counter, sync:
+                loss = loss_fn(model(t), y) / micro
+                loss.backward()
             records.append([(r.kind.value, r.unit, r.bytes, r.group_size) for r in counter.records])
             total += loss.detach()
         if clip:

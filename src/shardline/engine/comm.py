@@ -23,8 +23,9 @@ production path carries no test switches.
 Note: all-gather and reduce-scatter on gloo. gloo's ring all-reduce is far better tuned than
 its all-gather and reduce-scatter: on two CPU ranks, moving a 100 MB buffer took 0.10 s as an
 all-reduce against 0.46 s as ``all_gather_into_tensor`` and 0.31 s as
-``reduce_scatter_tensor`` (torch 2.13, gloo over loopback TCP on the benchmark machine). So on gloo groups :class:`TorchCollectives` runs both as all-reduces of
-the full buffer, with identical results:
+``reduce_scatter_tensor`` (torch 2.13, gloo over loopback TCP on the benchmark machine). So
+on gloo groups :class:`TorchCollectives` runs both as all-reduces of the full buffer, with
+identical results:
 
 * all-gather: every rank zeroes the others' slots of the output, copies its input into its own
   slot and bitwise-ORs the buffer (viewed as int32) across ranks -- each element is nonzero on
