@@ -20,9 +20,9 @@ gathered parameters    root + largest unit          0, or every unit's   0, or e
                        by the units not yet
                        backwarded), every unit
                        (ZeRO-2); in param dtype
-communication          max(one all-gather, one      max(one all-gather   one all-reduce
-                       all-gather (ZeRO-3 only) +   of fp32 rows, one    output
-                       one reduction)               all-reduce output)
+communication          max(one all-gather, one      one all-reduce       one all-reduce
+                       all-gather (ZeRO-3 only) +   output (gathers      output
+                       one reduction)               land in place)
 activations            what autograd saves for one micro-batch, measured by running forward and
                        the loss on fake tensors -- except the model's own parameters and
                        buffers, which backward reads where the engine keeps them (counted
@@ -219,6 +219,7 @@ def estimate_memory(
     checkpointing_policy: Callable[[nn.Module], bool] | None = None,
     shard_size: int | None = None,
     reshard_after_forward: bool | int | None = None,
+    in_place_gathers: bool = True,
 ) -> MemoryEstimate:
     """Predict one rank's memory for training the model ``model_fn()`` builds, with AdamW.
 
@@ -237,6 +238,9 @@ def estimate_memory(
             activations, re-created during its backward.
         shard_size: Hybrid strategies: ranks per shard group (``-1``/``None``: all of them, one replica).
         reshard_after_forward: As passed to ``wrap`` (an int ``N``: units keep a 1/N piece after forward).
+        in_place_gathers: All-gathers land in the gathered buffer itself (gloo on CPU, the default
+            backend there); False for NCCL, where a rank-major buffer (and a cast copy under mixed
+            precision) is gathered and copied out.
     """
     strategy = ShardingStrategy.parse(strategy)
     if world_size < 1:
@@ -259,7 +263,16 @@ def estimate_memory(
     with _torch_compat.fake_tensor_mode():
         model = model_fn()
         estimate = _estimate(
-            model, policy, strategy, world_size, shard, (frees, post), micro_batch_size, seq_len, mixed_precision
+            model,
+            policy,
+            strategy,
+            world_size,
+            shard,
+            (frees, post),
+            micro_batch_size,
+            seq_len,
+            mixed_precision,
+            in_place_gathers,
         )
         if checkpointing_policy is None:
             return estimate
@@ -281,6 +294,7 @@ def _estimate(
     micro_batch_size: int,
     seq_len: int,
     mixed_precision: MixedPrecision | None,
+    in_place_gathers: bool,
 ) -> MemoryEstimate:
     knobs = strategy.policy
     frees, post = after_forward  # gathered parameters freed after forward; kept split over `post` ranks
@@ -331,8 +345,10 @@ def _estimate(
     def all_gather(u: UnitSizes) -> int:
         if shard_world == 1:
             return 0
-        if zero1:  # this rank's rows packed (fp32) and the gathered rows
-            return (shard_world + 1) * u.shard_numel * _MASTER_BYTES
+        if zero1:  # in place in the full parameters, or this rank's rows packed (fp32) and the gathered rows
+            return 0 if in_place_gathers else (shard_world + 1) * u.shard_numel * _MASTER_BYTES
+        if in_place_gathers and (u.unsharded_numel * param_bytes) % 4 == 0:  # straight into the gathered buffer
+            return u.unsharded_numel * param_bytes
         return shard_world * u.shard_numel * param_bytes + (u.shard_numel * param_bytes if cast else 0)
 
     def reduction(u: UnitSizes) -> int:

@@ -34,7 +34,7 @@ def _mib(n: int) -> str:
 def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEstimate:
     """Estimate for the ``shardline train`` config selected by ``overrides`` (Hydra syntax)."""
     from shardline.train.build import build_model, build_policies
-    from shardline.train.config import compose_config
+    from shardline.train.config import compose_config, resolve_accelerator
 
     cfg = compose_config(overrides)
     policies = build_policies(cfg)
@@ -59,6 +59,7 @@ def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEst
         checkpointing_policy=policies.checkpointing,
         shard_size=shard_size,
         reshard_after_forward=cfg.trainer.strategy.reshard_after_forward,
+        in_place_gathers=resolve_accelerator(cfg.trainer.accelerator) == "cpu",  # gloo
     )
 
 

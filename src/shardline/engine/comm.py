@@ -136,7 +136,12 @@ class CommCounter:
 
 
 class Collectives(Protocol):
-    """What shardline needs from a communication backend. Async calls return a work handle with ``wait()``."""
+    """What shardline needs from a communication backend. Async calls return a work handle with ``wait()``.
+
+    A backend may also offer ``gathers_in_place(group, *, numel, dtype, device) -> bool`` and
+    ``all_gather_in_place(buffer, group, *, async_op)``: complete a buffer in which every rank
+    wrote its own elements and zeroed the others (:class:`TorchCollectives` does, on gloo).
+    """
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
         """All-gather ``input`` of every rank into ``output`` (rank-major)."""
@@ -220,6 +225,18 @@ class TorchCollectives:
 
     def _gathers_via_all_reduce(self, output: torch.Tensor, group: dist.ProcessGroup) -> bool:
         return self._via_all_reduce(output, group) and (output.numel() * output.element_size()) % 4 == 0
+
+    def gathers_in_place(
+        self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> bool:
+        """Whether :meth:`all_gather_in_place` works for such a buffer (CPU tensors on gloo, whole int32 words)."""
+        if not self.gloo_all_reduce or device.type != "cpu" or not _is_gloo(group):
+            return False
+        return (numel * torch.empty((), dtype=dtype).element_size()) % 4 == 0
+
+    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+        """Every rank filled its own elements of ``buffer`` and zeroed the rest: OR the bits across ranks."""
+        return dist.all_reduce(buffer.view(torch.int32), op=dist.ReduceOp.BOR, group=group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
         if not self._gathers_via_all_reduce(output, group):
@@ -356,6 +373,31 @@ class Comm:
         """Reduce-scatter ``input`` (rank-major) into ``output``, recorded."""
         self._record(CollectiveKind.REDUCE_SCATTER, input, _nbytes(input), group, unit, phase)
         return self.backend.reduce_scatter(output, input, group, op=op, async_op=async_op)
+
+    def can_gather_in_place(
+        self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> bool:
+        """Whether the backend can gather disjoint pieces of a buffer in place (see :meth:`all_gather_in_place`)."""
+        check = getattr(self.backend, "gathers_in_place", None)
+        return bool(check is not None and check(group, numel=numel, dtype=dtype, device=device))
+
+    def all_gather_in_place(
+        self,
+        buffer: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        nbytes: int,
+        unit: str = "",
+        phase: str = "",
+        async_op: bool = False,
+    ) -> Any:
+        """Complete ``buffer`` on every rank from the disjoint pieces each rank wrote into it (zeros elsewhere).
+
+        Recorded as the all-gather it stands for, of ``nbytes`` logical bytes. Only for backends
+        whose ``gathers_in_place`` says so.
+        """
+        self._record(CollectiveKind.ALL_GATHER, buffer, nbytes, group, unit, phase)
+        return self.backend.all_gather_in_place(buffer, group, async_op=async_op)  # type: ignore[attr-defined]
 
     def all_reduce(
         self,

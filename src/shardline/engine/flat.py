@@ -64,10 +64,6 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _ptr(tensor: torch.Tensor | None) -> int:
-    return tensor.untyped_storage().data_ptr() if tensor is not None else -1
-
-
 class _PostShard:
     """This rank's piece of the gathered parameters, split over its post-forward group."""
 
@@ -198,15 +194,18 @@ class FlatGroup:
                 flat.copy_(self.master)  # a cast only
         elif self.aliased:
             flat = self.master
-        else:
+        elif self.mesh.shard_size == 1:
             flat = self._alloc_unsharded_flat(memory)
-            if self.mesh.shard_size == 1:
-                flat.copy_(self.master)  # a cast only
-            else:
-                pending, self._pending_gather = self._pending_gather, None
-                if pending is None:
-                    pending = self._start_all_gather(comm=comm, memory=memory, name=name, phase=phase, async_op=False)
-                self._finish_all_gather(pending, flat, memory)
+            flat.copy_(self.master)  # a cast only
+        else:
+            pending, self._pending_gather = self._pending_gather, None
+            if pending is None or not pending.in_place:  # an in-place prefetch allocated it already
+                self._alloc_unsharded_flat(memory)
+            if pending is None:
+                pending = self._start_all_gather(comm=comm, memory=memory, name=name, phase=phase, async_op=False)
+            flat = self._unsharded_flat
+            assert flat is not None
+            self._finish_all_gather(pending, flat, memory)
         self._drop_post_shard(memory)
         if self.params[0].unsharded is None:
             for sp, offset in zip(self.params, self.layout.unsharded_offsets, strict=True):
@@ -241,6 +240,8 @@ class FlatGroup:
         if pending is not None:
             pending.wait()
             memory.add("comm_buffers", -pending.buffer_bytes)
+            if pending.in_place and pending.gathered is self._unsharded_flat:
+                pending.gathered.untyped_storage().resize_(0)  # counted with the buffers just released
 
     def free_unsharded(self, memory: MemoryTracker) -> None:
         """Register the shards again and free the gathered buffer's memory (the tensors stay, empty)."""
@@ -275,7 +276,7 @@ class FlatGroup:
         if post is not None:
             memory.add("unsharded_params", -nbytes(post.buffer))
 
-    def _alloc_unsharded_flat(self, memory: MemoryTracker) -> torch.Tensor:
+    def _alloc_unsharded_flat(self, memory: MemoryTracker, component: str = "unsharded_params") -> torch.Tensor:
         flat = self._unsharded_flat
         if flat is None:
             flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
@@ -284,18 +285,24 @@ class FlatGroup:
             flat.untyped_storage().resize_(nbytes(flat))
         else:
             return flat  # still allocated (counted already)
-        memory.add("unsharded_params", nbytes(flat))
+        memory.add(component, nbytes(flat))
         return flat
 
     def _start_all_gather(
         self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str, async_op: bool
     ) -> PendingGather:
-        """Issue the all-gather that rebuilds the full parameters into a rank-major buffer.
+        """Issue the all-gather that rebuilds the full parameters.
 
-        What is sent: the post-forward piece after a partial reshard (over its small group), this
-        rank's rows packed from the full parameters (replicated groups, master dtype), or the flat
-        shard (cast to the compute dtype).
+        In place, when the backend can (see :meth:`_start_in_place_gather`); otherwise into a
+        rank-major buffer that :meth:`_finish_all_gather` copies out. What is sent then: the
+        post-forward piece after a partial reshard (over its small group), this rank's rows packed
+        from the full parameters (replicated groups, master dtype), or the flat shard (cast to the
+        compute dtype).
         """
+        if self._post is None:
+            pending = self._start_in_place_gather(comm=comm, memory=memory, name=name, phase=phase, async_op=async_op)
+            if pending is not None:
+                return pending
         if self._post is not None:
             send, layout, group = self._post.buffer, self._post.layout, self._post.group
             world = layout.world
@@ -314,9 +321,59 @@ class FlatGroup:
             work = comm.all_gather(gathered, send, group, unit=name, phase=phase, async_op=async_op)
         return PendingGather(work, gathered, send, buffers, layout, world, group)
 
+    def _start_in_place_gather(
+        self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str, async_op: bool
+    ) -> PendingGather | None:
+        """Gather straight into the parameter-major buffer, when the backend combines disjoint pieces in place.
+
+        Note: gathering in place. Each rank writes its own rows of every parameter where they
+        belong in the full, parameter-major buffer (the master itself for replicated groups, the
+        gathered buffer otherwise) and zeroes everything else; combining the ranks' buffers
+        element by element (gloo: a bitwise-OR all-reduce, see ``engine/comm.py``) leaves every
+        rank with all rows. No rank-major buffer, no copy-out. Recorded as the all-gather it
+        replaces (``W * S`` elements). Returns None when the backend cannot.
+        """
+        world, group = self.mesh.shard_size, self.mesh.shard_group
+        numel = self.master.numel() if self.replicated else self.layout.unsharded_numel
+        dtype = self.dtype if self.replicated else self.compute_dtype
+        if not comm.can_gather_in_place(group, numel=numel, dtype=dtype, device=self.device):
+            return None
+        fresh = 0
+        if self.replicated:
+            target = self.master
+        else:
+            flat = self._unsharded_flat
+            if flat is None or not flat.untyped_storage().nbytes():  # a prefetch: counted as a buffer until it lands
+                fresh = nbytes(self._alloc_unsharded_flat(memory, "comm_buffers"))
+            target = self._unsharded_flat
+        assert target is not None
+        with torch.no_grad(), label(f"fill {name}"):
+            if self.replicated:  # keep this rank's rows, zero every other row
+                for i, pl in enumerate(self.layout.params):
+                    slot = self._slot(i)
+                    start, stop = pl.row_start * pl.row_numel, (pl.row_start + pl.local_rows) * pl.row_numel
+                    slot[:start].zero_()
+                    slot[stop:].zero_()
+            else:
+                target.zero_()
+                for i, (pl, offset) in enumerate(zip(self.layout.params, self.layout.unsharded_offsets, strict=True)):
+                    if pl.local_rows:
+                        start = offset + pl.row_start * pl.row_numel
+                        target[start : start + pl.local_numel].copy_(self._piece(i).reshape(-1))
+        logical = world * self.layout.shard_numel * target.element_size()
+        with label(f"all_gather {name}"):
+            work = comm.all_gather_in_place(target, group, nbytes=logical, unit=name, phase=phase, async_op=async_op)
+        return PendingGather(
+            work, target, target, fresh, self.layout, world, group, in_place=True, moves_to_unsharded=fresh
+        )
+
     def _finish_all_gather(self, pending: PendingGather, flat: torch.Tensor, memory: MemoryTracker) -> None:
-        """Wait for ``pending`` and copy it out into the parameter-major buffer ``flat``."""
+        """Wait for ``pending`` and copy it out into the parameter-major buffer ``flat`` (unless it landed there)."""
         pending.wait()
+        if pending.in_place:
+            memory.add("comm_buffers", -pending.buffer_bytes)
+            memory.add("unsharded_params", pending.moves_to_unsharded)
+            return
         layout, world = pending.layout, pending.world
         # Copy-out: column block i of the (world, S) view is parameter i's padded rows in order.
         outs = [
@@ -406,41 +463,53 @@ class FlatGroup:
             # One rank and no replicas: nothing to reduce or pack; hand the gradients over as they
             # are (same values as averaging over one rank, bit for bit). Missing ones stay None.
             return PendingReduce(name, memory, self.dtype, None, None, slices, direct=grads)
-        packed = None
         work = None
         if scatter:
-            packed = self.pack_rows(grads, layout, dtype)
+            # The packed gradients are scratch: the memory tracker's spare buffer, reused unit after unit.
+            packed = memory.take(world * layout.shard_numel, dtype, self.device).view(world, layout.shard_numel)
+            self.pack_rows(grads, layout, dtype, out=packed)
             output = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
+            memory.add("comm_buffers", nbytes(output))
             work = comm.reduce_scatter(
                 output, packed.view(-1), self.mesh.shard_group, op=dist.ReduceOp.AVG,
                 unit=name, phase="backward", async_op=True,
             )  # fmt: skip
             if not all_reduce and self.mesh.replicate_size > 1:
-                held = nbytes(packed) + nbytes(output)
-                memory.add("comm_buffers", held)
                 return PendingReduce(
-                    name, memory, self.dtype, work, output, slices, packed=packed, buffer_bytes=held, into_partial=self
-                )
+                    name, memory, self.dtype, work, output, slices,
+                    spare=packed, buffer_bytes=nbytes(output), into_partial=self,
+                )  # fmt: skip
             if self.mesh.replicate_size > 1:
                 work.wait()
                 work = None
                 if self.partial is not None:
                     output += self.partial
                     self.partial = None
-        else:
-            if len(grads) == 1 and grads[0] is not None and grads[0].dtype == dtype and grads[0].is_contiguous():
-                output = grads[0].view(-1)  # the gradient itself: no copy, nothing new allocated
-            else:
-                output = self.pack_rows(grads, layout, dtype).view(-1)
+            held, spare, back = nbytes(output), packed, None
+        elif len(grads) == 1 and grads[0] is not None and grads[0].dtype == dtype and grads[0].is_contiguous():
+            output = grads[0].view(-1)  # the gradient itself: no copy, nothing new allocated
+            held, spare, back = 0, None, None
+        elif not self.replicated and all(
+            g is None or (g.dtype == dtype == self.dtype and g.is_contiguous()) for g in grads
+        ):
+            # Note: NO_SHARD reduces in the spare buffer and copies the result back into the gradients
+            # autograd allocated, which become the ``.grad`` -- a copy of warm memory instead of a fresh
+            # buffer the size of the unit's gradients every step.
+            output = memory.take(layout.shard_numel, dtype, self.device)
+            self.pack_rows(grads, layout, dtype, out=output.view(1, -1))
+            held, spare, back = 0, output, grads
+        else:  # SHARD_OPT (its ``.grad`` are rows of the whole reduced gradients), or casts
+            output = self.pack_rows(grads, layout, dtype).view(-1)
+            held, spare, back = nbytes(output), None, None
+            memory.add("comm_buffers", held)
         reduce_group = self.mesh.shard_group if self.replicated else self.mesh.replicate_group
         if (self.replicated and world > 1) or replicas:
             work = comm.all_reduce(
                 output, reduce_group, op=dist.ReduceOp.AVG, unit=name, phase="backward", async_op=True
             )
-        fresh_output = all(_ptr(output) != _ptr(g) for g in grads)
-        held = (nbytes(packed) if packed is not None else 0) + (nbytes(output) if fresh_output else 0)
-        memory.add("comm_buffers", held)
-        return PendingReduce(name, memory, self.dtype, work, output, slices, packed=packed, buffer_bytes=held)
+        return PendingReduce(
+            name, memory, self.dtype, work, output, slices, spare=spare, buffer_bytes=held, copy_back=back
+        )
 
     def add_partial(self, reduced: torch.Tensor) -> None:
         """Add reduce-scattered gradients to the partial sum awaiting the all-reduce across replicas."""
@@ -462,14 +531,22 @@ class FlatGroup:
             sp.unsharded.grad = None
 
     # ------------------------------------------------------------------ packing (the one owner)
-    def pack_rows(self, fulls: Sequence[torch.Tensor | None], layout: FlatLayout, dtype: torch.dtype) -> torch.Tensor:
+    def pack_rows(
+        self,
+        fulls: Sequence[torch.Tensor | None],
+        layout: FlatLayout,
+        dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Full tensors as ``(world, S)``: each one's rows zero-padded to ``world * chunk``, rank-major blocks.
 
         ``layout`` describes ``fulls`` (the group's layout, or the trainable subset's for
-        gradients); ``None`` entries contribute zeros.
+        gradients); ``None`` entries contribute zeros. Written into ``out`` when given.
         """
         world = layout.world
-        out = torch.empty(world, layout.shard_numel, dtype=dtype, device=self.device)
+        if out is None:
+            out = torch.empty(world, layout.shard_numel, dtype=dtype, device=self.device)
         blocks = []
         for full, pl in zip(fulls, layout.params, strict=True):
             if full is None:

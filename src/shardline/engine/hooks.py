@@ -255,6 +255,7 @@ def _finalize_backward(ctx: RootContext) -> None:
             _reduce(ctx, unit)
     ctx.land_pending()
     ctx.cancel_prefetches()
+    ctx.memory.drop_spare()
     for unit in units:
         if unit.sync_gradients:
             unit.reshard()

@@ -32,6 +32,7 @@ class PendingGather:
             post-forward layout for a partial reshard).
         world: Ranks gathered over.
         group: The process group gathered over.
+        in_place: The gather writes the parameter-major buffer directly (``gathered`` is it).
     """
 
     work: Any
@@ -41,6 +42,8 @@ class PendingGather:
     layout: FlatLayout
     world: int
     group: dist.ProcessGroup | None = None
+    in_place: bool = False  # landed in the parameter-major buffer itself: nothing to copy out
+    moves_to_unsharded: int = 0  # bytes counted as a communication buffer until it lands, then as gathered
 
     def wait(self) -> None:
         if self.work is not None:
@@ -73,18 +76,26 @@ class PendingReduce:
     work: Any
     output: torch.Tensor | None
     slices: list[GradSlice]
-    packed: torch.Tensor | None = None  # the collective's input: alive until it completes
+    spare: torch.Tensor | None = None  # the memory tracker's scratch buffer in use: given back once landed
     buffer_bytes: int = 0  # what this reduction added to the tracked communication buffers
     direct: list[torch.Tensor | None] | None = None  # one rank, no replicas: the gradients as they are
     into_partial: Any = None  # the FlatGroup whose partial sum receives the output (deferred all-reduce)
+    copy_back: list[torch.Tensor | None] | None = None  # gradients that receive their reduced values
 
     def finish(self) -> None:
         """Wait for the collective, then accumulate the result where it belongs."""
         if self.work is not None:
             with label(f"reduce_wait {self.name}"):
                 self.work.wait()
-        self.packed = None
         self.memory.add("comm_buffers", -self.buffer_bytes)
+        try:
+            self._land()
+        finally:
+            if self.spare is not None:
+                self.memory.give(self.spare)
+                self.spare = None
+
+    def _land(self) -> None:
         if self.direct is not None:
             for piece, grad in zip(self.slices, self.direct, strict=True):
                 if grad is not None:
@@ -97,8 +108,12 @@ class PendingReduce:
             return
         if out.dtype != self.master:
             out = out.to(self.master)
-        for piece in self.slices:
-            accumulate(piece.param, out[piece.start : piece.start + piece.numel].view(piece.shape), self.master)
+        for i, piece in enumerate(self.slices):
+            reduced = out[piece.start : piece.start + piece.numel].view(piece.shape)
+            if self.copy_back is not None:  # ``out`` is scratch: the values go back into the gradients
+                target = self.copy_back[i]
+                reduced = target.view(piece.shape).copy_(reduced) if target is not None else reduced.clone()
+            accumulate(piece.param, reduced, self.master)
 
 
 def accumulate(sp: ShardedParam, grad: torch.Tensor, master: torch.dtype) -> None:
