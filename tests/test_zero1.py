@@ -168,3 +168,36 @@ def test_shard_opt_rows_follow_torch_chunk() -> None:
         chunks = [t.numel() for t in torch.empty(3, 5).chunk(4)] + [0] * 4
         bias = [t.numel() for t in torch.empty(3).chunk(4)] + [0] * 4
         assert rows == [("weight", chunks[rank]), ("bias", bias[rank])], rank
+
+
+def _init_paths(rank: int, world_size: int, strategy: str) -> dict:
+    """Meta init and a full state dict scattered from rank 0 give every rank the reference's full parameters."""
+    kwargs = {"mesh": shardline.hybrid_mesh(shard_size=2)} if strategy.startswith("hybrid") else {}
+    torch.manual_seed(1234)
+    reference = ParityModel()
+    tokens, targets = batch(0, 24)
+    want = loss_fn(reference(tokens), targets).item()
+
+    with torch.device("meta"):
+        meta = ParityModel()
+    shardline.wrap(meta, shardline.layer_policy(Block), strategy=strategy, **kwargs)
+    torch.manual_seed(1234)
+    shardline.materialize(meta)
+
+    torch.manual_seed(99)
+    loaded = shardline.wrap(ParityModel(), shardline.layer_policy(Block), strategy=strategy, **kwargs)
+    loaded(tokens[:2])  # gathered once with other values: a load must not leave stale copies behind
+    shardline.load_full_state_dict(loaded, reference.state_dict() if rank == 0 else None, broadcast_from_rank0=True)
+    # Every rank computes the loss of the whole global batch with its own full parameters.
+    return {
+        "meta": loss_fn(meta(tokens), targets).item(),
+        "loaded": loss_fn(loaded(tokens), targets).item(),
+        "want": want,
+    }
+
+
+@pytest.mark.parametrize(("strategy", "world_size"), [("shard_opt", 2), ("hybrid_shard", 4)])
+def test_meta_init_and_rank0_loads_reach_every_replica(strategy: str, world_size: int) -> None:
+    for rank, res in enumerate(run_distributed(_init_paths, world_size, args=(strategy,))):
+        assert res["meta"] == res["want"], (rank, res)
+        assert res["loaded"] == res["want"], (rank, res)

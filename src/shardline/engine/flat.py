@@ -4,7 +4,8 @@ This is the only place that knows how parameters are packed (see the note in
 :mod:`shardline.engine.layout`): gathering parameters, packing gradients for their
 reduction, gathering any shard-shaped tensors (parameters, optimizer state) to full ones,
 slicing a full tensor to this rank's rows, scattering from rank 0, and viewing a shard as a
-DTensor. The unit decides *when* these happen; the engine's hooks decide *why*.
+DTensor. The unit decides *when* these happen; the engine's hooks decide *why*. The gradient
+half of the class lives in :mod:`shardline.engine.flat_grads` (``FlatGroup`` inherits it).
 
 Note: why one group per dtype. A LoRA model keeps its frozen base in bf16 and its adapters in
 fp32, often inside one decoder layer. Collectives move one dtype at a time, so a unit keeps one
@@ -39,29 +40,21 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardline import _torch_compat
 from shardline.engine.comm import Comm
-from shardline.engine.layout import FlatLayout, ParamLayout
+from shardline.engine.flat_grads import GradientReduction
+from shardline.engine.layout import FlatLayout, ParamLayout, contiguous_stride
 from shardline.engine.memory import MemoryTracker, nbytes
 from shardline.engine.mesh import ShardMesh, post_forward_group
 from shardline.engine.param import GATHERED_ATTR, ShardedParam, alias
-from shardline.engine.pending import GradSlice, PendingGather, PendingReduce
+from shardline.engine.pending import PendingGather
 from shardline.engine.profiling import label
 from shardline.errors import ShardingError
 
 __all__ = ["FlatGroup"]
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 class _PostShard:
@@ -73,7 +66,7 @@ class _PostShard:
         self.buffer, self.layout, self.group = buffer, layout, group
 
 
-class FlatGroup:
+class FlatGroup(GradientReduction):
     """The parameters of one unit that share a master dtype, in one master buffer per rank.
 
     The ``nn.Parameter`` objects registered on the modules between steps are views into
@@ -409,159 +402,7 @@ class FlatGroup:
             sp.sharded.data = alias(piece)
             self._dirty = True
 
-    # ------------------------------------------------------------------ gradients
-    def trainable(self) -> list[ShardedParam]:
-        return [sp for sp in self.params if sp.sharded.requires_grad]
-
-    def _grad_layout(self, params: list[ShardedParam], world: int) -> FlatLayout:
-        """Flat layout of the trainable parameters over ``world`` ranks (frozen ones send no gradient bytes)."""
-        key = (world, *(sp.sharded.requires_grad for sp in self.params))
-        layout = self._grad_layouts.get(key)
-        if layout is None:
-            if world > 1:  # the shards' own layouts: this rank's rows
-                layout = FlatLayout.build([sp.layout for sp in params], world)
-            else:  # whole gradients, one after the other
-                layout = FlatLayout.build([ParamLayout.build(sp.layout.shape, 1, 0) for sp in params], 1)
-            self._grad_layouts[key] = layout
-        return layout
-
-    def _slices(self, params: list[ShardedParam], layout: FlatLayout) -> list[GradSlice]:
-        """Where each parameter's gradient rows sit in the reduction output laid out by ``layout``."""
-        out = []
-        for sp, _pl, offset in zip(params, layout.params, layout.offsets, strict=True):
-            start = offset + (sp.layout.row_start * sp.layout.row_numel if layout.world == 1 else 0)
-            out.append(GradSlice(sp, start, sp.layout.local_numel, sp.layout.local_shape))
-        return out
-
-    def reduce_gradients(
-        self, *, comm: Comm, memory: MemoryTracker, name: str, all_reduce: bool = True
-    ) -> PendingReduce | None:
-        """Pack the gathered gradients and start their reduction (asynchronously).
-
-        Sharded groups reduce-scatter over the shard group and then, with replicas, all-reduce
-        across them -- unless ``all_reduce`` is False: then the reduce-scattered gradients are
-        added to :attr:`partial`, which the next synchronized reduction adds in before its
-        all-reduce. Replicated groups all-reduce the full gradients. Returns the pending
-        reduction, or None when no parameter of the group has a gradient (and nothing is
-        pending). Parameters without a gradient on this rank contribute zeros when others have one.
-        """
-        params = self.trainable()
-        grads = [sp.unsharded_grad() for sp in params]
-        if all(g is None for g in grads) and self.partial is None:
-            return None
-        for sp in params:
-            sp.clear_unsharded_grad()
-        # Replicated groups: an optimizer step follows a reduction; gather its updates before the next
-        # forward. A reduction is a collective, so every rank decides alike.
-        self._dirty = self.replicated
-        dtype, world = self.reduce_dtype, self.mesh.shard_size
-        scatter = world > 1 and not self.replicated
-        layout = self._grad_layout(params, world if scatter else 1)
-        slices = self._slices(params, layout)
-        replicas = self.mesh.replicate_size > 1 and all_reduce
-        if world == 1 and not replicas and all(g is None or g.is_contiguous() for g in grads):
-            # One rank and no replicas: nothing to reduce or pack; hand the gradients over as they
-            # are (same values as averaging over one rank, bit for bit). Missing ones stay None.
-            return PendingReduce(name, memory, self.dtype, None, None, slices, direct=grads)
-        work = None
-        if scatter:
-            # The packed gradients are scratch: the memory tracker's spare buffer, reused unit after unit.
-            packed = memory.take(world * layout.shard_numel, dtype, self.device).view(world, layout.shard_numel)
-            self.pack_rows(grads, layout, dtype, out=packed)
-            output = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
-            memory.add("comm_buffers", nbytes(output))
-            work = comm.reduce_scatter(
-                output, packed.view(-1), self.mesh.shard_group, op=dist.ReduceOp.AVG,
-                unit=name, phase="backward", async_op=True,
-            )  # fmt: skip
-            if not all_reduce and self.mesh.replicate_size > 1:
-                return PendingReduce(
-                    name, memory, self.dtype, work, output, slices,
-                    spare=packed, buffer_bytes=nbytes(output), into_partial=self,
-                )  # fmt: skip
-            if self.mesh.replicate_size > 1:
-                work.wait()
-                work = None
-                if self.partial is not None:
-                    output += self.partial
-                    self.partial = None
-            held, spare, back = nbytes(output), packed, None
-        elif len(grads) == 1 and grads[0] is not None and grads[0].dtype == dtype and grads[0].is_contiguous():
-            output = grads[0].view(-1)  # the gradient itself: no copy, nothing new allocated
-            held, spare, back = 0, None, None
-        elif not self.replicated and all(
-            g is None or (g.dtype == dtype == self.dtype and g.is_contiguous()) for g in grads
-        ):
-            # Note: NO_SHARD reduces in the spare buffer and copies the result back into the gradients
-            # autograd allocated, which become the ``.grad`` -- a copy of warm memory instead of a fresh
-            # buffer the size of the unit's gradients every step.
-            output = memory.take(layout.shard_numel, dtype, self.device)
-            self.pack_rows(grads, layout, dtype, out=output.view(1, -1))
-            held, spare, back = 0, output, grads
-        else:  # SHARD_OPT (its ``.grad`` are rows of the whole reduced gradients), or casts
-            output = self.pack_rows(grads, layout, dtype).view(-1)
-            held, spare, back = nbytes(output), None, None
-            memory.add("comm_buffers", held)
-        reduce_group = self.mesh.shard_group if self.replicated else self.mesh.replicate_group
-        if (self.replicated and world > 1) or replicas:
-            work = comm.all_reduce(
-                output, reduce_group, op=dist.ReduceOp.AVG, unit=name, phase="backward", async_op=True
-            )
-        return PendingReduce(
-            name, memory, self.dtype, work, output, slices, spare=spare, buffer_bytes=held, copy_back=back
-        )
-
-    def add_partial(self, reduced: torch.Tensor) -> None:
-        """Add reduce-scattered gradients to the partial sum awaiting the all-reduce across replicas."""
-        if self.partial is None:
-            self.partial = reduced
-        else:
-            self.partial += reduced
-
-    def accumulate_unsynced(self) -> None:
-        """Under ``no_sync``: keep gradients unreduced; widen them to the reduce dtype if it is wider."""
-        for sp in self.trainable():
-            grad = sp.unsharded.grad if sp.unsharded is not None else None
-            if grad is None or grad.dtype == self.reduce_dtype:
-                continue
-            if sp.accumulated_grad is None:
-                sp.accumulated_grad = grad.to(self.reduce_dtype)
-            else:
-                sp.accumulated_grad.add_(grad)
-            sp.unsharded.grad = None
-
     # ------------------------------------------------------------------ packing (the one owner)
-    def pack_rows(
-        self,
-        fulls: Sequence[torch.Tensor | None],
-        layout: FlatLayout,
-        dtype: torch.dtype,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Full tensors as ``(world, S)``: each one's rows zero-padded to ``world * chunk``, rank-major blocks.
-
-        ``layout`` describes ``fulls`` (the group's layout, or the trainable subset's for
-        gradients); ``None`` entries contribute zeros. Written into ``out`` when given.
-        """
-        world = layout.world
-        if out is None:
-            out = torch.empty(world, layout.shard_numel, dtype=dtype, device=self.device)
-        blocks = []
-        for full, pl in zip(fulls, layout.params, strict=True):
-            if full is None:
-                blocks.append(torch.zeros(world, pl.padded_numel, dtype=dtype, device=self.device))
-                continue
-            rows = full.reshape(pl.rows, pl.row_numel)
-            if rows.dtype != dtype:
-                rows = rows.to(dtype)
-            pad = world * pl.chunk - pl.rows
-            if pad:
-                rows = F.pad(rows, (0, 0, 0, pad))
-            blocks.append(rows.view(world, pl.padded_numel))
-        torch.cat(blocks, dim=1, out=out)
-        return out
-
     def _pack_local(self, fulls: Sequence[torch.Tensor | None], layout: FlatLayout, dtype: torch.dtype) -> torch.Tensor:
         """This rank's rows (per ``layout``) of each full tensor, packed like a flat shard (padding zeroed)."""
         out = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
@@ -644,7 +485,7 @@ class FlatGroup:
                     self.master.copy_(self.pack_rows(fulls, self.layout, self.dtype).view(-1))
             group = mesh.shard_group if self.replicated else mesh.replicate_group
             if group is not None and dist.get_world_size(group) > 1:
-                comm.broadcast(self.master, group, src_rank=_group_rank_of(group, 0), unit=name, phase=phase)
+                comm.broadcast(self.master, group, src_rank=self.mesh.group_rank_of(group, 0), unit=name, phase=phase)
             self._dirty = False
             self._versions = self._current_versions()
             return
@@ -654,11 +495,11 @@ class FlatGroup:
             source = self.pack_rows(fulls, self.layout, self.dtype) if is_source and fulls is not None else None
             chunks = list(source.unbind(0)) if source is not None else None
             comm.scatter(
-                self.master, chunks, mesh.shard_group, src_rank=_group_rank_of(mesh.shard_group, 0),
+                self.master, chunks, mesh.shard_group, src_rank=mesh.group_rank_of(mesh.shard_group, 0),
                 unit=name, phase=phase,
             )  # fmt: skip
         if mesh.replicate_size > 1:
-            src = _replica_source(mesh)
+            src = mesh.replica_source()
             comm.broadcast(self.master, mesh.replicate_group, src_rank=src, unit=name, phase=phase)
 
     def to_dtensor(self, sp: ShardedParam, local: torch.Tensor | None = None) -> DTensor:
@@ -681,7 +522,7 @@ class FlatGroup:
             placements,
             run_check=False,
             shape=torch.Size(shape),
-            stride=_contiguous_stride(shape),
+            stride=contiguous_stride(shape),
         )
 
     # ------------------------------------------------------------------ deferred init
@@ -699,26 +540,3 @@ class FlatGroup:
             torch.utils.swap_tensors(sp.sharded, fresh)  # keeps the Parameter object optimizers hold
         self._versions = self._current_versions()
         self._dirty = False
-
-
-def _group_rank_of(group: dist.ProcessGroup, global_rank: int) -> int:
-    ranks = dist.get_process_group_ranks(group)
-    return ranks.index(global_rank) if global_rank in ranks else 0
-
-
-def _replica_source(mesh: ShardMesh) -> int:
-    """The rank, within this rank's replica group, that belongs to the shard group holding global rank 0."""
-    assert mesh.replicate_group is not None
-    assert mesh.shard_group is not None
-    source_shard_group = set()
-    device_mesh = mesh.device_mesh
-    if device_mesh is not None and device_mesh.ndim == 2:
-        grid = device_mesh.mesh
-        where = (grid == 0).nonzero()
-        rep0 = int(where[0][mesh.replicate_dim])
-        source_shard_group = set(grid.select(mesh.replicate_dim, rep0).flatten().tolist())
-    members = dist.get_process_group_ranks(mesh.replicate_group)
-    for index, rank in enumerate(members):
-        if rank in source_shard_group:
-            return index
-    return 0

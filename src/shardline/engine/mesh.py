@@ -153,6 +153,26 @@ class ShardMesh:
         group = self.shard_group if self.shard_group is not None else self.dp_group
         return _device_mesh_from_group(group, device_type), [Shard(0) if self.shard_size > 1 else Replicate()]
 
+    @staticmethod
+    def group_rank_of(group: dist.ProcessGroup, global_rank: int) -> int:
+        """``global_rank``'s rank within ``group`` (0 when it is not a member)."""
+        ranks = dist.get_process_group_ranks(group)
+        return ranks.index(global_rank) if global_rank in ranks else 0
+
+    def replica_source(self) -> int:
+        """The rank, within this rank's replica group, that belongs to the shard group holding global rank 0."""
+        assert self.replicate_group is not None
+        source: set[int] = set()
+        if self.is_hybrid:
+            assert self.device_mesh is not None
+            grid = self.device_mesh.mesh
+            replica = int((grid == 0).nonzero()[0][self.replicate_dim])
+            source = set(grid.select(self.replicate_dim, replica).flatten().tolist())
+        for index, rank in enumerate(dist.get_process_group_ranks(self.replicate_group)):
+            if rank in source:
+                return index
+        return 0
+
     def places_like(self, mesh: DeviceMesh, placements: tuple[Placement, ...], device_type: str) -> bool:
         """Whether a DTensor on ``mesh`` with ``placements`` is split exactly like this mesh's pieces."""
         own_mesh, own = self.dtensor_placement(device_type)
