@@ -3,20 +3,24 @@
 Note: the life of a unit in one step.
 
 * **pre-forward** (forward pre-hook): gather parameters (all-gather; a no-op when still
-  gathered) and register them on the modules; cast inputs under mixed precision; hook the
+  gathered; for SHARD_OPT, only the rows the optimizer changed since the last gather) and
+  register them on the modules; cast inputs under mixed precision; hook the
   forward inputs that require grad (*post-backward*, below). The outermost unit whose forward
   starts outside any other unit's forward of its tree is the *forward root*: it first frees
   parameters that an earlier forward left gathered without a backward, so a step never
   computes with parameters gathered before an optimizer step.
 * **post-forward** (forward hook): hook every output that requires grad (*pre-backward*); free
-  the gathered parameters if the policy says so (FULL_SHARD non-root units), or always when no
+  the gathered parameters if the policy says so (FULL_SHARD non-root units; with
+  ``reshard_after_forward=N`` keep them split over N ranks instead), or always when no
   backward can come through this call (``no_grad``, or outputs that need no gradient).
 * **pre-backward** (a hook on each output's gradient): gather again if freed. It runs before
   any backward node of the module can, because every one of them needs that gradient first.
   The first one of a backward pass queues the tree's *end-of-backward* callback.
 * **gradients ready** (a post-accumulate-grad hook on each gathered trainable parameter): once
   every trainable parameter of the unit has its gradient, start the reduction (reduce-scatter,
-  or all-reduce for NO_SHARD) asynchronously. At most one reduction is in flight: starting one
+  then all-reduce across replicas for hybrid sharding; all-reduce for NO_SHARD and SHARD_OPT)
+  asynchronously -- or, under ``no_sync``, keep the gradients (``no_sync(reduce_scatter=True)``:
+  reduce-scatter and keep the partial sum for the replica all-reduce). At most one reduction is in flight: starting one
   lands the previous, so reductions overlap the next unit's backward without holding every
   unit's buffer at once. The parameters are *not* freed here.
 * **post-backward** (a hook on the gradients of the forward inputs, all of them): autograd has
