@@ -1,4 +1,4 @@
-"""Benchmark: shardline FULL_SHARD / SHARD_GRAD_OP / NO_SHARD vs torch FSDP2 vs torch DDP vs one process.
+"""Benchmark: shardline's strategies vs torch FSDP2 (and its HSDP) vs torch DDP vs one process.
 
 A thin wrapper around ``shardline bench`` (:mod:`shardline.diagnostics.bench`): the same
 arguments, the same files. The committed results in docs/benchmarks/ come from

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import shardline
+from shardline.engine import TorchCollectives
 from shardline.testing import run_distributed
 from tests.models import Block, ParityModel, batch, local_slice, loss_fn
 
@@ -62,7 +63,7 @@ def _one_step(rank: int, world_size: int, strategy: str) -> list[tuple[str, str,
 
 
 def _per_strategy(rank: int, world_size: int) -> dict:
-    return {s: _one_step(rank, world_size, s) for s in ("full_shard", "shard_grad_op", "no_shard")}
+    return {s: _one_step(rank, world_size, s) for s in ("full_shard", "shard_grad_op", "no_shard", "shard_opt")}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -95,6 +96,39 @@ def test_collectives_per_step_match_theory(world_size: int) -> None:
     assert select(ddp, "all_gather") == []
     assert select(ddp, "reduce_scatter") == []
     assert sorted(select(ddp, "all_reduce")) == sorted((u, theory[u][2]) for u in units)
+
+    # ZeRO-1: gradients all-reduced whole; the rows each rank's optimizer updated are all-gathered
+    # (padded like a shard) in the next forward, once per unit.
+    zero1 = results[0]["shard_opt"]
+    assert sorted(select(zero1, "all_reduce")) == sorted((u, theory[u][2]) for u in units)
+    assert sorted(select(zero1, "all_gather", "forward")) == sorted((u, theory[u][0]) for u in units)
+    assert select(zero1, "reduce_scatter") == []
+    assert {k for k, *_ in zero1} == {"all_gather", "all_reduce"}
+
+
+def _gloo_via_all_reduce(rank: int, world_size: int) -> dict:
+    """The all-reduce emulation of all-gather and reduce-scatter on gloo equals the native collectives bit for bit."""
+    fast, native = TorchCollectives(), TorchCollectives(gloo_all_reduce=False)
+    group = torch.distributed.group.WORLD
+    g = torch.Generator().manual_seed(rank)
+    shard = torch.randn(1001, generator=g)
+    shard[:3] = torch.tensor([-0.0, float("nan"), float("-inf")])
+    gathered = [torch.empty(world_size * 1001) for _ in range(2)]
+    fast.all_gather(gathered[0], shard, group, async_op=False)
+    native.all_gather(gathered[1], shard, group, async_op=False)
+    full = torch.randn(world_size * 999, generator=g)
+    outs = [torch.empty(999) for _ in range(2)]
+    fast.reduce_scatter(outs[0], full.clone(), group, op=torch.distributed.ReduceOp.AVG, async_op=True).wait()
+    native.reduce_scatter(outs[1], full.clone(), group, op=torch.distributed.ReduceOp.AVG, async_op=False)
+    return {
+        "gather_bits": torch.equal(gathered[0].view(torch.int32), gathered[1].view(torch.int32)),
+        "scatter_bits": torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)),
+    }
+
+
+def test_gloo_all_reduce_emulation_is_exact() -> None:
+    for result in run_distributed(_gloo_via_all_reduce, 3):
+        assert result == {"gather_bits": True, "scatter_bits": True}
 
 
 def _counter_filters(rank: int, world_size: int) -> None:

@@ -30,8 +30,8 @@ def test_unknown_strategy_suggests_the_closest() -> None:
         ConfigurationError, match=r"unknown sharding strategy 'fulll_shard'\. Did you mean 'full_shard'"
     ):
         shardline.ShardingStrategy.parse("fulll_shard")
-    with pytest.raises(ConfigurationError, match=r"no_shard \(ddp, zero0\)"):
-        shardline.ShardingStrategy.parse("zero1")
+    with pytest.raises(ConfigurationError, match=r"no_shard \(ddp, zero0\), shard_opt \(zero1\)"):
+        shardline.ShardingStrategy.parse("zero4")
 
 
 def test_mixed_precision_rejects_non_float_dtypes() -> None:
@@ -93,17 +93,30 @@ def _misuse(rank: int, world_size: int) -> None:
     with pytest.raises(ShardingError, match=r"one device, but 'weight' is on cpu and 'bias' is on meta"):
         shardline.fully_shard(half_meta)
 
-    with pytest.raises(ConfigurationError, match="reshard_after_forward must be True, False or None"):
-        shardline.fully_shard(nn.Linear(2, 2), reshard_after_forward=2)
+    with pytest.raises(ConfigurationError, match="reshard_after_forward must be True, False, None or a positive int"):
+        shardline.fully_shard(nn.Linear(2, 2), reshard_after_forward=1.5)
+    with pytest.raises(
+        ConfigurationError, match=r"reshard_after_forward=3 must divide the shard group's size 2.*\[1, 2\]"
+    ):
+        shardline.fully_shard(nn.Linear(2, 2), reshard_after_forward=3)
+    with pytest.raises(ConfigurationError, match=r"strategy no_shard does not shard parameters"):
+        shardline.fully_shard(nn.Linear(2, 2), strategy="ddp", reshard_after_forward=2)
     with pytest.raises(ConfigurationError, match=r"mixed_precision must be a shardline\.MixedPrecision"):
         shardline.fully_shard(nn.Linear(2, 2), mixed_precision=torch.bfloat16)
     with pytest.raises(ConfigurationError, match=r"mesh must be a torch\.distributed ProcessGroup"):
         shardline.fully_shard(nn.Linear(2, 2), mesh="world")
 
     mesh2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
-    with pytest.raises(ConfigurationError, match=r"takes a 1-D DeviceMesh, got a 2-D mesh of shape \(1, 2\)"):
+    with pytest.raises(
+        ConfigurationError, match=r"full_shard shards over one mesh dimension, but got a 2-D mesh of shape \(1, 2\)"
+    ):
         shardline.fully_shard(nn.Linear(2, 2), mesh=mesh2d)
     shardline.fully_shard(nn.Linear(2, 2), mesh=mesh2d["shard"])  # a 1-D slice is fine
+    with pytest.raises(ConfigurationError, match=r"hybrid_shard .* needs a 2-D DeviceMesh .*got no mesh.*hybrid_mesh"):
+        shardline.fully_shard(nn.Linear(2, 2), strategy="hsdp")
+    with pytest.raises(ConfigurationError, match=r"needs a 2-D DeviceMesh .*got a 1-D DeviceMesh of shape \(2,\)"):
+        shardline.fully_shard(nn.Linear(2, 2), strategy="hybrid_shard_zero2", mesh=mesh2d["shard"])
+    shardline.fully_shard(nn.Linear(2, 2), strategy="hybrid_shard", mesh=mesh2d)
 
     # The backend decides which devices a unit may live on.
     unit = shardline.fully_shard(nn.Linear(2, 2)).shard_unit

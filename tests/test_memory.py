@@ -22,7 +22,7 @@ def _measure(rank: int, world_size: int, strategy: str) -> dict:
     gathered = {
         u.display_name: sum(0 if g.aliased else g.layout.unsharded_numel * FP32 for g in u.groups) for u in units
     }
-    grad_bytes = sum(g._grad_layout(g.trainable()).shard_numel for _, g in groups) * FP32
+    grad_bytes = sum(g._grad_layout(g.trainable(), g.mesh.shard_size).shard_numel for _, g in groups) * FP32
 
     before = shardline.memory_stats(model)
     assert before.sharded_params == shard_bytes

@@ -18,6 +18,7 @@ CONFIGS = [
     ("full_shard", {"strategy": "full_shard"}, {}),
     ("shard_grad_op", {"strategy": "zero2"}, {}),
     ("no_shard", {"strategy": "ddp"}, {}),
+    ("shard_opt", {"strategy": "zero1"}, {}),
     ("mixed: no_shard root, full_shard blocks", {"strategy": "full_shard"}, {"strategy": "no_shard"}),
     ("full_shard, root resharded too", {"strategy": "full_shard"}, {"reshard_after_forward": True}),
 ]
@@ -89,7 +90,7 @@ def test_sharded_training_matches_one_process(world_size: int) -> None:
             assert res["losses"] == res["ref_losses"], f"{name}: W=1 losses not bitwise equal"
             assert res["bitwise"], f"{name}: W=1 parameters not bitwise equal to the plain model"
         # Sharded strategies hold ~1/W of the parameters per rank (the tied weight counts once).
-        if name.startswith(("full_shard", "shard_grad_op")):
+        if name.startswith(("full_shard", "shard_grad_op", "shard_opt")):
             assert sum(r["local_numel"] for r in per_rank) == total
         if name == "no_shard":
             assert all(r["local_numel"] == total for r in per_rank)

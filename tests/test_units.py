@@ -8,7 +8,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
-from shardline import MixedPrecision, ShardingStrategy
+from shardline import ConfigurationError, MixedPrecision, ShardingStrategy
 from shardline._tree import iter_tensors, map_tensors
 from shardline.engine.layout import UNSHARDED_ALIGN, FlatLayout, ParamLayout, shard_row_range
 
@@ -49,10 +49,28 @@ def test_strategy_aliases() -> None:
     assert parse("zero2") is parse("shard-grad-op") is ShardingStrategy.SHARD_GRAD_OP
     assert parse(" Zero3 ") is parse("full_shard") is parse(ShardingStrategy.FULL_SHARD) is ShardingStrategy.FULL_SHARD
     assert ShardingStrategy.FULL_SHARD == "full_shard"  # a str enum
-    assert [s.zero_stage for s in ShardingStrategy] == [0, 2, 3]
+    assert parse("zero1") is parse("SHARD_OPT") is ShardingStrategy.SHARD_OPT
+    assert parse("hsdp") is parse("hybrid-shard") is ShardingStrategy.HYBRID_SHARD
+    assert parse("hsdp_zero2") is ShardingStrategy.HYBRID_SHARD_ZERO2
+    assert {s: s.zero_stage for s in ShardingStrategy} == {
+        ShardingStrategy.NO_SHARD: 0,
+        ShardingStrategy.SHARD_OPT: 1,
+        ShardingStrategy.SHARD_GRAD_OP: 2,
+        ShardingStrategy.FULL_SHARD: 3,
+        ShardingStrategy.HYBRID_SHARD_ZERO2: 2,
+        ShardingStrategy.HYBRID_SHARD: 3,
+    }
     assert ShardingStrategy.FULL_SHARD.policy.reshard_after_forward
     assert not ShardingStrategy.SHARD_GRAD_OP.policy.reshard_after_forward
     assert not ShardingStrategy.NO_SHARD.policy.shard_params
+    zero1 = ShardingStrategy.SHARD_OPT.policy
+    assert zero1.shard_optimizer
+    assert not zero1.shard_params
+    assert zero1.replicated_params
+    assert ShardingStrategy.HYBRID_SHARD.policy.hybrid
+    assert not ShardingStrategy.FULL_SHARD.policy.hybrid
+    with pytest.raises(ConfigurationError, match="Did you mean"):
+        parse("zero_1x")
 
 
 def test_mixed_precision_defaults() -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "reduce_scatter_into",
     "set_writer_filesystem",
     "storage_key",
+    "version_of",
 ]
 
 # torch 2.13 renamed the single-tensor collectives (``*_into_tensor`` -> ``*_single``) and
@@ -107,6 +108,15 @@ def fake_tensor_mode() -> Iterator[None]:
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity for the storage behind ``tensor`` (shared by its views), valid for fake tensors too."""
     return tensor.untyped_storage()._cdata
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's autograd version counter: it grows with every in-place write through the tensor or its views.
+
+    ``Tensor._version`` is documented in autograd's notes on in-place correctness checks but
+    has no public accessor.
+    """
+    return tensor._version
 
 
 def profiling_enabled() -> bool:

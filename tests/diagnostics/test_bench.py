@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from shardline.diagnostics import bench_cli
-from shardline.diagnostics.bench import MAIN_RUN, SIZES, BenchResult, BenchSettings, ModelSize, run_benchmark
+from shardline.diagnostics.bench import (
+    HYBRID_RUN,
+    MAIN_RUN,
+    SIZES,
+    BenchResult,
+    BenchSettings,
+    ModelSize,
+    issued_on_gloo,
+    run_benchmark,
+)
 from shardline.diagnostics.bench_report import load_results, to_json
 from shardline.errors import ConfigurationError
 
@@ -61,14 +70,20 @@ def test_bytes_per_step_match_theory(tiny_run: tuple[BenchResult, Path]) -> None
     assert main is not None
     assert w1 is not None
     by_key = {c.key: c for c in main.configs}
-    for key in ("shardline_full_shard", "shardline_shard_grad_op", "shardline_no_shard"):
+    for key in ("shardline_full_shard", "shardline_shard_grad_op", "shardline_no_shard", "shardline_shard_opt"):
         comm = by_key[key].comm
-        assert comm.engine == comm.theory, key  # shardline's own log
-        assert comm.measured == comm.theory, key  # every c10d collective, seen by the dispatch mode
+        assert comm.engine == comm.theory, key  # shardline's own log, by logical kind
+        # Every c10d collective, seen by the dispatch mode: on gloo shardline issues its all-gathers and
+        # reduce-scatters as all-reduces of the same buffers.
+        assert comm.measured == issued_on_gloo(comm.theory) == {"all_reduce": sum(comm.theory.values())}, key
     full, zero2 = by_key["shardline_full_shard"].comm.theory, by_key["shardline_shard_grad_op"].comm.theory
     assert set(full) == {"all_gather", "reduce_scatter"}
     assert full["reduce_scatter"] == zero2["reduce_scatter"] < full["all_gather"] < 2 * zero2["all_gather"]
     assert set(by_key["shardline_no_shard"].comm.theory) == {"all_reduce"}
+    # ZeRO-1: NO_SHARD's all-reduce plus one all-gather of every unit (the optimizer's updated rows).
+    zero1 = by_key["shardline_shard_opt"].comm.theory
+    assert zero1["all_reduce"] == by_key["shardline_no_shard"].comm.theory["all_reduce"]
+    assert zero1["all_gather"] == zero2["all_gather"]
     # The dispatch mode sees torch's collectives too. FSDP2 gathers every block again in backward;
     # shardline keeps the block that ran last (backward starts with it), so it moves one block less.
     fsdp2 = by_key["torch_fsdp2"].comm
@@ -86,6 +101,25 @@ def test_bytes_per_step_match_theory(tiny_run: tuple[BenchResult, Path]) -> None
         assert c.comm.theory == c.comm.measured == {}, c.key
 
 
+def test_hybrid_run_compares_with_fsdp2_hsdp(tiny_run: tuple[BenchResult, Path]) -> None:
+    result, _ = tiny_run
+    hybrid = result.run("tiny", "hybrid")
+    assert hybrid is not None
+    assert hybrid.world_size == 4
+    assert [c.key for c in hybrid.configs] == list(HYBRID_RUN)
+    ours, peer = hybrid.configs
+    assert ours.ranks == peer.ranks == 4
+    assert ours.first_loss == pytest.approx(peer.first_loss, rel=1e-5)
+    assert ours.comm.engine == ours.comm.theory
+    assert ours.comm.measured == issued_on_gloo(ours.comm.theory)
+    assert peer.comm.measured == peer.comm.theory
+    # Both reduce-scatter inside the shard group of 2 and all-reduce the reduced half across replicas;
+    # FSDP2 gathers the last block once more in backward.
+    assert ours.comm.theory["reduce_scatter"] == peer.comm.theory["reduce_scatter"]
+    assert ours.comm.theory["all_reduce"] == peer.comm.theory["all_reduce"] == ours.comm.theory["reduce_scatter"] // 2
+    assert ours.comm.theory["all_gather"] < peer.comm.theory["all_gather"]
+
+
 def test_w1_compares_full_shard_with_the_plain_model(tiny_run: tuple[BenchResult, Path]) -> None:
     result, _ = tiny_run
     w1 = result.run("tiny", "w1")
@@ -100,6 +134,8 @@ def test_w1_compares_full_shard_with_the_plain_model(tiny_run: tuple[BenchResult
     names = {(t.name, t.size) for t in result.targets}
     assert names == {
         ("FULL_SHARD step time / FSDP2", "tiny"),
+        ("NO_SHARD step time / DDP", "tiny"),
+        ("HYBRID_SHARD step time / FSDP2 HSDP (W=4)", "tiny"),
         ("FULL_SHARD peak RSS / FSDP2", "tiny"),
         ("shardline bytes/step == theory", "tiny"),
         ("W=1 overhead vs plain model", "tiny"),
@@ -112,7 +148,7 @@ def test_files_are_well_formed(tiny_run: tuple[BenchResult, Path]) -> None:
     data = json.loads((out / "results.json").read_text())
     assert data["schema"] == "shardline.bench/1"
     assert {"torch", "cpu_model", "cpu_count", "date", "command"} <= set(data["environment"])
-    assert [(r["kind"], r["world_size"]) for r in data["runs"]] == [("main", 2), ("w1", 1)]
+    assert [(r["kind"], r["world_size"]) for r in data["runs"]] == [("main", 2), ("hybrid", 4), ("w1", 1)]
     row = data["runs"][0]["configs"][0]
     assert {
         "step_s",
@@ -130,6 +166,9 @@ def test_files_are_well_formed(tiny_run: tuple[BenchResult, Path]) -> None:
         "shardline FULL_SHARD",
         "shardline SHARD_GRAD_OP",
         "shardline NO_SHARD",
+        "shardline SHARD_OPT",
+        "shardline HYBRID_SHARD 2x2",
+        "torch FSDP2 HSDP 2x2",
         "torch FSDP2",
         "torch DDP",
         "one process, global batch",
@@ -177,4 +216,10 @@ def test_settings_are_validated() -> None:
         BenchSettings(sizes=(SIZES["tiny"], SIZES["tiny"])).validate()
     with pytest.raises(ConfigurationError, match="divisible"):
         BenchSettings(sizes=(ModelSize(name="odd", dim=30, n_layers=1, n_heads=4),)).validate()
+    with pytest.raises(ConfigurationError, match="unknown configuration"):
+        BenchSettings(configs=("torch_fsdp3",)).validate()
     BenchSettings().validate()
+    assert BenchSettings(configs=("torch_ddp", "shardline_no_shard")).main_configs == (
+        "shardline_no_shard",
+        "torch_ddp",
+    )

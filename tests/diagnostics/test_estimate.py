@@ -20,27 +20,37 @@ def _default_model() -> GPT:
 
 
 def _measured_activations(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    """Bytes held by autograd's saved tensors in a real step of the sharded model, counted by address."""
-    storages: dict[int, int] = {}
+    """Bytes autograd's saved tensors really hold once forward is done, except the model's own state.
+
+    Saved storages are counted by address at the end of forward, at their size then: gathered
+    parameters the engine freed after forward have size 0 by then; parameters and buffers that
+    are still there (registered on the model) are measured as their own components.
+    """
+    storages = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not (t.is_leaf and t.requires_grad):
-            s = t.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
+        storages.append(t.untyped_storage())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    held = {s.data_ptr(): s.nbytes() for s in storages if s.nbytes() and s.data_ptr() not in state}
     loss.backward()
-    return sum(storages.values())
+    return sum(held.values())
 
 
-def _measure(rank: int, world_size: int, strategy: str, bf16: bool) -> dict:
+def _measure(
+    rank: int, world_size: int, strategy: str, bf16: bool, build=None, micro: int = MICRO, seq: int = SEQ, **kwargs
+) -> dict:
     mp = shardline.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     torch.manual_seed(0)
-    model = shardline.wrap(_default_model(), shardline.layer_policy(Block), strategy=strategy, mixed_precision=mp)
+    model = (build or _default_model)()
+    if strategy.startswith("hybrid"):
+        kwargs["mesh"] = shardline.hybrid_mesh(shard_size=2)
+    model = shardline.wrap(model, shardline.layer_policy(Block), strategy=strategy, mixed_precision=mp, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 256, (MICRO, SEQ))
+    tokens = torch.randint(0, 256, (micro, seq))
     F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten()).backward()  # warm-up step
     opt.step()
     opt.zero_grad()
@@ -61,9 +71,19 @@ def _measure(rank: int, world_size: int, strategy: str, bf16: bool) -> dict:
 def _grid(rank: int, world_size: int) -> dict:
     return {
         (s, bf16): _measure(rank, world_size, s, bf16)
-        for s in ("full_shard", "shard_grad_op", "no_shard")
+        for s in ("full_shard", "shard_grad_op", "no_shard", "shard_opt")
         for bf16 in (False, True)
     }
+
+
+def _check(measured: dict, est, where: str) -> None:
+    for component, value in measured.items():
+        predicted = getattr(est, component)
+        if value == 0:
+            assert predicted == 0, f"{where} {component}: predicted {predicted}, measured 0"
+            continue
+        error = abs(predicted - value) / value
+        assert error <= TOL, f"{where} {component}: predicted {predicted:,} vs measured {value:,} ({error:.1%})"
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -80,15 +100,47 @@ def test_estimate_matches_measured_accounting(world_size: int) -> None:
             seq_len=SEQ,
             mixed_precision=mp,
         )
-        for component, value in got.items():
-            predicted = getattr(est, component)
-            if value == 0:
-                assert predicted == 0, f"{strategy} bf16={bf16} {component}: predicted {predicted}, measured 0"
-                continue
-            error = abs(predicted - value) / value
-            assert error <= TOL, (
-                f"{strategy} bf16={bf16} {component}: predicted {predicted:,} vs measured {value:,} ({error:.1%})"
-            )
+        _check(got, est, f"{strategy} bf16={bf16}")
+
+
+# Weights dominate: wide layers, one sequence of 16 tokens per rank. Saved weights (a linear
+# layer keeps its weight for backward) would be 30x the real activations if counted as such.
+WIDE_SEQ = 16
+
+
+def _wide_model() -> GPT:
+    return GPT(dim=384, n_layers=3, n_heads=6, seq_len=WIDE_SEQ)
+
+
+WIDE = [
+    ("full_shard", {}),
+    ("full_shard", {"reshard_after_forward": 2}),
+    ("hybrid_shard", {}),
+    ("shard_opt", {}),
+]
+
+
+def _wide_grid(rank: int, world_size: int) -> list[dict]:
+    return [_measure(rank, world_size, s, False, build=_wide_model, micro=1, seq=WIDE_SEQ, **kw) for s, kw in WIDE]
+
+
+def test_estimate_where_weights_dominate() -> None:
+    world = 4
+    measured = run_distributed(_wide_grid, world, timeout=110)[0]
+    weights = _wide_model().config.num_params * 4
+    for (strategy, kwargs), got in zip(WIDE, measured, strict=True):
+        est = estimate_memory(
+            _wide_model,
+            policy=shardline.layer_policy(Block),
+            strategy=strategy,
+            world_size=world,
+            micro_batch_size=1,
+            seq_len=WIDE_SEQ,
+            shard_size=2 if strategy.startswith("hybrid") else None,
+            **kwargs,
+        )
+        _check(got, est, f"{strategy} {kwargs}")
+        assert got["activations"] < weights / 10, "the config is weights-dominated"
 
 
 def test_estimate_scales_with_world_size_like_zero() -> None:

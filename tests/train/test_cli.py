@@ -121,11 +121,19 @@ def test_the_documented_override_line_runs(tmp_path: Path) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["precision"] == "bf16-mixed"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_other_strategies(tmp_path: Path, strategy: str) -> None:
-    proc = shardline_train(f"trainer.strategy={strategy}", *SMALL, *GPT_SMALL, run_root=tmp_path)
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [("ddp", []), ("zero2", []), ("zero1", []), ("hsdp", ["trainer.strategy.shard_size=1"])],
+    ids=["ddp", "zero2", "zero1", "hsdp-2x1"],
+)
+def test_other_strategies(tmp_path: Path, strategy: str, extra: list[str]) -> None:
+    proc = shardline_train(f"trainer.strategy={strategy}", *extra, *SMALL, *GPT_SMALL, run_root=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert strategy in json.loads((only_run_dir(tmp_path) / "summary.json").read_text())["strategy"]
+    run_dir = only_run_dir(tmp_path)
+    assert strategy in json.loads((run_dir / "summary.json").read_text())["strategy"]
+    if strategy == "hsdp":  # two replicas of a one-rank shard group: the 2-D mesh reached the engine
+        assert "hybrid mesh: 2 replicas x 1-rank shard groups" in (run_dir / "logs" / "rank0.log").read_text()
+        assert "(shard 1 x replicate 2)" in proc.stdout
 
 
 def test_single_device_runs_in_process(tmp_path: Path) -> None:

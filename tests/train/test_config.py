@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from shardline.cli import main
 from shardline.errors import ConfigurationError, PolicyMatchError
 from shardline.train.build import preflight
-from shardline.train.config import compose_config, experiment_name, validate
+from shardline.train.config import compose_config, experiment_name, shard_degrees, validate
 from shardline.train.schema import TrainConfig
 
 
@@ -21,7 +21,7 @@ def _options(group: str) -> list[str]:
 
 
 def test_the_shipped_groups() -> None:
-    assert _options("trainer_strategy") == ["ddp", "fsdp", "single_device", "zero2"]
+    assert _options("trainer_strategy") == ["ddp", "fsdp", "hsdp", "single_device", "zero1", "zero2"]
     assert set(_options("experiment")) >= {"tiny_gpt", "fsdp_args", "hf_llama", "hf_lora"}
 
 
@@ -74,6 +74,14 @@ def test_the_documented_override_line() -> None:
     assert experiment_name(overrides) == "tiny_gpt+fsdp_args"
     assert compose_config(["trainer.strategy=ddp"]).trainer.strategy.sharding_strategy == "no_shard"
     assert compose_config(["trainer.strategy=zero2"]).trainer.strategy.sharding_strategy == "shard_grad_op"
+    assert compose_config(["trainer.strategy=zero1"]).trainer.strategy.sharding_strategy == "shard_opt"
+    hsdp = compose_config(["trainer.strategy=hsdp", "trainer.devices=2"])
+    assert (hsdp.trainer.strategy.sharding_strategy, hsdp.trainer.strategy.shard_size) == ("hybrid_shard", 2)
+    assert shard_degrees(hsdp) == (1, 2)
+    assert shard_degrees(compose_config(["trainer.strategy=hsdp", "trainer.strategy.shard_size=1"])) == (2, 1)
+    assert shard_degrees(
+        compose_config(["trainer.strategy=hsdp", "trainer.strategy.shard_size=-1", "trainer.strategy.replicate_size=2"])
+    ) == (2, 1)
     # A field of the strategy is still set with the dotted form.
     assert (
         compose_config(["trainer.strategy.reshard_after_forward=false"]).trainer.strategy.reshard_after_forward is False
@@ -115,6 +123,18 @@ BAD = [
     (["trainer.precision=16-mixed"], r"trainer.precision='16-mixed' is not supported"),
     (["trainer.strategy=single_device"], r"single_device runs one process, but trainer.devices=2"),
     (["trainer.num_nodes=2"], r"num_nodes=2 needs torchrun on every node"),
+    (
+        ["trainer.strategy=hsdp", "trainer.strategy.shard_size=3"],
+        r"replicate_size=-1 x shard_size=3 does not match the world size 2.*divisors of 2: \[1, 2\].*"
+        r"trainer.devices=2 x trainer.num_nodes=1",
+    ),
+    (
+        ["trainer.strategy=hsdp", "trainer.strategy.shard_size=2", "trainer.strategy.replicate_size=2"],
+        r"replicate_size=2 x shard_size=2 does not match the world size 2",
+    ),
+    (["trainer.strategy=zero2", "trainer.strategy.shard_size=2"], r"only apply to hybrid sharding.*hsdp"),
+    (["trainer.strategy.reshard_after_forward=3"], r"reshard_after_forward=3 must divide the shard group's size 2"),
+    (["trainer.strategy=zero1", "trainer.strategy.reshard_after_forward=2"], r"the strategy must shard parameters"),
 ]
 
 

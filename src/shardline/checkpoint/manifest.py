@@ -92,6 +92,15 @@ def describe_units(model: nn.Module) -> list[dict[str, Any]]:
     return units
 
 
+def _mesh(units: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+    """The data-parallel mesh: (replicate, shard) when some unit is hybrid-sharded, else one dimension."""
+    for u in units:
+        replicas, shard = int(u.get("replicate_size", 1)), int(u.get("shard_size", 1))
+        if replicas > 1 and shard > 1:
+            return {"shape": [replicas, shard], "dim_names": ["replicate", "shard"]}
+    return {"shape": [int(world_size)], "dim_names": ["dp"]}
+
+
 def build_manifest(
     *,
     step: int,
@@ -121,7 +130,7 @@ def build_manifest(
         "created_at": created.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "created_unix_ns": (created - _EPOCH) // datetime.timedelta(microseconds=1) * 1000,
         "world_size": int(world_size),
-        "mesh": {"shape": [int(world_size)], "dim_names": ["dp"]},
+        "mesh": _mesh(units, world_size),
         "state_dict_kind": kind,
         "strategies": {u["name"] or "<root>": u["strategy"] for u in units},
         "mixed_precision": root["mixed_precision"] if root else None,

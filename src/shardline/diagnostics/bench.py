@@ -1,6 +1,8 @@
 """Benchmark: shardline's sharding engine against torch FSDP2, torch DDP and one process.
 
-Two kinds of process groups per model size:
+Per model size: a main run at ``world_size`` ranks (every 1-D strategy, FSDP2, DDP, one
+process), a hybrid run at 4 ranks on a 2x2 (replicate, shard) mesh (shardline HYBRID_SHARD vs
+FSDP2's HSDP, ``fully_shard(mesh=2-D mesh)``), and a one-rank run. Two kinds of process groups each:
 
 * **the timing run**: every rank builds every configuration (same seed, same weights, each
   rank its slice of the same global batch) and runs warm-up steps; then timing rounds run
@@ -23,7 +25,6 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
-import math
 import re
 import time
 from collections.abc import Callable
@@ -34,13 +35,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
 
 import shardline
-from shardline.diagnostics import bench_report
+from shardline.diagnostics import bench_render, bench_report
 from shardline.diagnostics.bench_report import (
     PHASES,
     BenchResult,
@@ -52,13 +54,16 @@ from shardline.diagnostics.bench_report import (
     Target,
     evaluate_targets,
 )
-from shardline.engine import subtree_units
+from shardline.diagnostics.bench_theory import fsdp2_theory, issued_on_gloo, shardline_theory
 from shardline.errors import ConfigurationError
 from shardline.models.gpt import GPT, Block, GPTConfig
 from shardline.testing import run_distributed
 
 __all__ = [
     "CONFIGS",
+    "HYBRID_MESH",
+    "HYBRID_RUN",
+    "MAIN_RUN",
     "SIZES",
     "BenchResult",
     "BenchSettings",
@@ -72,6 +77,7 @@ __all__ = [
     "Target",
     "evaluate_targets",
     "fsdp2_theory",
+    "issued_on_gloo",
     "run_benchmark",
     "shardline_theory",
 ]
@@ -105,7 +111,9 @@ SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(name="tiny", dim=32, n_layers=2, n_heads=2, seq_len=16),
     "default": ModelSize(name="default", dim=128, n_layers=4, n_heads=4, seq_len=128),
     "10x": ModelSize(name="10x", dim=320, n_layers=7, n_heads=10, seq_len=128),
+    "101m": ModelSize(name="101m", dim=1024, n_layers=8, n_heads=16, seq_len=128),
 }
+HYBRID_MESH = (2, 2)  # (replicate, shard) of the hybrid run
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,6 +125,7 @@ class Configuration:
     builder: str = "shardline"  # "shardline", "fsdp2", "ddp" or "plain"
     strategy: str = "full_shard"  # for builder "shardline"
     first_rank_only: bool = False  # the plain model on the global batch, on the first rank
+    hybrid: bool = False  # on the hybrid run's (replicate, shard) mesh
 
 
 CONFIGS: dict[str, Configuration] = {
@@ -125,13 +134,19 @@ CONFIGS: dict[str, Configuration] = {
         Configuration(key="shardline_full_shard", label="shardline FULL_SHARD", strategy="full_shard"),
         Configuration(key="shardline_shard_grad_op", label="shardline SHARD_GRAD_OP", strategy="shard_grad_op"),
         Configuration(key="shardline_no_shard", label="shardline NO_SHARD", strategy="no_shard"),
+        Configuration(key="shardline_shard_opt", label="shardline SHARD_OPT", strategy="shard_opt"),
         Configuration(key="torch_fsdp2", label="torch FSDP2", builder="fsdp2"),
         Configuration(key="torch_ddp", label="torch DDP", builder="ddp"),
         Configuration(key="one_process", label="one process, global batch", builder="plain", first_rank_only=True),
         Configuration(key="plain", label="plain model, global batch", builder="plain"),
+        Configuration(
+            key="shardline_hybrid_shard", label="shardline HYBRID_SHARD 2x2", strategy="hybrid_shard", hybrid=True
+        ),
+        Configuration(key="torch_fsdp2_hsdp", label="torch FSDP2 HSDP 2x2", builder="fsdp2", hybrid=True),
     )
 }
-MAIN_RUN = tuple(key for key in CONFIGS if key != "plain")
+MAIN_RUN = tuple(key for key, c in CONFIGS.items() if key != "plain" and not c.hybrid)
+HYBRID_RUN = ("shardline_hybrid_shard", "torch_fsdp2_hsdp")
 W1_RUN = ("plain", "shardline_full_shard")
 
 
@@ -150,6 +165,8 @@ class BenchSettings:
         seed: Seed of the initial weights (all configurations) and of the batch.
         lr: AdamW learning rate.
         w1: Also compare shardline FULL_SHARD at W=1 with the plain model.
+        hybrid: Also compare shardline HYBRID_SHARD with FSDP2's HSDP at 4 ranks on a 2x2 mesh.
+        configs: The main run's configurations (keys of ``CONFIGS``); empty: all of them.
         timeout_s: Hard deadline of each process group.
     """
 
@@ -163,7 +180,13 @@ class BenchSettings:
     seed: int = 0
     lr: float = 3e-4
     w1: bool = True
+    hybrid: bool = True
+    configs: tuple[str, ...] = ()
     timeout_s: float = 1800.0
+
+    @property
+    def main_configs(self) -> tuple[str, ...]:
+        return tuple(k for k in MAIN_RUN if not self.configs or k in self.configs)
 
     def validate(self) -> None:
         """Raise :class:`ConfigurationError` naming the first bad value and the fix."""
@@ -188,6 +211,9 @@ class BenchSettings:
             if not isinstance(value, int) or value < least:
                 extra = " (W=1 is measured separately, see w1)" if name == "world_size" else ""
                 raise ConfigurationError(f"{name} must be an integer >= {least}{extra}, got {value!r}")
+        unknown = [k for k in self.configs if k not in MAIN_RUN]
+        if unknown:
+            raise ConfigurationError(f"unknown configuration(s) {unknown}; choose among {list(MAIN_RUN)}")
         if not self.lr > 0 or not self.timeout_s > 0:
             raise ConfigurationError(f"lr and timeout_s must be positive, got lr={self.lr}, timeout_s={self.timeout_s}")
 
@@ -240,12 +266,16 @@ class _Live:
 def _build(config: Configuration, size: ModelSize, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = GPT(size.gpt_config())
+    mesh = None
+    if config.hybrid:
+        replicas, shard = HYBRID_MESH
+        mesh = init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("replicate", "shard"))
     if config.builder == "shardline":
-        shardline.wrap(model, shardline.layer_policy(Block), strategy=config.strategy)
-    elif config.builder == "fsdp2":
+        shardline.wrap(model, shardline.layer_policy(Block), strategy=config.strategy, mesh=mesh)
+    elif config.builder == "fsdp2":  # with a 2-D mesh: FSDP2's HSDP
         for block in model.blocks:
-            torch_fully_shard(block)
-        torch_fully_shard(model)
+            torch_fully_shard(block, mesh=mesh)
+        torch_fully_shard(model, mesh=mesh)
     elif config.builder == "ddp":
         return DistributedDataParallel(model)
     return model
@@ -359,7 +389,9 @@ def _measure_comm(live: _Live, plan: _Plan, world: int) -> CommVolume:
         engine = {}
         for record in log.records:
             engine[record.kind.value] = engine.get(record.kind.value, 0) + record.bytes
-    return CommVolume(theory=_theory(live, plan.size, world), measured=counter.volume, engine=engine)
+    theory = _theory(live, plan.size, world)
+    issued = issued_on_gloo(theory) if live.config.builder == "shardline" and world > 1 else None
+    return CommVolume(theory=theory, measured=counter.volume, engine=engine, issued=issued)
 
 
 # ---------------------------------------------------------------------------- theory
@@ -373,64 +405,7 @@ def _theory(live: _Live, size: ModelSize, world: int) -> dict[str, int]:
         model = GPT(size.gpt_config())
     if live.config.builder == "ddp":
         return {"all_reduce": sum(p.numel() * p.element_size() for p in model.parameters())}
-    return fsdp2_theory(model, world)
-
-
-def shardline_theory(model: nn.Module) -> dict[str, int]:
-    """Bytes per step of a shardline-sharded model, from its parameters' shapes (``docs/engine.md``).
-
-    A parameter of ``R`` rows sharded over ``W`` ranks takes ``ceil(R/W)`` rows per rank
-    (``torch.chunk``). Per unit and dtype group, with ``S`` the group's padded elements per rank:
-    an all-gather of ``W*S`` elements in forward, again in backward for units that free after
-    forward, and a reduce-scatter of ``W*S_trainable``; NO_SHARD units all-reduce their
-    trainable elements.
-    """
-    volume = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    for unit in subtree_units(model):
-        world = unit.mesh.shard_size
-        groups: dict[int, list] = {}
-        for sp in unit.params:
-            groups.setdefault(id(sp.group), []).append(sp)
-        for members in groups.values():
-            group = members[0].group
-            trainable = [sp for sp in members if sp.sharded.requires_grad]
-
-            def padded(sps: list, world: int = world) -> int:
-                total = 0
-                for sp in sps:
-                    rows = sp.layout.shape[0] if sp.layout.shape else 1
-                    total += math.ceil(rows / world) * (math.prod(sp.layout.shape) // max(rows, 1))
-                return total
-
-            if world > 1:
-                gathers = 2 if unit.reshard_after_forward else 1
-                volume["all_gather"] += gathers * world * padded(members) * group.compute_dtype.itemsize
-                volume["reduce_scatter"] += world * padded(trainable) * group.reduce_dtype.itemsize
-            if unit.mesh.replicate_size > 1:
-                volume["all_reduce"] += padded(trainable, 1) * group.reduce_dtype.itemsize
-    return {kind: n for kind, n in volume.items() if n}
-
-
-def fsdp2_theory(model: GPT, world: int) -> dict[str, int]:
-    """Bytes per step of torch FSDP2 with ``fully_shard`` on every block and the root, from shapes.
-
-    FSDP2 pads every parameter's dim 0 to a multiple of ``W`` and gathers a group's padded
-    parameters in one all-gather: forward for every group, backward again for the blocks (the
-    root keeps its parameters after forward), and reduce-scatters the padded gradients.
-    """
-    blocks = [list(block.parameters()) for block in model.blocks]
-    in_blocks = {id(p) for group in blocks for p in group}
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
-
-    def padded(group: list[nn.Parameter]) -> int:
-        total = 0
-        for p in group:
-            rows = p.shape[0] if p.dim() else 1
-            total += math.ceil(rows / world) * world * (p.numel() // max(rows, 1)) * p.element_size()
-        return total
-
-    gather = 2 * sum(padded(g) for g in blocks) + padded(root)
-    return {"all_gather": gather, "reduce_scatter": sum(padded(g) for g in blocks) + padded(root)}
+    return fsdp2_theory(model, world, shard=HYBRID_MESH[1] if live.config.hybrid else None)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -553,13 +528,15 @@ def run_benchmark(
     settings.validate()
     if out_dir is not None:
         if plot:
-            bench_report.require_matplotlib()
-        bench_report.prepare_out_dir(out_dir)
+            bench_render.require_matplotlib()
+        bench_render.prepare_out_dir(out_dir)
     say = progress or (lambda _msg: None)
     runs: list[RunResult] = []
     for size in settings.sizes:
         probes: dict[tuple[Any, ...], list[_Probe]] = {}  # the plain model on one rank serves two rows
-        jobs = [("main", MAIN_RUN, settings.world_size, settings.micro_batch)]
+        jobs = [("main", settings.main_configs, settings.world_size, settings.micro_batch)]
+        if settings.hybrid:
+            jobs.append(("hybrid", HYBRID_RUN, HYBRID_MESH[0] * HYBRID_MESH[1], settings.micro_batch))
         if settings.w1:
             jobs.append(("w1", W1_RUN, 1, settings.micro_batch * settings.world_size))
         for kind, keys, world, micro_batch in jobs:
@@ -574,7 +551,7 @@ def run_benchmark(
                 config = CONFIGS[key]
                 probe_world = 1 if config.first_rank_only else world
                 probe_plan = _plan(settings, size, (key,), micro_batch * world // probe_world)
-                memo = (config.builder, config.strategy, probe_world, probe_plan.micro_batch)
+                memo = (config.builder, config.strategy, config.hybrid, probe_world, probe_plan.micro_batch)
                 if memo not in probes:
                     probes[memo] = run_distributed(
                         _probe_main, probe_world, args=(probe_plan,), timeout=settings.timeout_s
@@ -584,7 +561,7 @@ def run_benchmark(
     result = BenchResult(settings=settings, environment=bench_report.environment(command), runs=tuple(runs))
     result = dataclasses.replace(result, targets=evaluate_targets(result))
     if out_dir is not None:
-        bench_report.write_results(result, out_dir=out_dir, plot=plot)
+        bench_render.write_results(result, out_dir=out_dir, plot=plot)
     return result
 
 

@@ -18,7 +18,9 @@ __all__ = ["build_parser", "main", "register"]
 
 _EXAMPLES = """\
 examples:
-  shardline bench --out docs/benchmarks                     # the committed results (about 3.5 minutes on 2 cores)
+  shardline bench --out docs/benchmarks                     # default and 10x sizes, W=2, hybrid W=4, W=1
+  shardline bench --out docs/benchmarks/101m --sizes 101m --micro-batch 2 --rounds 3 --steps 1 --warmup 1 \
+      --no-w1 --configs shardline_full_shard,shardline_no_shard,shardline_shard_opt,torch_fsdp2,torch_ddp
   shardline bench --out /tmp/bench --sizes tiny --rounds 1 --steps 2   # a smoke run in seconds
 """
 
@@ -35,9 +37,14 @@ def _sizes(text: str) -> tuple:
     return tuple(SIZES[n] for n in names)
 
 
+def _configs(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from shardline.diagnostics.bench import BenchSettings, run_benchmark
-    from shardline.diagnostics.bench_report import load_results, render_summary, write_results
+    from shardline.diagnostics.bench_render import render_summary, write_results
+    from shardline.diagnostics.bench_report import load_results
 
     if args.from_json:
         try:
@@ -60,6 +67,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             memory_steps=args.memory_steps,
             seed=args.seed,
             w1=not args.no_w1,
+            hybrid=not args.no_hybrid,
+            configs=_configs(args.configs),
             timeout_s=args.timeout,
         )
         argv = getattr(args, "argv", None)  # set by main(); under the shardline command, sys.argv has it
@@ -84,7 +93,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for results.json/.md/.png")
-    parser.add_argument("--sizes", default="default,10x", help="comma-separated model sizes: tiny, default, 10x")
+    parser.add_argument("--sizes", default="default,10x", help="comma-separated model sizes: tiny, default, 10x, 101m")
     parser.add_argument("--world-size", type=int, default=2, help="ranks of the main run (default 2)")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step (default 8)")
     parser.add_argument("--steps", type=int, default=2, help="steps per configuration per round (default 2)")
@@ -93,6 +102,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-steps", type=int, default=2, help="steps measured in each memory probe (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-w1", action="store_true", help="skip the one-rank FULL_SHARD vs plain comparison")
+    parser.add_argument(
+        "--no-hybrid", action="store_true", help="skip the 4-rank HYBRID_SHARD vs FSDP2 HSDP comparison (2x2 mesh)"
+    )
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated main-run configurations (default: all), e.g. "
+        "shardline_full_shard,shardline_no_shard,torch_fsdp2,torch_ddp",
+    )
     parser.add_argument("--no-plot", action="store_true", help="do not draw results.png (no matplotlib needed)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="hard deadline per process group, s")
     parser.add_argument(
@@ -106,9 +124,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="benchmark shardline's engine against torch FSDP2, DDP and one process",
         description=(
-            "Train the same GPT with shardline FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, torch FSDP2 and DDP on gloo "
-            "ranks, alternating in one run, plus one process; report step time, tokens/s, peak RSS, engine "
-            "memory and bytes per step vs theory. See docs/benchmarks.md."
+            "Train the same GPT with shardline FULL_SHARD/SHARD_GRAD_OP/SHARD_OPT/NO_SHARD, torch FSDP2 and DDP on "
+            "gloo ranks, alternating in one run, plus one process; shardline HYBRID_SHARD vs FSDP2's HSDP on a "
+            "2x2 mesh; report step time, tokens/s, peak RSS, engine memory and bytes per step vs theory. See "
+            "docs/benchmarks.md."
         ),
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -11,13 +11,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from shardline.diagnostics.estimate import MemoryEstimate, estimate_memory
+from shardline.engine import ShardingStrategy, hybrid_degrees
 from shardline.errors import ShardlineError
 
 __all__ = ["register", "run"]
 
 _ROWS = (
-    ("sharded_params", "parameters (this rank's shards, fp32)"),
-    ("sharded_grads", "gradients (shards, fp32)"),
+    ("sharded_params", "parameters (this rank's masters, fp32)"),
+    ("sharded_grads", "gradients (reduced, fp32)"),
     ("optimizer_state", "optimizer state (AdamW moments + step)"),
     ("unsharded_params", "gathered parameters (peak)"),
     ("unsharded_grads", "full gradients before reduction (peak)"),
@@ -33,7 +34,7 @@ def _mib(n: int) -> str:
 def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEstimate:
     """Estimate for the ``shardline train`` config selected by ``overrides`` (Hydra syntax)."""
     from shardline.train.build import build_model, build_policies
-    from shardline.train.config import compose_config
+    from shardline.train.config import compose_config, resolve_accelerator
 
     cfg = compose_config(overrides)
     policies = build_policies(cfg)
@@ -41,6 +42,12 @@ def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEst
     world = world_size or cfg.trainer.devices * cfg.trainer.num_nodes
     if strategy == "none":
         strategy, world = "no_shard", 1
+    shard_size = cfg.trainer.strategy.shard_size
+    replicate_size = cfg.trainer.strategy.replicate_size
+    if ShardingStrategy.parse(strategy).policy.hybrid:
+        # --world-size rescales the job: keep the shard group (one node), grow the replicas.
+        shard_size = hybrid_degrees(world_size=world, replicate_size=-1 if world_size else replicate_size,
+                                    shard_size=shard_size)[1]  # fmt: skip
     return estimate_memory(
         lambda: build_model(cfg, device="cpu"),
         policy=policies.wrap,
@@ -50,12 +57,16 @@ def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEst
         seq_len=cfg.data.seq_len,
         mixed_precision=policies.mixed_precision,
         checkpointing_policy=policies.checkpointing,
+        shard_size=shard_size,
+        reshard_after_forward=cfg.trainer.strategy.reshard_after_forward,
+        in_place_gathers=resolve_accelerator(cfg.trainer.accelerator) == "cpu",  # gloo
     )
 
 
 def render(est: MemoryEstimate, console: Console) -> None:
+    mesh = f" ({est.replicate_size} replicas x {est.shard_size}-rank shard groups)" if "hybrid" in est.strategy else ""
     table = Table(
-        title=f"Estimated memory per rank: {est.strategy}, {est.world_size} ranks, {est.parameters:,} parameters",
+        title=f"Estimated memory per rank: {est.strategy}, {est.world_size} ranks{mesh}, {est.parameters:,} parameters",
         title_justify="left",
     )
     table.add_column("component")

@@ -46,6 +46,17 @@ def _dtype(d: torch.dtype | None, default: str) -> str:
     return str(d).replace("torch.", "") if d is not None else default
 
 
+def _after_forward(u: ShardUnit) -> str:
+    """What the unit does with its parameters after forward, and over which ranks it shards."""
+    mesh = f" (shard {u.mesh.shard_size} x replicate {u.mesh.replicate_size})" if u.mesh.is_hybrid else ""
+    if not u.policy.shard_params:
+        kept = "optimizer state sharded" if u.policy.shard_optimizer else "replicated"
+        return f"keeps full parameters ({kept}){mesh}"
+    if u.post_forward_size is not None:
+        return f"keeps gathered parameters split over {u.post_forward_size} ranks after forward{mesh}"
+    return f"{'frees' if u.reshard_after_forward else 'keeps'} gathered parameters after forward{mesh}"
+
+
 def unit_report(units: Sequence[ShardUnit], world_size: int) -> list[str]:
     """One line per group of identically configured units (strategy, reshard policy, precision)."""
     groups: dict[tuple, list[str]] = {}
@@ -53,7 +64,7 @@ def unit_report(units: Sequence[ShardUnit], world_size: int) -> list[str]:
         mp = u.mixed_precision
         key = (
             u.strategy.value,
-            u.reshard_after_forward,
+            _after_forward(u),
             _dtype(mp.param_dtype, "as stored"),
             "+".join(_dtype(mp.gradient_reduce_dtype(d), "") for d in u.dtypes) or "none",
             u.forward_prefetch,
@@ -64,7 +75,7 @@ def unit_report(units: Sequence[ShardUnit], world_size: int) -> list[str]:
     for (strategy, reshard, param, reduce, fwd, bwd), names in groups.items():
         shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]} ({len(names)} units)"
         lines.append(
-            f"  {shown}: {strategy}, {'frees' if reshard else 'keeps'} gathered parameters after forward, "
+            f"  {shown}: {strategy}, {reshard}, "
             f"param dtype {param}, reduce dtype {reduce}, prefetch forward={'on' if fwd else 'off'} "
             f"backward={bwd or 'off'}"
         )
@@ -138,14 +149,14 @@ def rank_report(
         f"{_mib(local)} of trainable parameters on this rank (of {_mib(total * element)} in the model)"
     ]
     warnings = []
-    sharded_total = sum(sp.layout.numel for u in units if u.mesh.shard_size > 1 for sp in u.params)
+    even = sum(sp.layout.numel / u.mesh.shard_size for u in units if u.mesh.shard_size > 1 for sp in u.params)
     sharded_local = sum(sp.layout.local_numel for u in units if u.mesh.shard_size > 1 for sp in u.params)
-    if sharded_total and world_size > 1:
-        share = sharded_local / (sharded_total / world_size)
+    if even and world_size > 1:
+        share = sharded_local / even
         if abs(share - 1) > uneven_tolerance:
             warnings.append(
                 f"[rank {rank}] holds {share:.2f}x its even share of the sharded parameters: dim-0 sizes not "
-                f"divisible by {world_size} leave uneven torch.chunk shards (and padding costs communication)"
+                f"divisible by the shard group size leave uneven torch.chunk shards (and padding costs communication)"
             )
     all_params = sum(sp.layout.numel for u in units for sp in u.params)
     if len(units) > 0 and all_params:

@@ -26,6 +26,7 @@ from shardline.engine.guards import ddp_ignored_names
 from shardline.engine.init import materialize
 from shardline.engine.layout import FlatLayout, ParamLayout
 from shardline.engine.memory import MemoryStats
+from shardline.engine.mesh import hybrid_degrees, hybrid_mesh
 from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.registry import subtree_units
 from shardline.engine.state_dict import (
@@ -73,6 +74,8 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "gather_full_tensors",
+    "hybrid_degrees",
+    "hybrid_mesh",
     "is_checkpointed",
     "key_problems",
     "layer_policy",

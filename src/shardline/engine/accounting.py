@@ -109,8 +109,8 @@ def memory_stats(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
     """This rank's memory by component for ``model`` (and ``optimizer``'s state, if given)."""
     units = subtree_units(model)
     trackers = [ctx.memory for ctx in contexts_of(model)]
-    flat = [g.flat_shard for u in units for g in u.groups]
-    grads = [sp.sharded.grad for u in units for sp in u.params]
+    flat = [g.master for u in units for g in u.groups]
+    grads = [sp.sharded.grad for u in units for sp in u.params] + [g.partial for u in units for g in u.groups]
     full_grads = [
         t
         for u in units

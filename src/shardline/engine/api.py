@@ -43,24 +43,34 @@ class ShardedModule:
         return unit
 
     @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: no gradient collectives inside the block.
+    def no_sync(self, *, reduce_scatter: bool = False) -> Iterator[None]:
+        """Accumulate gradients over micro-batches, communicating less inside the block.
 
-        Backward passes inside the block keep their gradients unreduced (in full, gathered
-        form; in ``reduce_dtype`` when that is wider than ``param_dtype``) and keep parameters
-        gathered, so later micro-batches need no all-gather either. The first backward after
-        the block reduces the accumulated total once. Costs the memory of full gradients and
-        parameters of every unit under this module while active.
+        Default (``reduce_scatter=False``): no gradient collective inside the block. Backward
+        passes keep their gradients unreduced (in full, gathered form; in ``reduce_dtype`` when
+        that is wider than ``param_dtype``) and keep parameters gathered, so later micro-batches
+        need no all-gather either. The first backward after the block reduces the accumulated
+        total once. Costs the memory of full gradients and parameters of every unit under this
+        module while active.
+
+        ``reduce_scatter=True`` (for hybrid sharding; torch FSDP2 calls it
+        ``set_requires_all_reduce(False)``): gradients are still reduce-scattered inside the shard
+        group after every micro-batch and parameters are freed as usual, so memory stays sharded;
+        only the all-reduce across replicas is deferred, summed into one per unit at the first
+        backward after the block. Units with no reduce-scatter to do (NO_SHARD, SHARD_OPT, a shard
+        group of one) keep their gradients unreduced as with the default; 1-D sharded units have no
+        replicas and reduce as usual.
         """
         units = subtree_units(self)  # type: ignore[arg-type]
-        previous = [unit.sync_gradients for unit in units]
+        attribute = "all_reduce_gradients" if reduce_scatter else "sync_gradients"
+        previous = [getattr(unit, attribute) for unit in units]
         for unit in units:
-            unit.sync_gradients = False
+            setattr(unit, attribute, False)
         try:
             yield
         finally:
             for unit, value in zip(units, previous, strict=True):
-                unit.sync_gradients = value
+                setattr(unit, attribute, value)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
@@ -150,7 +160,7 @@ def fully_shard(
     *,
     mesh: MeshLike = None,
     strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mixed_precision: MixedPrecision | None = None,
     sync_module_states: bool = False,
     forward_prefetch: bool = True,
@@ -172,12 +182,19 @@ def fully_shard(
         module: The module to shard. Its parameters must share one device; they may mix dtypes
             (e.g. a bf16 frozen base with fp32 adapters): each dtype gets its own flat buffer and
             collectives.
-        mesh: A ``ProcessGroup`` or 1-D ``DeviceMesh`` of the data-parallel ranks; default: the world.
-        strategy: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2) or ``"no_shard"`` (ZeRO-0),
-            or an alias (see :class:`ShardingStrategy`). May differ between units.
+        mesh: A ``ProcessGroup`` or 1-D ``DeviceMesh`` of the data-parallel ranks (default: the
+            world); for the hybrid strategies a 2-D ``DeviceMesh`` (replicate, shard), e.g.
+            :func:`shardline.hybrid_mesh`.
+        strategy: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2), ``"shard_opt"`` (ZeRO-1),
+            ``"no_shard"`` (ZeRO-0), ``"hybrid_shard"`` or ``"hybrid_shard_zero2"`` (ZeRO-3 / ZeRO-2
+            inside each shard group of a 2-D mesh, replicated across groups), or an alias (see
+            :class:`ShardingStrategy`). May differ between units.
         reshard_after_forward: Free gathered parameters after forward. ``None``: the strategy's
             default, except for root units (nothing sharded above them), which keep them because
-            backward starts with them.
+            backward starts with them. An int ``N`` dividing the shard group's size: after forward
+            keep the parameters split over groups of ``N`` consecutive ranks of the shard group, so
+            backward's all-gather runs inside such a group (e.g. a node); ``N`` equal to the shard
+            group's size is ``True``, ``N=1`` is ``False``.
         mixed_precision: Compute / reduce / buffer dtypes; shards stay in the original dtype.
         sync_module_states: Broadcast rank 0's parameters and buffers first, for ranks that
             initialized the model differently.
@@ -191,7 +208,8 @@ def fully_shard(
 
     Raises:
         DistributedNotInitializedError: No process group is initialized.
-        ConfigurationError: Unknown strategy, a mesh that is not 1-D or not ours, wrong types.
+        ConfigurationError: Unknown strategy, a mesh of the wrong shape for the strategy or not
+            ours, ``reshard_after_forward`` not dividing the shard group, wrong types.
         ShardingError: Sharded twice, applied top-down, a parameter shared with another unit,
             parameters on several devices or of a non-floating-point dtype.
     """
@@ -203,8 +221,11 @@ def fully_shard(
             "Call fully_shard once per module."
         )
     strategy = ShardingStrategy.parse(strategy)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ConfigurationError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise ConfigurationError(
+            f"reshard_after_forward must be True, False, None or a positive int dividing the shard group's size, "
+            f"got {reshard_after_forward!r}"
+        )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ConfigurationError(
             f"mixed_precision must be a shardline.MixedPrecision or None, got {type(mixed_precision).__name__}"
@@ -213,7 +234,8 @@ def fully_shard(
         raise ConfigurationError(
             f"backward_prefetch must be one of 'backward_pre', 'backward_post' or None, got {backward_prefetch!r}"
         )
-    shard_mesh = resolve_mesh(mesh, strategy.policy)
+    shard_mesh = resolve_mesh(mesh, strategy.policy, strategy.value)
+    _check_reshard_after_forward(reshard_after_forward, strategy, shard_mesh)
 
     owned, buffers, sub_units = _collect(module, original_class(module).__name__)
     device = _common_device(owned, shard_mesh)
@@ -250,6 +272,25 @@ def fully_shard(
     install_optimizer_guard()
     module.__class__ = _sharded_class(type(module))
     return module
+
+
+def _check_reshard_after_forward(value: bool | int | None, strategy: ShardingStrategy, mesh: ShardMesh) -> None:
+    """An int ``reshard_after_forward`` must divide the shard group of a strategy that shards parameters."""
+    if value is None or isinstance(value, bool):
+        return
+    size = mesh.shard_size
+    divisors = [d for d in range(1, size + 1) if size % d == 0]
+    if not strategy.policy.shard_params:
+        raise ConfigurationError(
+            f"reshard_after_forward={value} keeps parameters split over {value} ranks after forward, but strategy "
+            f"{strategy.value} does not shard parameters (every rank keeps them whole). Use it with full_shard or "
+            "hybrid_shard, or pass None."
+        )
+    if value < 1 or size % value:
+        raise ConfigurationError(
+            f"reshard_after_forward={value} must divide the shard group's size {size} (parameters stay split over "
+            f"groups of that many consecutive ranks after forward). Valid values: {divisors} (or True/False/None)."
+        )
 
 
 def original_class(module: nn.Module) -> type:

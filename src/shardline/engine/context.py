@@ -23,7 +23,7 @@ from shardline.engine.unit import ShardUnit
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from shardline.engine.flat import PendingReduce
+    from shardline.engine.pending import PendingReduce
 
 __all__ = ["RootContext", "contexts_of"]
 

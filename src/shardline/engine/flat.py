@@ -1,119 +1,77 @@
-"""One flat buffer per rank for the parameters of a unit that share a dtype, and every way data moves through it.
+"""The parameters of a unit that share a dtype, in one master buffer per rank, and every way data moves through it.
 
-This is the only place that knows how a flat buffer is packed (see the note in
-:mod:`shardline.engine.layout`): gathering parameters, packing gradients for the
-reduce-scatter, gathering any shard-shaped tensors (parameters, optimizer state) to full ones,
+This is the only place that knows how parameters are packed (see the note in
+:mod:`shardline.engine.layout`): gathering parameters, packing gradients for their
+reduction, gathering any shard-shaped tensors (parameters, optimizer state) to full ones,
 slicing a full tensor to this rank's rows, scattering from rank 0, and viewing a shard as a
-DTensor. The unit decides *when* these happen; the engine's hooks decide *why*.
+DTensor. The unit decides *when* these happen; the engine's hooks decide *why*. The gradient
+half of the class lives in :mod:`shardline.engine.flat_grads` (``FlatGroup`` inherits it).
 
 Note: why one group per dtype. A LoRA model keeps its frozen base in bf16 and its adapters in
 fp32, often inside one decoder layer. Collectives move one dtype at a time, so a unit keeps one
 :class:`FlatGroup` per master dtype; each has its own all-gather and (if any of its parameters
-train) its own reduce-scatter, and the unit drives them together.
+train) its own reduction, and the unit drives them together.
+
+Note: the master buffer (``master``), in the two ways a group keeps its parameters.
+
+* **sharded** (FULL_SHARD, SHARD_GRAD_OP, hybrid; NO_SHARD as a shard group of one): the
+  flat shard -- this rank's piece of each parameter, zero-padded to ``chunk`` rows, at the
+  same offset on every rank. The all-gather sends it as is and copies the result out into a
+  parameter-major gathered buffer, freed after use.
+* **replicated** (SHARD_OPT / ZeRO-1): the full parameters, parameter-major, kept on every
+  rank. The parameter the optimizer sees is a view of this rank's rows of each one, so the
+  optimizer updates the full parameters in place and its state is sharded; gradients are
+  all-reduced and each rank's ``.grad`` is its rows of the result. Before the next forward,
+  if any shard changed (autograd's version counter, or an engine write), every rank sends its
+  rows packed like a flat shard and copies the all-gather out into its full parameters:
+  ``(W-1)/W`` of the parameter bytes, on top of the gradients' ``2(W-1)/W``. Nothing else is
+  held: parameters ``4P``, gradients ``4P``, AdamW state ``8P/W`` (fp32).
+
+Note: partial resharding (``reshard_after_forward=N``). After forward, instead of freeing the
+gathered parameters down to the flat shard, a group packs this rank's piece of them split over
+its post-forward group of ``N`` ranks (``FlatLayout`` over ``N``, compute dtype) and frees the
+rest. Backward's all-gather then runs over those ``N`` ranks and copies out into the same
+gathered buffer; the values are the very elements forward used, so numerics do not change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
+from shardline import _torch_compat
 from shardline.engine.comm import Comm
-from shardline.engine.layout import FlatLayout, ParamLayout
+from shardline.engine.flat_grads import GradientReduction
+from shardline.engine.layout import FlatLayout, ParamLayout, contiguous_stride
 from shardline.engine.memory import MemoryTracker, nbytes
-from shardline.engine.mesh import ShardMesh
+from shardline.engine.mesh import ShardMesh, post_forward_group
 from shardline.engine.param import GATHERED_ATTR, ShardedParam, alias
+from shardline.engine.pending import PendingGather
 from shardline.engine.profiling import label
 from shardline.errors import ShardingError
 
-__all__ = ["FlatGroup", "PendingGather", "PendingReduce"]
+__all__ = ["FlatGroup"]
 
 
-@dataclass
-class PendingGather:
-    """An all-gather of a group's shards that was started (possibly asynchronously) and not yet copied out."""
+class _PostShard:
+    """This rank's piece of the gathered parameters, split over its post-forward group."""
 
-    work: Any
-    gathered: torch.Tensor
-    send: torch.Tensor
-    buffer_bytes: int
+    __slots__ = ("buffer", "group", "layout")
 
-    def wait(self) -> None:
-        if self.work is not None:
-            with label("all_gather_wait"):
-                self.work.wait()
-            self.work = None
+    def __init__(self, buffer: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup) -> None:
+        self.buffer, self.layout, self.group = buffer, layout, group
 
 
-@dataclass
-class PendingReduce:
-    """A gradient reduction that was issued asynchronously and still has to land in the shards' ``.grad``."""
-
-    group: FlatGroup
-    name: str
-    memory: MemoryTracker
-    work: Any
-    output: torch.Tensor | None
-    params: list[ShardedParam]
-    layout: FlatLayout
-    packed: torch.Tensor | None = None  # the collective's input: alive until it completes
-    buffer_bytes: int = 0  # what this reduction added to the tracked communication buffers
-    direct: list[torch.Tensor | None] | None = None  # one rank, no replicas: the gradients as they are
-
-    def finish(self) -> None:
-        """Wait for the collective and accumulate this rank's reduced shard into the shard grads."""
-        if self.work is not None:
-            with label(f"reduce_wait {self.name}"):
-                self.work.wait()
-        self.packed = None
-        self.memory.add("comm_buffers", -self.buffer_bytes)
-        master = self.group.dtype
-        if self.direct is not None:
-            for sp, grad in zip(self.params, self.direct, strict=True):
-                if grad is not None:
-                    _accumulate(sp, grad.view(sp.layout.local_shape), master)
-            return
-        out = self.output
-        assert out is not None  # only direct reductions have no output buffer
-        if out.dtype != master:
-            out = out.to(master)
-        for sp, pl, offset in zip(self.params, self.layout.params, self.layout.offsets, strict=True):
-            _accumulate(sp, out[offset : offset + pl.local_numel].view(pl.local_shape), master)
-
-
-def _accumulate(sp: ShardedParam, grad: torch.Tensor, master: torch.dtype) -> None:
-    if grad.dtype != master:
-        grad = grad.to(master)
-    if sp.sharded.grad is None:
-        sp.sharded.grad = grad
-    else:
-        sp.sharded.grad += grad
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-def _ptr(tensor: torch.Tensor | None) -> int:
-    return tensor.untyped_storage().data_ptr() if tensor is not None else -1
-
-
-class FlatGroup:
-    """The parameters of one unit that share a master dtype, sharded into one flat buffer per rank.
+class FlatGroup(GradientReduction):
+    """The parameters of one unit that share a master dtype, in one master buffer per rank.
 
     The ``nn.Parameter`` objects registered on the modules between steps are views into
-    ``flat_shard`` (the master copy), so an optimizer updates the buffer in place and the next
-    all-gather sends it without a copy-in.
+    ``master`` (this rank's rows), so an optimizer updates the buffer in place and the next
+    all-gather sends it without a copy-in (see the module notes for the replicated case).
     """
 
     def __init__(
@@ -125,32 +83,67 @@ class FlatGroup:
         reduce_dtype: torch.dtype,
         mesh: ShardMesh,
         device: torch.device,
+        replicated: bool = False,
     ) -> None:
         self.dtype = dtype
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.mesh = mesh
         self.device = device
-        # Shard group of one and no cast: gathered parameters can alias the shards themselves.
-        self.aliased = mesh.shard_size == 1 and compute_dtype == dtype
+        self.replicated = replicated
         world, rank = mesh.shard_size, mesh.shard_rank
+        # Gathered parameters can alias the master buffer itself when it holds full parameters uncast.
+        self.aliased = compute_dtype == dtype and (replicated or world == 1)
         layouts = [ParamLayout.build(p.shape, world, rank) for _, p, _ in entries]
         self.layout = FlatLayout.build(layouts, world)
-        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
+        self._piece_offsets = self._compute_piece_offsets()
+        self.master = torch.zeros(self._master_numel, dtype=dtype, device=device)
         self.params: list[ShardedParam] = []
         with torch.no_grad():
-            for (fqn, original, locations), pl, offset in zip(entries, layouts, self.layout.offsets, strict=True):
-                piece = self.flat_shard[offset : offset + pl.local_numel].view(pl.local_shape)
-                if device.type != "meta" and pl.local_rows:
-                    piece.copy_(self.local_rows(pl, original.detach()))
+            for i, ((fqn, original, locations), pl) in enumerate(zip(entries, layouts, strict=True)):
+                piece = self._piece(i)
+                if device.type != "meta":
+                    if replicated:
+                        self._slot(i).copy_(original.detach().reshape(-1))
+                    elif pl.local_rows:
+                        piece.copy_(self.local_rows(pl, original.detach()))
                 sharded = nn.Parameter(alias(piece), requires_grad=original.requires_grad)
                 sp = ShardedParam(fqn=fqn, locations=locations, layout=pl, sharded=sharded)
                 sp.register(sharded)
                 self.params.append(sp)
-        self._offsets = {id(sp): off for sp, off in zip(self.params, self.layout.offsets, strict=True)}
+        self._index = {id(sp): i for i, sp in enumerate(self.params)}
         self._unsharded_flat: torch.Tensor | None = None
         self._pending_gather: PendingGather | None = None
         self._grad_layouts: dict[tuple[bool, ...], FlatLayout] = {}
+        self._post: _PostShard | None = None
+        self._post_layouts: dict[int, tuple[dist.ProcessGroup, FlatLayout]] = {}
+        self.partial: torch.Tensor | None = None  # reduce-scattered gradients awaiting the replica all-reduce
+        self._versions = self._current_versions()
+        self._dirty = False  # replicated: this rank's rows were written by the engine since the last gather
+
+    # ------------------------------------------------------------------ where each piece lives
+    @property
+    def _master_numel(self) -> int:
+        return self.layout.unsharded_numel if self.replicated else self.layout.shard_numel
+
+    def _compute_piece_offsets(self) -> list[int]:
+        if not self.replicated:
+            return list(self.layout.offsets)
+        return [
+            off + pl.row_start * pl.row_numel
+            for pl, off in zip(self.layout.params, self.layout.unsharded_offsets, strict=True)
+        ]
+
+    def _piece(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s rows on this rank: a view into ``master``."""
+        pl = self.layout.params[i]
+        offset = self._piece_offsets[i]
+        return self.master[offset : offset + pl.local_numel].view(pl.local_shape)
+
+    def _slot(self, i: int) -> torch.Tensor:
+        """Replicated groups: parameter ``i``'s full elements in ``master`` (flat)."""
+        pl, offset = self.layout.params[i], self.layout.unsharded_offsets[i]
+        return self.master[offset : offset + pl.numel]
 
     # ------------------------------------------------------------------ registration
     def register_sharded(self) -> None:
@@ -167,23 +160,46 @@ class FlatGroup:
         """Whether an asynchronous all-gather of this group is in flight."""
         return self._pending_gather is not None
 
+    @property
+    def holds_post_shard(self) -> bool:
+        """Whether a partial reshard left this rank's post-forward piece (backward gathers it)."""
+        return self._post is not None
+
+    def _current_versions(self) -> tuple[int, ...]:
+        return tuple(_torch_compat.version_of(sp.sharded) for sp in self.params)
+
+    def stale(self) -> bool:
+        """Replicated groups: whether some rank's rows may have changed since the last all-gather."""
+        return self._dirty or self._current_versions() != self._versions
+
+    def mark_updated(self) -> None:
+        """Replicated groups: the shards were (or may have been) changed outside autograd's view."""
+        self._dirty = True
+
     def unshard(self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str) -> None:
         """Gather full parameters (compute dtype) into the gathered buffer; finishes a started prefetch."""
-        if self.aliased:
-            self.check_shards_in_place(name)
-            flat = self.flat_shard
-        else:
+        self.check_shards_in_place(name)
+        if self.replicated:
+            self._sync_replicas(comm=comm, memory=memory, name=name, phase=phase)
+            flat = self.master
+            if not self.aliased:
+                flat = self._alloc_unsharded_flat(memory)
+                flat.copy_(self.master)  # a cast only
+        elif self.aliased:
+            flat = self.master
+        elif self.mesh.shard_size == 1:
             flat = self._alloc_unsharded_flat(memory)
-            if self.mesh.shard_size == 1:
-                self.check_shards_in_place(name)
-                flat.copy_(self.flat_shard)  # a cast only
-            else:
-                pending, self._pending_gather = self._pending_gather, None
-                if pending is None:
-                    pending = self._start_all_gather(
-                        self.compute_dtype, comm=comm, memory=memory, name=name, phase=phase, async_op=False
-                    )
-                self._finish_all_gather(pending, flat, memory)
+            flat.copy_(self.master)  # a cast only
+        else:
+            pending, self._pending_gather = self._pending_gather, None
+            if pending is None or not pending.in_place:  # an in-place prefetch allocated it already
+                self._alloc_unsharded_flat(memory)
+            if pending is None:
+                pending = self._start_all_gather(comm=comm, memory=memory, name=name, phase=phase, async_op=False)
+            flat = self._unsharded_flat
+            assert flat is not None
+            self._finish_all_gather(pending, flat, memory)
+        self._drop_post_shard(memory)
         if self.params[0].unsharded is None:
             with torch.inference_mode(False):  # see _alloc_unsharded_flat
                 for sp, offset in zip(self.params, self.layout.unsharded_offsets, strict=True):
@@ -191,13 +207,25 @@ class FlatGroup:
                     sp.unsharded = nn.Parameter(full, requires_grad=sp.sharded.requires_grad)
                     setattr(sp.unsharded, GATHERED_ATTR, sp.fqn)
 
+    def _sync_replicas(self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str) -> None:
+        """Replicated groups: all-gather every rank's updated rows into the full parameters, if any changed."""
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is None:
+            if self.mesh.shard_size == 1 or not self.stale():
+                return
+            pending = self._start_all_gather(comm=comm, memory=memory, name=name, phase=phase, async_op=False)
+        self._finish_all_gather(pending, self.master, memory)
+        self._versions = self._current_versions()
+        self._dirty = False
+
     def prefetch(self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str) -> bool:
         """Start gathering asynchronously; False when there is nothing to communicate or it already started."""
         if self._pending_gather is not None or self.mesh.shard_size == 1:
             return False
-        self._pending_gather = self._start_all_gather(
-            self.compute_dtype, comm=comm, memory=memory, name=name, phase=phase, async_op=True
-        )
+        self.check_shards_in_place(name)
+        if self.replicated and not self.stale():
+            return False
+        self._pending_gather = self._start_all_gather(comm=comm, memory=memory, name=name, phase=phase, async_op=True)
         return True
 
     def cancel_prefetch(self, memory: MemoryTracker) -> None:
@@ -206,17 +234,43 @@ class FlatGroup:
         if pending is not None:
             pending.wait()
             memory.add("comm_buffers", -pending.buffer_bytes)
+            if pending.in_place and pending.gathered is self._unsharded_flat:
+                pending.gathered.untyped_storage().resize_(0)  # counted with the buffers just released
 
     def free_unsharded(self, memory: MemoryTracker) -> None:
         """Register the shards again and free the gathered buffer's memory (the tensors stay, empty)."""
         self.register_sharded()
+        self._drop_post_shard(memory)
         flat = self._unsharded_flat
         if flat is not None and flat.untyped_storage().nbytes():
             storage = flat.untyped_storage()
             memory.add("unsharded_params", -storage.nbytes())
             storage.resize_(0)
 
-    def _alloc_unsharded_flat(self, memory: MemoryTracker) -> torch.Tensor:
+    def reshard_partial(self, size: int, memory: MemoryTracker) -> None:
+        """Keep this rank's piece of the gathered parameters split over ``size`` ranks; free the rest."""
+        group, layout = self._post_layout(size)
+        fulls = [sp.unsharded.detach() if sp.unsharded is not None else None for sp in self.params]
+        buffer = self._pack_local(fulls, layout, self.compute_dtype)
+        memory.add("unsharded_params", nbytes(buffer))
+        self.free_unsharded(memory)
+        self._post = _PostShard(buffer, layout, group)
+
+    def _post_layout(self, size: int) -> tuple[dist.ProcessGroup, FlatLayout]:
+        found = self._post_layouts.get(size)
+        if found is None:
+            group = post_forward_group(self.mesh, size)
+            rank = dist.get_rank(group)
+            layout = FlatLayout.build([ParamLayout.build(pl.shape, size, rank) for pl in self.layout.params], size)
+            found = self._post_layouts[size] = (group, layout)
+        return found
+
+    def _drop_post_shard(self, memory: MemoryTracker) -> None:
+        post, self._post = self._post, None
+        if post is not None:
+            memory.add("unsharded_params", -nbytes(post.buffer))
+
+    def _alloc_unsharded_flat(self, memory: MemoryTracker, component: str = "unsharded_params") -> torch.Tensor:
         flat = self._unsharded_flat
         if flat is None:
             # Note: the gathered buffer and parameters live for the whole run and are refilled in
@@ -229,47 +283,114 @@ class FlatGroup:
             flat.untyped_storage().resize_(nbytes(flat))
         else:
             return flat  # still allocated (counted already)
-        memory.add("unsharded_params", nbytes(flat))
+        memory.add(component, nbytes(flat))
         return flat
 
     def _start_all_gather(
-        self, dtype: torch.dtype, *, comm: Comm, memory: MemoryTracker | None, name: str, phase: str, async_op: bool
+        self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str, async_op: bool
     ) -> PendingGather:
-        """Issue the all-gather of the shards (cast to ``dtype``) into a rank-major buffer."""
-        self.check_shards_in_place(name)
-        world = self.mesh.shard_size
-        send = self.flat_shard if dtype == self.dtype else self.flat_shard.to(dtype)
-        gathered = torch.empty(world * self.layout.shard_numel, dtype=dtype, device=self.device)
-        buffers = nbytes(gathered) + (nbytes(send) if send is not self.flat_shard else 0)
-        if memory is not None:
-            memory.add("comm_buffers", buffers)
-        with label(f"all_gather {name}"):
-            work = comm.all_gather(gathered, send, self.mesh.shard_group, unit=name, phase=phase, async_op=async_op)
-        return PendingGather(work, gathered, send, buffers if memory is not None else 0)
+        """Issue the all-gather that rebuilds the full parameters.
 
-    def _finish_all_gather(self, pending: PendingGather, flat: torch.Tensor, memory: MemoryTracker | None) -> None:
-        """Wait for ``pending`` and copy it out into the parameter-major buffer ``flat``."""
+        In place, when the backend can (see :meth:`_start_in_place_gather`); otherwise into a
+        rank-major buffer that :meth:`_finish_all_gather` copies out. What is sent then: the
+        post-forward piece after a partial reshard (over its small group), this rank's rows packed
+        from the full parameters (replicated groups, master dtype), or the flat shard (cast to the
+        compute dtype).
+        """
+        if self._post is None:
+            pending = self._start_in_place_gather(comm=comm, memory=memory, name=name, phase=phase, async_op=async_op)
+            if pending is not None:
+                return pending
+        if self._post is not None:
+            send, layout, group = self._post.buffer, self._post.layout, self._post.group
+            world = layout.world
+        else:
+            layout, group, world = self.layout, self.mesh.shard_group, self.mesh.shard_size
+            if self.replicated:
+                send = self._pack_local([self._slot(i) for i in range(len(self.params))], layout, self.dtype)
+            elif self.compute_dtype == self.dtype:
+                send = self.master
+            else:
+                send = self.master.to(self.compute_dtype)
+        gathered = torch.empty(world * layout.shard_numel, dtype=send.dtype, device=self.device)
+        buffers = nbytes(gathered) + (nbytes(send) if send is not self.master and self._post is None else 0)
+        memory.add("comm_buffers", buffers)
+        with label(f"all_gather {name}"):
+            work = comm.all_gather(gathered, send, group, unit=name, phase=phase, async_op=async_op)
+        return PendingGather(work, gathered, send, buffers, layout, world, group)
+
+    def _start_in_place_gather(
+        self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str, async_op: bool
+    ) -> PendingGather | None:
+        """Gather straight into the parameter-major buffer, when the backend combines disjoint pieces in place.
+
+        Note: gathering in place. Each rank writes its own rows of every parameter where they
+        belong in the full, parameter-major buffer (the master itself for replicated groups, the
+        gathered buffer otherwise) and zeroes everything else; combining the ranks' buffers
+        element by element (gloo: a bitwise-OR all-reduce, see ``engine/comm.py``) leaves every
+        rank with all rows. No rank-major buffer, no copy-out. Recorded as the all-gather it
+        replaces (``W * S`` elements). Returns None when the backend cannot.
+        """
+        world, group = self.mesh.shard_size, self.mesh.shard_group
+        numel = self.master.numel() if self.replicated else self.layout.unsharded_numel
+        dtype = self.dtype if self.replicated else self.compute_dtype
+        if not comm.can_gather_in_place(group, numel=numel, dtype=dtype, device=self.device):
+            return None
+        fresh = 0
+        if self.replicated:
+            target = self.master
+        else:
+            flat = self._unsharded_flat
+            if flat is None or not flat.untyped_storage().nbytes():  # a prefetch: counted as a buffer until it lands
+                fresh = nbytes(self._alloc_unsharded_flat(memory, "comm_buffers"))
+            target = self._unsharded_flat
+        assert target is not None
+        with torch.no_grad(), label(f"fill {name}"):
+            if self.replicated:  # keep this rank's rows, zero every other row
+                for i, pl in enumerate(self.layout.params):
+                    slot = self._slot(i)
+                    start, stop = pl.row_start * pl.row_numel, (pl.row_start + pl.local_rows) * pl.row_numel
+                    slot[:start].zero_()
+                    slot[stop:].zero_()
+            else:
+                target.zero_()
+                for i, (pl, offset) in enumerate(zip(self.layout.params, self.layout.unsharded_offsets, strict=True)):
+                    if pl.local_rows:
+                        start = offset + pl.row_start * pl.row_numel
+                        target[start : start + pl.local_numel].copy_(self._piece(i).reshape(-1))
+        logical = world * self.layout.shard_numel * target.element_size()
+        with label(f"all_gather {name}"):
+            work = comm.all_gather_in_place(target, group, nbytes=logical, unit=name, phase=phase, async_op=async_op)
+        return PendingGather(
+            work, target, target, fresh, self.layout, world, group, in_place=True, moves_to_unsharded=fresh
+        )
+
+    def _finish_all_gather(self, pending: PendingGather, flat: torch.Tensor, memory: MemoryTracker) -> None:
+        """Wait for ``pending`` and copy it out into the parameter-major buffer ``flat`` (unless it landed there)."""
         pending.wait()
-        layout, world = self.layout, self.mesh.shard_size
+        if pending.in_place:
+            memory.add("comm_buffers", -pending.buffer_bytes)
+            memory.add("unsharded_params", pending.moves_to_unsharded)
+            return
+        layout, world = pending.layout, pending.world
         # Copy-out: column block i of the (world, S) view is parameter i's padded rows in order.
         outs = [
             flat[offset : offset + world * pl.padded_numel].view(world, pl.padded_numel)
-            for pl, offset in zip(layout.params, layout.unsharded_offsets, strict=True)
+            for pl, offset in zip(layout.params, self.layout.unsharded_offsets, strict=True)
         ]
         with label("copy_out"):
             torch.split_with_sizes_copy(pending.gathered.view(world, -1), layout.padded_sizes, dim=1, out=outs)
-        if memory is not None:
-            memory.add("comm_buffers", -pending.buffer_bytes)
+        memory.add("comm_buffers", -pending.buffer_bytes)
 
     # ------------------------------------------------------------------ shards moved by the user
     def check_shards_in_place(self, name: str = "") -> None:
-        """Re-adopt shards whose ``.data`` was replaced (e.g. ``param.data = t``) into the flat buffer.
+        """Re-adopt shards whose ``.data`` was replaced (e.g. ``param.data = t``) into the master buffer.
 
         Runs before every gather, so it only compares addresses and does real work only for a
         shard that moved.
         """
-        base, size = self.flat_shard.data_ptr(), self.flat_shard.element_size()
-        for sp, offset in zip(self.params, self.layout.offsets, strict=True):
+        base, size = self.master.data_ptr(), self.master.element_size()
+        for i, (sp, offset) in enumerate(zip(self.params, self._piece_offsets, strict=True)):
             if not sp.layout.local_numel or sp.sharded.data_ptr() == base + offset * size:
                 continue
             data = sp.sharded.data
@@ -280,102 +401,24 @@ class FlatGroup:
                     f"{sp.layout.local_shape}, {self.dtype} on {self.device}. Move or cast the model before calling "
                     "fully_shard, not after."
                 )
-            piece = self.flat_shard[offset : offset + sp.layout.local_numel]
+            piece = self._piece(i)
             with torch.no_grad():
-                piece.copy_(data.reshape(-1))
-            sp.sharded.data = alias(piece).view(sp.layout.local_shape)
-
-    # ------------------------------------------------------------------ gradients
-    def trainable(self) -> list[ShardedParam]:
-        return [sp for sp in self.params if sp.sharded.requires_grad]
-
-    def _grad_layout(self, params: list[ShardedParam]) -> FlatLayout:
-        """Flat layout of the trainable parameters (frozen ones send no gradient bytes)."""
-        key = tuple(sp.sharded.requires_grad for sp in self.params)
-        layout = self._grad_layouts.get(key)
-        if layout is None:
-            layout = FlatLayout.build([sp.layout for sp in params], self.mesh.shard_size)
-            self._grad_layouts[key] = layout
-        return layout
-
-    def reduce_gradients(self, *, comm: Comm, memory: MemoryTracker, name: str) -> PendingReduce | None:
-        """Pack the gathered gradients and start their reduction (asynchronously).
-
-        Returns the pending reduction, or None when no parameter of the group has a gradient.
-        Parameters without a gradient on this rank contribute zeros when others have one.
-        """
-        params = self.trainable()
-        grads = [sp.unsharded_grad() for sp in params]
-        if all(g is None for g in grads):
-            return None
-        for sp in params:
-            sp.clear_unsharded_grad()
-        layout = self._grad_layout(params)
-        dtype, world = self.reduce_dtype, self.mesh.shard_size
-        if world == 1 and self.mesh.replicate_size == 1 and all(g is None or g.is_contiguous() for g in grads):
-            # One rank and no replicas: nothing to reduce or pack; hand the gradients over as they
-            # are (same values as averaging over one rank, bit for bit). Missing ones stay None.
-            return PendingReduce(self, name, memory, None, None, params, layout, direct=grads)
-        packed = None
-        if world > 1:
-            packed = self.pack_rows(grads, layout, dtype)
-            output = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
-            work = comm.reduce_scatter(
-                output, packed.view(-1), self.mesh.shard_group, op=dist.ReduceOp.AVG,
-                unit=name, phase="backward", async_op=True,
-            )  # fmt: skip
-            if self.mesh.replicate_size > 1:
-                work.wait()
-                work = None
-        else:
-            if len(grads) == 1 and grads[0] is not None and grads[0].dtype == dtype and grads[0].is_contiguous():
-                output = grads[0].view(-1)  # the gradient itself: no copy, nothing new allocated
-            else:
-                output = self.pack_rows(grads, layout, dtype).view(-1)
-            work = None
-        if self.mesh.replicate_size > 1:
-            work = comm.all_reduce(
-                output, self.mesh.replicate_group, op=dist.ReduceOp.AVG, unit=name, phase="backward", async_op=True
-            )
-        fresh_output = all(_ptr(output) != _ptr(g) for g in grads)
-        held = (nbytes(packed) if packed is not None else 0) + (nbytes(output) if fresh_output else 0)
-        memory.add("comm_buffers", held)
-        return PendingReduce(self, name, memory, work, output, params, layout, packed=packed, buffer_bytes=held)
-
-    def accumulate_unsynced(self) -> None:
-        """Under ``no_sync``: keep gradients unreduced; widen them to the reduce dtype if it is wider."""
-        for sp in self.trainable():
-            grad = sp.unsharded.grad if sp.unsharded is not None else None
-            if grad is None or grad.dtype == self.reduce_dtype:
-                continue
-            if sp.accumulated_grad is None:
-                sp.accumulated_grad = grad.to(self.reduce_dtype)
-            else:
-                sp.accumulated_grad.add_(grad)
-            sp.unsharded.grad = None
+                piece.copy_(data)
+            sp.sharded.data = alias(piece)
+            self._dirty = True
 
     # ------------------------------------------------------------------ packing (the one owner)
-    def pack_rows(self, fulls: Sequence[torch.Tensor | None], layout: FlatLayout, dtype: torch.dtype) -> torch.Tensor:
-        """Full tensors as ``(world, S)``: each one's rows zero-padded to ``world * chunk``, rank-major blocks.
-
-        ``layout`` describes ``fulls`` (the group's layout, or the trainable subset's for
-        gradients); ``None`` entries contribute zeros.
-        """
-        world = layout.world
-        out = torch.empty(world, layout.shard_numel, dtype=dtype, device=self.device)
-        blocks = []
-        for full, pl in zip(fulls, layout.params, strict=True):
-            if full is None:
-                blocks.append(torch.zeros(world, pl.padded_numel, dtype=dtype, device=self.device))
+    def _pack_local(self, fulls: Sequence[torch.Tensor | None], layout: FlatLayout, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's rows (per ``layout``) of each full tensor, packed like a flat shard (padding zeroed)."""
+        out = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
+        for full, pl, offset in zip(fulls, layout.params, layout.offsets, strict=True):
+            piece = out[offset : offset + pl.padded_numel]
+            if full is None or not pl.local_rows:
+                piece.zero_()
                 continue
-            rows = full.reshape(pl.rows, pl.row_numel)
-            if rows.dtype != dtype:
-                rows = rows.to(dtype)
-            pad = world * pl.chunk - pl.rows
-            if pad:
-                rows = F.pad(rows, (0, 0, 0, pad))
-            blocks.append(rows.view(world, pl.padded_numel))
-        torch.cat(blocks, dim=1, out=out)
+            rows = full.reshape(pl.rows, pl.row_numel)[pl.row_start : pl.row_start + pl.local_rows]
+            piece[: pl.local_numel].view(pl.local_rows, pl.row_numel).copy_(rows)
+            piece[pl.local_numel :].zero_()
         return out
 
     @staticmethod
@@ -386,12 +429,12 @@ class FlatGroup:
 
     @torch.no_grad()
     def load_full(self, sp: ShardedParam, full: torch.Tensor) -> None:
-        """Copy this rank's rows of ``full`` into ``sp``'s shard."""
-        pl = sp.layout
-        if not pl.local_rows:
-            return
-        offset = self._offsets[id(sp)]
-        self.flat_shard[offset : offset + pl.local_numel].view(pl.local_shape).copy_(self.local_rows(pl, full))
+        """Copy ``full`` into ``sp``: this rank's rows (replicated groups: all of it)."""
+        i = self._index[id(sp)]
+        if self.replicated:
+            self._slot(i).copy_(full.reshape(-1))
+        elif sp.layout.local_rows:
+            self._piece(i).copy_(self.local_rows(sp.layout, full))
 
     def gather_full(
         self,
@@ -432,22 +475,43 @@ class FlatGroup:
     def scatter_from_rank0(
         self, fulls: Sequence[torch.Tensor] | None, *, is_source: bool, comm: Comm, name: str, phase: str
     ) -> None:
-        """The source rank packs the full tensors rank-major; every rank receives its flat shard."""
-        source = self.pack_rows(fulls, self.layout, self.dtype) if is_source and fulls is not None else None
-        if self.mesh.shard_size > 1:
+        """Global rank 0 gives the full tensors; every rank receives what it keeps of them.
+
+        Sharded groups: the shard group holding rank 0 scatters its flat shards, then (hybrid)
+        each replica group broadcasts from that group's member. Replicated groups: a broadcast.
+        """
+        mesh = self.mesh
+        if self.replicated or mesh.shard_size == 1:
+            if is_source and fulls is not None:
+                if self.replicated:
+                    for i, full in enumerate(fulls):
+                        self._slot(i).copy_(full.reshape(-1))
+                else:
+                    self.master.copy_(self.pack_rows(fulls, self.layout, self.dtype).view(-1))
+            group = mesh.shard_group if self.replicated else mesh.replicate_group
+            if group is not None and dist.get_world_size(group) > 1:
+                comm.broadcast(self.master, group, src_rank=self.mesh.group_rank_of(group, 0), unit=name, phase=phase)
+            self._dirty = False
+            self._versions = self._current_versions()
+            return
+        shard_ranks = dist.get_process_group_ranks(mesh.shard_group)
+        holds_source = 0 in shard_ranks
+        if holds_source:
+            source = self.pack_rows(fulls, self.layout, self.dtype) if is_source and fulls is not None else None
             chunks = list(source.unbind(0)) if source is not None else None
-            comm.scatter(self.flat_shard, chunks, self.mesh.shard_group, unit=name, phase=phase)
-        else:
-            if source is not None:
-                self.flat_shard.copy_(source.view(-1))
-            if self.mesh.replicate_size > 1:
-                comm.broadcast(self.flat_shard, self.mesh.replicate_group, unit=name, phase=phase)
+            comm.scatter(
+                self.master, chunks, mesh.shard_group, src_rank=mesh.group_rank_of(mesh.shard_group, 0),
+                unit=name, phase=phase,
+            )  # fmt: skip
+        if mesh.replicate_size > 1:
+            src = mesh.replica_source()
+            comm.broadcast(self.master, mesh.replicate_group, src_rank=src, unit=name, phase=phase)
 
     def to_dtensor(self, sp: ShardedParam, local: torch.Tensor | None = None) -> DTensor:
         """``local`` (default: ``sp``'s shard) as a DTensor piece of ``sp``'s global shape, sharing its memory.
 
-        ``Shard(0)`` over the shard group for sharded groups, ``Replicate()`` for NO_SHARD.
-        0-d parameters appear with shape ``(1,)``.
+        ``Shard(0)`` over the shard group, ``[Replicate(), Shard(0)]`` over a hybrid 2-D mesh,
+        ``Replicate()`` for NO_SHARD. 0-d parameters appear with shape ``(1,)``.
         """
         local = sp.sharded.detach() if local is None else local
         if tuple(local.shape) != sp.layout.local_shape:
@@ -456,26 +520,28 @@ class FlatGroup:
                 f"shard has shape {sp.layout.local_shape}"
             )
         shape = sp.global_shape
-        placement = Shard(0) if self.mesh.shard_size > 1 else Replicate()
+        device_mesh, placements = self.mesh.dtensor_placement(local.device.type)
         return DTensor.from_local(
             local,
-            self.mesh.device_mesh_for(local.device.type),
-            [placement],
+            device_mesh,
+            placements,
             run_check=False,
             shape=torch.Size(shape),
-            stride=_contiguous_stride(shape),
+            stride=contiguous_stride(shape),
         )
 
     # ------------------------------------------------------------------ deferred init
     def materialize(self, device: torch.device) -> None:
-        """Give a group built on the meta device real (zeroed) shard storage on ``device``."""
-        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        """Give a group built on the meta device real (zeroed) storage on ``device``."""
+        self.master = torch.zeros(self._master_numel, dtype=self.dtype, device=device)
         self.device = device
         self._unsharded_flat = None  # gathered parameters are recreated on the new device
-        self._offsets = {id(sp): off for sp, off in zip(self.params, self.layout.offsets, strict=True)}
-        for sp, offset in zip(self.params, self.layout.offsets, strict=True):
+        self._post = None
+        self.partial = None
+        for i, sp in enumerate(self.params):
             sp.unsharded, sp.hooked = None, False
-            piece = self.flat_shard[offset : offset + sp.layout.local_numel].view(sp.layout.local_shape)
-            fresh = nn.Parameter(alias(piece), requires_grad=sp.sharded.requires_grad)
+            fresh = nn.Parameter(alias(self._piece(i)), requires_grad=sp.sharded.requires_grad)
             fresh.__dict__.update(sp.sharded.__dict__)  # swap_tensors swaps Python attributes too
             torch.utils.swap_tensors(sp.sharded, fresh)  # keeps the Parameter object optimizers hold
+        self._versions = self._current_versions()
+        self._dirty = False

@@ -3,20 +3,24 @@
 Note: the life of a unit in one step.
 
 * **pre-forward** (forward pre-hook): gather parameters (all-gather; a no-op when still
-  gathered) and register them on the modules; cast inputs under mixed precision; hook the
+  gathered; for SHARD_OPT, only the rows the optimizer changed since the last gather) and
+  register them on the modules; cast inputs under mixed precision; hook the
   forward inputs that require grad (*post-backward*, below). The outermost unit whose forward
   starts outside any other unit's forward of its tree is the *forward root*: it first frees
   parameters that an earlier forward left gathered without a backward, so a step never
   computes with parameters gathered before an optimizer step.
 * **post-forward** (forward hook): hook every output that requires grad (*pre-backward*); free
-  the gathered parameters if the policy says so (FULL_SHARD non-root units), or always when no
+  the gathered parameters if the policy says so (FULL_SHARD non-root units; with
+  ``reshard_after_forward=N`` keep them split over N ranks instead), or always when no
   backward can come through this call (``no_grad``, or outputs that need no gradient).
 * **pre-backward** (a hook on each output's gradient): gather again if freed. It runs before
   any backward node of the module can, because every one of them needs that gradient first.
   The first one of a backward pass queues the tree's *end-of-backward* callback.
 * **gradients ready** (a post-accumulate-grad hook on each gathered trainable parameter): once
   every trainable parameter of the unit has its gradient, start the reduction (reduce-scatter,
-  or all-reduce for NO_SHARD) asynchronously. At most one reduction is in flight: starting one
+  then all-reduce across replicas for hybrid sharding; all-reduce for NO_SHARD and SHARD_OPT)
+  asynchronously -- or, under ``no_sync``, keep the gradients (``no_sync(reduce_scatter=True)``:
+  reduce-scatter and keep the partial sum for the replica all-reduce). At most one reduction is in flight: starting one
   lands the previous, so reductions overlap the next unit's backward without holding every
   unit's buffer at once. The parameters are *not* freed here.
 * **post-backward** (a hook on the gradients of the forward inputs, all of them): autograd has
@@ -138,13 +142,11 @@ class _PostForward:
                 for tensor in outputs:  # one hook per output: any of them may start backward into the module
                     tensor.register_hook(hook)
         if unit.pinned:
-            free = False
-        elif backward_follows:
-            free = unit.reshard_after_forward and unit.sync_gradients
-        else:
-            free = True  # no backward can come through this call
-        if free:
-            unit.reshard()
+            pass
+        elif not backward_follows:
+            unit.reshard()  # no backward can come through this call
+        elif unit.reshard_after_forward and unit.sync_gradients:
+            unit.reshard(after_forward=True)
         if ctx.forward_root is unit:
             ctx.forward_root = None
             unit.set_forward_order(list(ctx.order.values()))
@@ -219,9 +221,13 @@ def _root_pre_forward(ctx: RootContext, root: ShardUnit) -> None:
         root.subtree = subtree_units(root.module)
     for unit in root.subtree:
         unit.forward_root_unit = root
-        # Left gathered by a forward whose backward has not run (touched since the last end of
-        # backward); units a no_sync backward keeps gathered on purpose are not touched any more.
-        if unit.residency is Residency.GATHERED and unit.sync_gradients and id(unit) in ctx.touched:
+        # Left gathered (or partly resharded) by a forward whose backward has not run (touched since the
+        # last end of backward); units a no_sync backward keeps gathered on purpose are not touched any more.
+        if (
+            unit.residency in (Residency.GATHERED, Residency.PARTIAL)
+            and unit.sync_gradients
+            and id(unit) in ctx.touched
+        ):
             unit.reshard()
 
 
@@ -236,11 +242,11 @@ def _on_grad_ready(unit: ShardUnit, index: int) -> None:
 
 def _reduce(ctx: RootContext, unit: ShardUnit) -> None:
     """Reduce (or, under no_sync, set aside) the unit's gradients."""
-    if unit.sync_gradients:
+    if unit.keeps_gradients_local:
+        unit.accumulate_unsynced()
+    else:
         ctx.land_pending()  # bound in-flight reductions to one
         ctx.pending.extend(unit.reduce_gradients())
-    else:
-        unit.accumulate_unsynced()
 
 
 def _finalize_backward(ctx: RootContext) -> None:
@@ -253,6 +259,7 @@ def _finalize_backward(ctx: RootContext) -> None:
             _reduce(ctx, unit)
     ctx.land_pending()
     ctx.cancel_prefetches()
+    ctx.memory.drop_spare()
     for unit in units:
         if unit.sync_gradients:
             unit.reshard()

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FlatLayout", "ParamLayout", "chunk_rows", "shard_row_range"]
+__all__ = ["FlatLayout", "ParamLayout", "chunk_rows", "contiguous_stride", "shard_row_range"]
 
 # Element alignment of each parameter inside gathered (unsharded) buffers, so that gathered
 # parameters start on 64-byte boundaries for fp32 (32 bytes for bf16).
@@ -40,6 +40,15 @@ def shard_row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
     c = chunk_rows(rows, world)
     start = min(rank * c, rows)
     return start, max(0, min(c, rows - start))
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (empty dimensions count as 1)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def _align(n: int, to: int) -> int:

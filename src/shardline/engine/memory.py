@@ -3,13 +3,16 @@
 Two kinds of components:
 
 * **tracked** -- buffers the engine allocates and frees itself, counted at each allocation
-  and release, with a high-water mark: gathered parameters (``unsharded_params``) and
+  and release, with a high-water mark: gathered parameters (``unsharded_params``, including
+  the pieces a partial reshard keeps after forward) and
   communication buffers (``comm_buffers``: all-gather outputs and casts, packed gradients and
   reduction outputs). Tracked per sharded model (its root's :class:`MemoryTracker`).
 * **measured** -- tensors that live on the model and optimizer, summed when asked:
-  ``sharded_params`` (flat shard buffers), ``sharded_grads``, ``unsharded_grads`` (full
-  gradients not yet reduced, e.g. under ``no_sync``) and ``optimizer_state`` (when the
-  optimizer is passed). Tensors sharing storage are counted once.
+  ``sharded_params`` (the master buffers: flat shards, or the full parameters SHARD_OPT keeps),
+  ``sharded_grads`` (reduced gradients -- SHARD_OPT's are views of the full all-reduced
+  gradients, so those count whole -- and partial sums awaiting a deferred all-reduce across
+  replicas), ``unsharded_grads`` (full gradients not yet reduced, e.g. under ``no_sync``) and
+  ``optimizer_state`` (when the optimizer is passed). Tensors sharing storage are counted once.
 """
 
 from __future__ import annotations
@@ -25,12 +28,49 @@ TRACKED = ("unsharded_params", "comm_buffers")
 
 
 class MemoryTracker:
-    """Bytes of the engine's own buffers for one sharded model, with high-water marks."""
+    """Bytes of the engine's own buffers for one sharded model, with high-water marks.
+
+    Note: the spare buffer. Packing a unit's gradients needs a scratch buffer the size of the
+    unit's gradients, and the next unit (usually the same size) needs one again right after. A
+    freshly allocated CPU buffer that large costs its page faults on every first touch (~5x the
+    time of writing warm memory), so the tracker keeps the last scratch buffer given back
+    (:meth:`give`) and hands it out again when the size matches (:meth:`take`). It stays counted
+    in ``comm_buffers`` while kept; the end of each backward pass drops it (:meth:`drop_spare`),
+    so nothing is held between steps.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # reductions may finish on autograd threads
         self.current = dict.fromkeys(TRACKED, 0)
         self.peak = dict.fromkeys(TRACKED, 0)
+        self._spare: torch.Tensor | None = None
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D scratch buffer (uninitialized): the spare one if it matches, else a new one (counted)."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == numel and spare.dtype == dtype and spare.device == device:
+            return spare
+        if spare is not None:
+            self.add("comm_buffers", -nbytes(spare))
+            del spare
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.add("comm_buffers", nbytes(buffer))
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` (from :meth:`take`) as the spare; it stays counted until reused or dropped."""
+        with self._lock:
+            old, self._spare = self._spare, buffer.view(-1)
+        if old is not None:
+            self.add("comm_buffers", -nbytes(old))
+
+    def drop_spare(self) -> None:
+        """Free the spare buffer."""
+        with self._lock:
+            old, self._spare = self._spare, None
+        if old is not None:
+            self.add("comm_buffers", -nbytes(old))
 
     def add(self, component: str, nbytes: int) -> None:
         """Count ``nbytes`` more (negative: fewer) of ``component``."""

@@ -2,8 +2,30 @@
 
 A unit sees data-parallel ranks as ``shard`` x ``replicate``: parameters are partitioned
 across the shard group and gradients are additionally averaged across the replicate group.
-FULL_SHARD / SHARD_GRAD_OP use (world, 1), NO_SHARD uses (1, world); hybrid sharding will be a
-2-D mesh with both sizes above one, with no change to the unit code.
+
+=========================  ==============  ==================  =========================
+strategy                   shard group     replicate group     ``mesh`` argument
+=========================  ==============  ==================  =========================
+FULL_SHARD, SHARD_GRAD_OP  all ranks       --                  None, a group, a 1-D mesh
+SHARD_OPT                  all ranks (*)   --                  None, a group, a 1-D mesh
+NO_SHARD                   --              all ranks           None, a group, a 1-D mesh
+HYBRID_SHARD(_ZERO2)       mesh["shard"]   mesh["replicate"]   a 2-D DeviceMesh
+=========================  ==============  ==================  =========================
+
+(*) SHARD_OPT keeps full parameters on every rank; the shard group is what its optimizer
+state is split across and what its gradients are all-reduced over.
+
+Note: the 2-D mesh. ``hybrid_mesh(replicate_size=R, shard_size=S)`` builds the mesh
+``init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))``: rank ``r`` is in
+shard group ``r // S`` (consecutive ranks, so on a machine with ``S`` devices per node the
+all-gathers and reduce-scatters stay inside a node) and replica group ``r % S``. A 2-D mesh
+built elsewhere works too: its dimensions are found by name (``replicate``/``shard``, or any
+names containing them such as ``dp_replicate``/``dp_shard``), else by position (replicate
+first, the order torch's FSDP2 and Lightning's ``ModelParallelStrategy`` use).
+
+Note: partial resharding. ``reshard_after_forward=N`` keeps, after forward, each rank's piece
+of the parameters split over its *post-forward group*: ``N`` consecutive ranks of the shard
+group. Backward then all-gathers over those ``N`` ranks only (``post_forward_group``).
 """
 
 from __future__ import annotations
@@ -13,12 +35,22 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
 
+from shardline import _torch_compat
 from shardline.engine.strategy import StrategyPolicy
 from shardline.errors import ConfigurationError, DistributedNotInitializedError
 
-__all__ = ["MeshLike", "ShardMesh", "require_process_group", "resolve_mesh"]
+__all__ = [
+    "MeshLike",
+    "ShardMesh",
+    "hybrid_degrees",
+    "hybrid_mesh",
+    "post_forward_group",
+    "require_process_group",
+    "resolve_mesh",
+]
 
 MeshLike = DeviceMesh | dist.ProcessGroup | None
 
@@ -41,12 +73,14 @@ class ShardMesh:
     """The communication groups of one unit.
 
     Attributes:
-        dp_group: All data-parallel ranks of the unit. Gradients are averaged over it and the
-            global gradient norm is reduced over it.
-        shard_group: Parameters are split across these ranks (``None``: not split).
+        dp_group: All data-parallel ranks of the unit. The global gradient norm is reduced over it.
+        shard_group: Parameters (SHARD_OPT: optimizer state) are split across these ranks
+            (``None``: not split).
         replicate_group: Gradients are also all-reduced across these ranks (``None``: no replicas).
         device_types: Device types the backend can communicate (``cpu`` for gloo, ``cuda`` for
             NCCL); empty when unknown (then any device is accepted).
+        device_mesh: The DeviceMesh the user passed (1-D, or 2-D for hybrid sharding).
+        replicate_dim: For a 2-D mesh, which of its dimensions is the replica dimension.
     """
 
     dp_group: dist.ProcessGroup
@@ -54,6 +88,7 @@ class ShardMesh:
     replicate_group: dist.ProcessGroup | None
     device_types: frozenset[str]
     device_mesh: DeviceMesh | None = None
+    replicate_dim: int = 0
 
     @functools.cached_property
     def dp_size(self) -> int:
@@ -79,6 +114,11 @@ class ShardMesh:
     def replicate_rank(self) -> int:
         return 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Sharded inside groups of a 2-D mesh and replicated across them."""
+        return self.device_mesh is not None and self.device_mesh.ndim == 2
+
     def same_dp_group(self, other: ShardMesh) -> bool:
         """Whether both meshes average over the same ranks."""
         return self.dp_group is other.dp_group or (
@@ -97,12 +137,46 @@ class ShardMesh:
             f"with a backend for {device.type} (gloo for cpu, nccl for cuda)."
         )
 
-    def device_mesh_for(self, device_type: str) -> DeviceMesh:
-        """A 1-D DeviceMesh over the shard group, for exposing shards as DTensors."""
+    def dtensor_placement(self, device_type: str) -> tuple[DeviceMesh, list[Placement]]:
+        """The mesh and placements that show a local shard as a DTensor piece.
+
+        ``Shard(0)`` over the shard group; ``[Replicate(), Shard(0)]`` over a hybrid 2-D mesh
+        (in the mesh's dimension order); ``Replicate()`` when nothing is split (NO_SHARD).
+        """
+        if self.is_hybrid:
+            assert self.device_mesh is not None
+            placements: list[Placement] = [Shard(0), Shard(0)]
+            placements[self.replicate_dim] = Replicate()
+            return self.device_mesh, placements
         if self.device_mesh is not None:
-            return self.device_mesh
+            return self.device_mesh, [Shard(0) if self.shard_size > 1 else Replicate()]
         group = self.shard_group if self.shard_group is not None else self.dp_group
-        return _device_mesh_from_group(group, device_type)
+        return _device_mesh_from_group(group, device_type), [Shard(0) if self.shard_size > 1 else Replicate()]
+
+    @staticmethod
+    def group_rank_of(group: dist.ProcessGroup, global_rank: int) -> int:
+        """``global_rank``'s rank within ``group`` (0 when it is not a member)."""
+        ranks = dist.get_process_group_ranks(group)
+        return ranks.index(global_rank) if global_rank in ranks else 0
+
+    def replica_source(self) -> int:
+        """The rank, within this rank's replica group, that belongs to the shard group holding global rank 0."""
+        assert self.replicate_group is not None
+        source: set[int] = set()
+        if self.is_hybrid:
+            assert self.device_mesh is not None
+            grid = self.device_mesh.mesh
+            replica = int((grid == 0).nonzero()[0][self.replicate_dim])
+            source = set(grid.select(self.replicate_dim, replica).flatten().tolist())
+        for index, rank in enumerate(dist.get_process_group_ranks(self.replicate_group)):
+            if rank in source:
+                return index
+        return 0
+
+    def places_like(self, mesh: DeviceMesh, placements: tuple[Placement, ...], device_type: str) -> bool:
+        """Whether a DTensor on ``mesh`` with ``placements`` is split exactly like this mesh's pieces."""
+        own_mesh, own = self.dtensor_placement(device_type)
+        return tuple(own) == tuple(placements) and mesh.mesh.tolist() == own_mesh.mesh.tolist()
 
 
 @functools.cache
@@ -124,25 +198,106 @@ def _backend_devices(group: dist.ProcessGroup) -> frozenset[str]:
     return frozenset(devices)
 
 
-def resolve_mesh(mesh: MeshLike, policy: StrategyPolicy) -> ShardMesh:
+# ---------------------------------------------------------------------- hybrid (2-D) meshes
+def hybrid_degrees(*, world_size: int, replicate_size: int = -1, shard_size: int = -1) -> tuple[int, int]:
+    """``(replicate_size, shard_size)`` whose product is ``world_size``; ``-1`` means infer that one.
+
+    Raises:
+        ConfigurationError: A size is neither -1 nor positive, both are -1, one does not divide
+            the world size, or the two do not multiply to it. The message names both.
+    """
+    for name, value in (("replicate_size", replicate_size), ("shard_size", shard_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+            raise ConfigurationError(f"{name} must be a positive integer or -1 (infer it), got {value!r}")
+    if replicate_size == -1 and shard_size == -1:
+        raise ConfigurationError(
+            f"hybrid sharding needs replicate_size or shard_size (the other may be -1 to infer it); got both -1 "
+            f"for {world_size} ranks. E.g. shard_size=<devices per node> and replicate_size=-1."
+        )
+    r, s = replicate_size, shard_size
+    if r == -1 and world_size % s == 0:
+        r = world_size // s
+    elif s == -1 and world_size % r == 0:
+        s = world_size // r
+    if r < 1 or s < 1 or r * s != world_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigurationError(
+            f"replicate_size={replicate_size} x shard_size={shard_size} does not match the world size "
+            f"{world_size}: the two degrees must multiply to the number of ranks (-1 infers one of them). "
+            f"Pick them among the divisors of {world_size}: {divisors}."
+        )
+    return r, s
+
+
+def hybrid_mesh(*, replicate_size: int = -1, shard_size: int = -1, device_type: str | None = None) -> DeviceMesh:
+    """A 2-D ``DeviceMesh`` (replicate, shard) over all ranks, for ``strategy="hybrid_shard"``.
+
+    ``-1`` infers one degree from the world size (see :func:`hybrid_degrees`). Ranks
+    ``k*S .. k*S+S-1`` form shard group ``k``. A collective: every rank must call it.
+
+    >>> mesh = shardline.hybrid_mesh(shard_size=8)           # 8 devices per node
+    >>> shardline.wrap(model, policy, strategy="hybrid_shard", mesh=mesh)
+    """
+    require_process_group("shardline.hybrid_mesh")
+    r, s = hybrid_degrees(world_size=dist.get_world_size(), replicate_size=replicate_size, shard_size=shard_size)
+    if device_type is None:
+        devices = _backend_devices(dist.group.WORLD)
+        device_type = "cuda" if "cuda" in devices and "cpu" not in devices and torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (r, s), mesh_dim_names=("replicate", "shard"))
+
+
+def _hybrid_dims(mesh: DeviceMesh) -> tuple[int, int]:
+    """``(replicate_dim, shard_dim)`` of a 2-D mesh: by name when its names say so, else (0, 1)."""
+    names = [n.lower() for n in (mesh.mesh_dim_names or ())]
+    if len(names) == 2:
+        rep = [i for i, n in enumerate(names) if "replicate" in n]
+        shard = [i for i, n in enumerate(names) if "shard" in n]
+        if len(rep) == 1 and len(shard) == 1 and rep != shard:
+            return rep[0], shard[0]
+    return 0, 1
+
+
+@functools.cache
+def _group_of_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A process group of exactly ``ranks`` (created once; only its members need to call this)."""
+    if list(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    timeout = _torch_compat.group_timeout(None)
+    return dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
+
+
+def post_forward_group(mesh: ShardMesh, size: int) -> dist.ProcessGroup:
+    """This rank's post-forward group: ``size`` consecutive ranks of its shard group (see the note at the top)."""
+    assert mesh.shard_group is not None
+    assert mesh.shard_size % size == 0
+    ranks = dist.get_process_group_ranks(mesh.shard_group)
+    start = mesh.shard_rank // size * size
+    return _group_of_ranks(tuple(sorted(ranks[start : start + size])))
+
+
+# ---------------------------------------------------------------------- resolution
+def resolve_mesh(mesh: MeshLike, policy: StrategyPolicy, strategy_name: str = "") -> ShardMesh:
     """Turn ``fully_shard``'s ``mesh`` argument into the unit's groups for ``policy``."""
     require_process_group("shardline.fully_shard")
-    device_mesh: DeviceMesh | None = None
+    name = strategy_name or "this strategy"
     if mesh is dist.GroupMember.NON_GROUP_MEMBER:
         raise ConfigurationError(
             f"this process (global rank {dist.get_rank()}) is not a member of the process group passed as mesh: "
             "torch.distributed.new_group() returned GroupMember.NON_GROUP_MEMBER here. Every rank that runs "
             "the model must be in the group it is sharded over; build and shard the model on member ranks only."
         )
+    if policy.hybrid:
+        return _resolve_hybrid(mesh, name)
+    device_mesh: DeviceMesh | None = None
     if mesh is None:
         group = dist.group.WORLD
         devices = _backend_devices(group)
     elif isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ConfigurationError(
-                f"fully_shard takes a 1-D DeviceMesh, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} "
-                f"(dims {mesh.mesh_dim_names}). Pass the data-parallel dimension, e.g. mesh['dp'], or a "
-                "ProcessGroup; hybrid sharding over 2-D meshes is planned but not available yet."
+                f"strategy {name} shards over one mesh dimension, but got a {mesh.ndim}-D mesh of shape "
+                f"{tuple(mesh.shape)} (dims {mesh.mesh_dim_names}). For a (replicate, shard) mesh use "
+                "strategy='hybrid_shard' or 'hybrid_shard_zero2'; otherwise pass one dimension, e.g. mesh['dp']."
             )
         group = mesh.get_group()
         devices = frozenset({mesh.device_type})
@@ -152,15 +307,50 @@ def resolve_mesh(mesh: MeshLike, policy: StrategyPolicy) -> ShardMesh:
         devices = _backend_devices(group)
     else:
         raise ConfigurationError(
-            f"mesh must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None (the world), "
+            f"mesh must be a torch.distributed ProcessGroup, a DeviceMesh or None (the world), "
             f"got {type(mesh).__name__}: {mesh!r}"
         )
+    _check_member(group)
+    if policy.shard_optimizer:  # ZeRO-1/2/3: split across the group
+        return ShardMesh(group, group, None, devices, device_mesh)
+    return ShardMesh(group, None, group, devices, device_mesh)
+
+
+def _check_member(group: dist.ProcessGroup) -> None:
     if dist.get_rank(group) < 0:
         raise ConfigurationError(
             f"this process (global rank {dist.get_rank()}) is not a member of the mesh's process group "
             f"(ranks {dist.get_process_group_ranks(group)}). Every rank that runs the model must be in "
             "the group it is sharded over; build the model on member ranks only."
         )
-    if policy.shard_params:
-        return ShardMesh(group, group, None, devices, device_mesh)
-    return ShardMesh(group, None, group, devices, device_mesh)
+
+
+def _resolve_hybrid(mesh: MeshLike, name: str) -> ShardMesh:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
+        got = (
+            f"a {mesh.ndim}-D DeviceMesh of shape {tuple(mesh.shape)}"
+            if isinstance(mesh, DeviceMesh)
+            else ("no mesh" if mesh is None else f"a {type(mesh).__name__}")
+        )
+        raise ConfigurationError(
+            f"strategy {name} shards inside groups and replicates across them, so it needs a 2-D DeviceMesh "
+            f"(replicate, shard); got {got}. Build one with shardline.hybrid_mesh(replicate_size=R, "
+            "shard_size=S) (or torch's init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard'))) "
+            "and pass it as mesh=."
+        )
+    if mesh.get_coordinate() is None:
+        raise ConfigurationError(
+            f"this process (global rank {dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}; every rank "
+            "that runs the model must be in the mesh it is sharded over."
+        )
+    rep_dim, shard_dim = _hybrid_dims(mesh)
+    ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
+    dp_group = _group_of_ranks(ranks)
+    return ShardMesh(
+        dp_group,
+        mesh.get_group(shard_dim),
+        mesh.get_group(rep_dim),
+        frozenset({mesh.device_type}),
+        mesh,
+        replicate_dim=rep_dim,
+    )

@@ -2,13 +2,14 @@
 
 Note: what ``module.state_dict()`` returns. A sharded module keeps plain local tensors as its
 parameters (the optimizer step pays no DTensor dispatch), but its ``state_dict()`` gives each
-managed parameter as a ``DTensor`` -- ``Shard(0)`` over the shard group (``Replicate()`` for
-NO_SHARD) -- built over the live shard without a copy, the way torch's FSDP2 presents its
-parameters. torch DCP, ``torch.distributed.checkpoint.state_dict`` and any DTensor-aware saver
-therefore see whole tensors of the right global shape. ``load_state_dict`` takes those
-DTensors back, or full tensors (each rank keeps its rows). Both are hooks on each unit's
-module, so they also work when the sharded module is a submodule of something else. A 0-d
-parameter appears with shape ``(1,)`` (``Shard(0)`` needs a dimension).
+managed parameter as a ``DTensor`` -- ``Shard(0)`` over the shard group, ``[Replicate(),
+Shard(0)]`` over a hybrid 2-D mesh, ``Replicate()`` for NO_SHARD -- built over the live shard
+without a copy, the way torch's FSDP2 presents its parameters. torch DCP,
+``torch.distributed.checkpoint.state_dict`` and any DTensor-aware saver therefore see whole
+tensors of the right global shape. ``load_state_dict`` takes those DTensors back, or full
+tensors (each rank keeps its rows). Both are hooks on each unit's module, so they also work
+when the sharded module is a submodule of something else. A 0-d parameter appears with shape
+``(1,)`` (``Shard(0)`` needs a dimension).
 
 Engine code that needs the registered tensors themselves uses :func:`plain_state_dict`.
 """
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardline.engine.param import ShardedParam
 from shardline.engine.registry import subtree_units
@@ -257,21 +258,13 @@ def _local_piece(sp: ShardedParam, value: Any, key: str, error_msgs: list[str]) 
     if isinstance(value, DTensor):
         if all(isinstance(p, Replicate) for p in value.placements):
             value = value.to_local()  # the full tensor itself
-        elif (
-            group.mesh.shard_size > 1
-            and tuple(value.placements) == (Shard(0),)
-            and tuple(value.to_local().shape) == pl.local_shape
-            and _same_ranks(value, group)
+        elif tuple(value.to_local().shape) == pl.local_shape and group.mesh.places_like(
+            value.device_mesh, tuple(value.placements), value.device.type
         ):
             return value.to_local()  # placed exactly like the shard
         else:
             value = value.full_tensor()  # another layout: every rank loads, so every rank gathers
     return group.local_rows(pl, value)
-
-
-def _same_ranks(value: DTensor, group: Any) -> bool:
-    ranks = value.device_mesh.mesh.flatten().tolist()
-    return ranks == dist.get_process_group_ranks(group.mesh.shard_group)
 
 
 # ---------------------------------------------------------------------- full state dicts

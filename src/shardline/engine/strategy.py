@@ -1,10 +1,20 @@
 """Sharding strategies: names users type, and the few knobs each one turns.
 
 A strategy is not special-cased anywhere in the engine. It resolves to a
-:class:`StrategyPolicy` -- whether parameters are partitioned, when gathered parameters are
-freed, and how gradients are reduced -- and the unit code only reads those knobs. ZeRO-1
-(shard optimizer state only) and hybrid sharding (shard inside a group, replicate across
-groups) are new combinations of the same knobs plus a second mesh dimension.
+:class:`StrategyPolicy` -- whether parameters are partitioned, whether the optimizer sees
+only this rank's rows, whether the mesh has a replica dimension, and when gathered
+parameters are freed -- and the unit code only reads those knobs:
+
+=====================  ============  ===============  ======  =====================
+strategy               shard_params  shard_optimizer  hybrid  reshard_after_forward
+=====================  ============  ===============  ======  =====================
+NO_SHARD (ZeRO-0)      no            no               no      --
+SHARD_OPT (ZeRO-1)     no            yes              no      --
+SHARD_GRAD_OP (ZeRO-2) yes           yes              no      no
+FULL_SHARD (ZeRO-3)    yes           yes              no      yes
+HYBRID_SHARD_ZERO2     yes           yes              yes     no
+HYBRID_SHARD           yes           yes              yes     yes
+=====================  ============  ===============  ======  =====================
 """
 
 from __future__ import annotations
@@ -23,9 +33,17 @@ class StrategyPolicy:
     """What a strategy means for one unit.
 
     Attributes:
-        shard_params: Parameters (and so gradients and optimizer state) are split across the
-            data-parallel ranks. When False every rank keeps full parameters and gradients are
-            all-reduced (DDP / ZeRO-0).
+        shard_params: Parameters are split across the shard group: each rank keeps only its
+            rows between uses and gathers full parameters for forward and backward (ZeRO-2/3).
+            When False every rank keeps full parameters all the time.
+        shard_optimizer: The parameters the optimizer sees between steps are this rank's rows,
+            so optimizer state (and the reduced gradients it reads) are split across ranks.
+            With ``shard_params=False`` this is ZeRO-1: gradients are all-reduced, each rank
+            steps its own rows of the full parameters it keeps, and the updated rows are
+            all-gathered into every rank's full parameters before the next forward.
+        hybrid: The mesh has two dimensions: parameters are sharded inside each shard group and
+            replicated across groups; gradients are reduce-scattered inside the shard group and
+            all-reduced across replicas.
         reshard_after_forward: Free gathered parameters after forward (they are gathered again
             for backward). This is the default when ``fully_shard`` gets ``None``; the root
             unit overrides it to False because backward needs its parameters first.
@@ -33,23 +51,42 @@ class StrategyPolicy:
     """
 
     shard_params: bool
+    shard_optimizer: bool
+    hybrid: bool
     reshard_after_forward: bool
     reshard_after_backward: bool
+
+    def __post_init__(self) -> None:
+        if self.shard_params and not self.shard_optimizer:
+            raise ConfigurationError("a strategy that shards parameters also shards optimizer state")
+
+    @property
+    def replicated_params(self) -> bool:
+        """Every rank keeps full parameters (ZeRO-0 and ZeRO-1)."""
+        return not self.shard_params
 
 
 class ShardingStrategy(str, enum.Enum):
     """How a unit shards its parameters, gradients and optimizer state.
 
     Accepts its value, its name (any case) or an alias wherever a strategy is expected:
-    ``"full_shard"``/``"zero3"``, ``"shard_grad_op"``/``"zero2"``, ``"no_shard"``/``"ddp"``/``"zero0"``.
+    ``"full_shard"``/``"zero3"``, ``"shard_grad_op"``/``"zero2"``, ``"shard_opt"``/``"zero1"``,
+    ``"no_shard"``/``"ddp"``/``"zero0"``, ``"hybrid_shard"``/``"hsdp"``,
+    ``"hybrid_shard_zero2"``/``"hsdp_zero2"``.
     """
 
     NO_SHARD = "no_shard"
     """ZeRO-0: full replicas, gradients all-reduced (like DDP)."""
+    SHARD_OPT = "shard_opt"
+    """ZeRO-1: full replicas and gradients all-reduced, optimizer state sharded; updated rows all-gathered."""
     SHARD_GRAD_OP = "shard_grad_op"
     """ZeRO-2: parameters gathered from forward through backward, gradients and optimizer state sharded."""
     FULL_SHARD = "full_shard"
     """ZeRO-3: parameters gathered just in time for forward and again for backward."""
+    HYBRID_SHARD_ZERO2 = "hybrid_shard_zero2"
+    """SHARD_GRAD_OP inside each shard group of a 2-D mesh, replicated across groups."""
+    HYBRID_SHARD = "hybrid_shard"
+    """FULL_SHARD inside each shard group of a 2-D mesh, replicated across groups."""
 
     @classmethod
     def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
@@ -79,33 +116,52 @@ class ShardingStrategy(str, enum.Enum):
 
     @property
     def zero_stage(self) -> int:
-        """The ZeRO stage this strategy corresponds to (0, 2 or 3)."""
+        """The ZeRO stage this strategy corresponds to (0 to 3; hybrid ones: the stage inside a shard group)."""
         return _ZERO_STAGE[self]
 
 
 _POLICIES = {
     ShardingStrategy.NO_SHARD: StrategyPolicy(
-        shard_params=False, reshard_after_forward=False, reshard_after_backward=True
+        shard_params=False,
+        shard_optimizer=False,
+        hybrid=False,
+        reshard_after_forward=False,
+        reshard_after_backward=True,
+    ),
+    ShardingStrategy.SHARD_OPT: StrategyPolicy(
+        shard_params=False, shard_optimizer=True, hybrid=False, reshard_after_forward=False, reshard_after_backward=True
     ),
     ShardingStrategy.SHARD_GRAD_OP: StrategyPolicy(
-        shard_params=True, reshard_after_forward=False, reshard_after_backward=True
+        shard_params=True, shard_optimizer=True, hybrid=False, reshard_after_forward=False, reshard_after_backward=True
     ),
     ShardingStrategy.FULL_SHARD: StrategyPolicy(
-        shard_params=True, reshard_after_forward=True, reshard_after_backward=True
+        shard_params=True, shard_optimizer=True, hybrid=False, reshard_after_forward=True, reshard_after_backward=True
+    ),
+    ShardingStrategy.HYBRID_SHARD_ZERO2: StrategyPolicy(
+        shard_params=True, shard_optimizer=True, hybrid=True, reshard_after_forward=False, reshard_after_backward=True
+    ),
+    ShardingStrategy.HYBRID_SHARD: StrategyPolicy(
+        shard_params=True, shard_optimizer=True, hybrid=True, reshard_after_forward=True, reshard_after_backward=True
     ),
 }
 
 _ZERO_STAGE = {
     ShardingStrategy.NO_SHARD: 0,
+    ShardingStrategy.SHARD_OPT: 1,
     ShardingStrategy.SHARD_GRAD_OP: 2,
     ShardingStrategy.FULL_SHARD: 3,
+    ShardingStrategy.HYBRID_SHARD_ZERO2: 2,
+    ShardingStrategy.HYBRID_SHARD: 3,
 }
 
 _ALIASES = {
     "ddp": ShardingStrategy.NO_SHARD,
     "zero0": ShardingStrategy.NO_SHARD,
+    "zero1": ShardingStrategy.SHARD_OPT,
     "zero2": ShardingStrategy.SHARD_GRAD_OP,
     "zero3": ShardingStrategy.FULL_SHARD,
+    "hsdp": ShardingStrategy.HYBRID_SHARD,
+    "hsdp_zero2": ShardingStrategy.HYBRID_SHARD_ZERO2,
 }
 
 _BY_NAME: dict[str, ShardingStrategy] = {

@@ -8,8 +8,13 @@ methods named beside each arrow::
 
     SHARDED --prefetch--> PREFETCHING --unshard--> GATHERED --reshard--> SHARDED
     SHARDED --unshard---------------------------> GATHERED
-    PREFETCHING --cancel_prefetch--> SHARDED
+    PREFETCHING --cancel_prefetch--> SHARDED (or PARTIAL, when it was gathering from there)
+    GATHERED --reshard(after_forward, N)--> PARTIAL --prefetch/unshard--> PREFETCHING/GATHERED
+    PARTIAL --reshard--> SHARDED
     any --pin--> PINNED --unpin--> GATHERED      (an explicit ``module.unshard()``)
+
+``PARTIAL`` is ``reshard_after_forward=N``: after forward the unit keeps its parameters split
+over groups of ``N`` ranks, so backward gathers over those only.
 
 What the current backward pass has done to the unit (which gradients arrived, whether they
 were reduced) is a separate record, :class:`BackwardProgress`, reset as a whole when the pass
@@ -28,11 +33,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardline.engine.comm import Comm
-from shardline.engine.flat import FlatGroup, PendingReduce
+from shardline.engine.flat import FlatGroup
 from shardline.engine.memory import MemoryTracker
 from shardline.engine.mesh import ShardMesh
 from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.param import ShardedParam
+from shardline.engine.pending import PendingReduce
 from shardline.engine.profiling import label
 from shardline.engine.strategy import ShardingStrategy
 from shardline.errors import ShardingError
@@ -51,6 +57,8 @@ class Residency(enum.Enum):
     """Full parameters registered, for forward and backward."""
     PINNED = "pinned"
     """Gathered by an explicit ``unshard()``; only ``reshard()`` frees it."""
+    PARTIAL = "partial"
+    """Shards registered, and the gathered parameters kept split over the post-forward group for backward."""
 
 
 @dataclass
@@ -81,7 +89,7 @@ class ShardUnit:
         params: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
         mesh: ShardMesh,
         strategy: ShardingStrategy,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
         mixed_precision: MixedPrecision | None,
         device: torch.device,
     ) -> None:
@@ -97,6 +105,7 @@ class ShardUnit:
         self.is_root = True  # until a fully_shard on an ancestor claims this unit
         self.last_in_forward = False  # ran last in its forward root's previous forward
 
+        replicated = self.policy.shard_optimizer and not self.policy.shard_params  # ZeRO-1
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (_, p, _) in enumerate(params):
             by_dtype.setdefault(p.dtype, []).append(i)
@@ -110,6 +119,7 @@ class ShardUnit:
                 reduce_dtype=self.mixed_precision.gradient_reduce_dtype(dtype),
                 mesh=mesh,
                 device=device,
+                replicated=replicated,
             )
             self.groups.append(group)
             for i, sp in zip(indices, group.params, strict=True):
@@ -126,6 +136,7 @@ class ShardUnit:
         self.forward_position: dict[int, int] = {}
         self.forward_root_unit: ShardUnit | None = None  # the forward root whose forward last ran this unit
         self.sync_gradients = True
+        self.all_reduce_gradients = True  # False: defer the all-reduce across replicas (hybrid no_sync variant)
         self._trainable_count = 0
         self.subtree: list[ShardUnit] | None = None  # units under this one, computed lazily
         # Original dtypes of buffers that MixedPrecision.buffer_dtype cast, keyed by (module, name).
@@ -170,11 +181,30 @@ class ShardUnit:
         """
         if not self.policy.shard_params:
             return False
-        if self.reshard_after_forward_arg is not None:
-            return self.reshard_after_forward_arg
+        arg = self.reshard_after_forward_arg
+        if arg is not None:
+            return arg if isinstance(arg, bool) else arg > 1
         if self.is_root or self.last_in_forward:
             return False
         return self.policy.reshard_after_forward
+
+    @property
+    def post_forward_size(self) -> int | None:
+        """``N`` of ``reshard_after_forward=N`` (when 1 < N < shard size): ranks parameters stay split over."""
+        arg = self.reshard_after_forward_arg
+        if isinstance(arg, bool) or arg is None or not self.policy.shard_params:
+            return None
+        return arg if 1 < arg < self.mesh.shard_size else None
+
+    @property
+    def scatters_gradients(self) -> bool:
+        """Gradients are reduce-scattered inside the shard group (sharded parameters, more than one rank)."""
+        return self.policy.shard_params and self.mesh.shard_size > 1
+
+    @property
+    def keeps_gradients_local(self) -> bool:
+        """Backward keeps gradients unreduced: ``no_sync``, or the all-reduce deferral for a non-scattering unit."""
+        return not self.sync_gradients or (not self.all_reduce_gradients and not self.scatters_gradients)
 
     # ------------------------------------------------------------------ residency transitions
     @property
@@ -199,12 +229,12 @@ class ShardUnit:
         self.residency = Residency.GATHERED
 
     def prefetch(self, phase: str) -> bool:
-        """SHARDED -> PREFETCHING: start gathering asynchronously so the transfer overlaps other work.
+        """SHARDED or PARTIAL -> PREFETCHING: start gathering asynchronously so the transfer overlaps other work.
 
         False (and no transition) when the unit is not sharded or there is nothing to communicate;
         the next :meth:`unshard` finishes the gather.
         """
-        if self.residency is not Residency.SHARDED or not self.params:
+        if self.residency not in (Residency.SHARDED, Residency.PARTIAL) or not self.params:
             return False
         ctx = self.ctx
         started = False
@@ -220,18 +250,25 @@ class ShardUnit:
             return
         for group in self.groups:
             group.cancel_prefetch(self.ctx.memory)
-        self.residency = Residency.SHARDED
+        partial = any(group.holds_post_shard for group in self.groups)
+        self.residency = Residency.PARTIAL if partial else Residency.SHARDED
 
-    def reshard(self) -> None:
-        """GATHERED -> SHARDED: register the shards again and free the gathered parameters' memory.
+    def reshard(self, *, after_forward: bool = False) -> None:
+        """GATHERED or PARTIAL -> SHARDED: register the shards again and free the gathered parameters' memory.
 
-        A no-op when sharded, prefetching or pinned (an explicit unshard is only undone by :meth:`unpin`).
+        ``after_forward`` with ``reshard_after_forward=N``: GATHERED -> PARTIAL instead (keep the
+        parameters split over the post-forward group). A no-op when sharded, prefetching or pinned
+        (an explicit unshard is only undone by :meth:`unpin`).
         """
-        if self.residency is not Residency.GATHERED:
+        if self.residency not in (Residency.GATHERED, Residency.PARTIAL):
             return
+        size = self.post_forward_size if after_forward and self.residency is Residency.GATHERED else None
         for group in self.groups:
-            group.free_unsharded(self.ctx.memory)
-        self.residency = Residency.SHARDED
+            if size is not None:
+                group.reshard_partial(size, self.ctx.memory)
+            else:
+                group.free_unsharded(self.ctx.memory)
+        self.residency = Residency.PARTIAL if size is not None else Residency.SHARDED
 
     def pin(self) -> None:
         """any -> PINNED: gather now and keep the parameters gathered until :meth:`unpin`."""
@@ -248,6 +285,7 @@ class ShardUnit:
         self.cancel_prefetch()
         self.unpin()
         self.reshard()
+        self.mark_updated()  # what follows (a load) writes the shards
 
     def _sync_requires_grad(self) -> None:
         """Mirror each shard's ``requires_grad`` (it may change between steps) on its gathered parameter."""
@@ -267,8 +305,11 @@ class ShardUnit:
 
     # ------------------------------------------------------------------ gradients
     def has_unsharded_grads(self) -> bool:
-        return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params) or any(
-            sp.accumulated_grad is not None for sp in self.params
+        """Gradients wait for a reduction: unreduced ones, or partial sums awaiting the replica all-reduce."""
+        return (
+            any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
+            or any(sp.accumulated_grad is not None for sp in self.params)
+            or (self.all_reduce_gradients and any(group.partial is not None for group in self.groups))
         )
 
     def mark_grad_ready(self, index: int) -> bool:
@@ -282,7 +323,9 @@ class ShardUnit:
         ctx = self.ctx
         with label(f"reduce {self.display_name}"):
             out = [
-                group.reduce_gradients(comm=ctx.comm, memory=ctx.memory, name=self.display_name)
+                group.reduce_gradients(
+                    comm=ctx.comm, memory=ctx.memory, name=self.display_name, all_reduce=self.all_reduce_gradients
+                )
                 for group in self.groups
             ]
         return [r for r in out if r is not None]
@@ -292,6 +335,12 @@ class ShardUnit:
         self.progress.reduced = True
         for group in self.groups:
             group.accumulate_unsynced()
+
+    def mark_updated(self) -> None:
+        """Replicated (SHARD_OPT) groups: the optimizer stepped; gather the updated rows before the next forward."""
+        for group in self.groups:
+            if group.replicated:
+                group.mark_updated()
 
     def reset_backward(self) -> None:
         """Forget what the last backward pass did (its end, or an interrupted one)."""

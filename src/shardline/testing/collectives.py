@@ -82,6 +82,16 @@ class DelayedCollectives:
             return self.inner.all_reduce(tensor, group, op=op, async_op=False)
         return self._delay(tensor, lambda out: self.inner.all_reduce(out, group, op=op, async_op=True))
 
+    def gathers_in_place(self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: Any) -> bool:
+        check = getattr(self.inner, "gathers_in_place", None)
+        return bool(check is not None and check(group, numel=numel, dtype=dtype, device=device))
+
+    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+        inner = self.inner.all_gather_in_place  # type: ignore[attr-defined]
+        if not async_op:
+            return inner(buffer, group, async_op=False)
+        return self._delay(buffer, lambda out: inner(out, group, async_op=True))
+
     def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
         self.inner.broadcast(tensor, group, src=src)
 

@@ -67,8 +67,8 @@ class Policies:
             )
         if self.mixed_precision is not None and strategy.sharding_strategy == "none":
             raise ConfigurationError(
-                "trainer.strategy.mixed_precision needs a sharded strategy (fsdp, zero2 or ddp); with single_device "
-                "use trainer.precision=bf16-mixed instead"
+                "trainer.strategy.mixed_precision needs a sharded strategy (fsdp, zero2, zero1, ddp or hsdp); with "
+                "single_device use trainer.precision=bf16-mixed instead"
             )
 
 

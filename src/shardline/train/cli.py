@@ -17,7 +17,7 @@ __all__ = ["register"]
 _EXAMPLES = """\
 examples:
   shardline train                                   the default: tiny GPT, 2 CPU workers, FULL_SHARD
-  shardline train trainer.strategy=ddp              another base strategy (fsdp, zero2, ddp, single_device)
+  shardline train trainer.strategy=ddp              another base strategy (fsdp, zero2, zero1, ddp, hsdp, single_device)
   shardline train experiment=[tiny_gpt,fsdp_args] trainer.devices=2 ++trainer.precision=bf16-mixed ~callbacks.progress
   shardline train experiment=hf_llama               a tiny Hugging Face Llama (pip install 'shardline[hf]')
   shardline train experiment=hf_lora                LoRA fine-tuning of a tiny Llama, then the adapter exported

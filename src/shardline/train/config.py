@@ -24,14 +24,14 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from shardline.checkpoint.retention import RetentionPolicy
 from shardline.checkpoint.verify import VerifyLevel
-from shardline.engine import ShardingStrategy
+from shardline.engine import ShardingStrategy, hybrid_degrees
 from shardline.errors import ConfigurationError
 from shardline.train.config_layers import DEFAULT_EXPERIMENT, ConfigPlan, apply_model_replacement, prepare, suggest
 from shardline.train.data.sources import check_data_config
 from shardline.train.precision import check_precision
 from shardline.train.schema import TrainConfig, register_schemas
 
-__all__ = ["CONFIG_MODULE", "DEFAULT_EXPERIMENT", "compose_config", "experiment_name", "validate"]
+__all__ = ["CONFIG_MODULE", "DEFAULT_EXPERIMENT", "compose_config", "experiment_name", "shard_degrees", "validate"]
 
 CONFIG_MODULE = "shardline.train.conf"
 
@@ -240,17 +240,17 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
     trainer, strategy = cfg.trainer, cfg.trainer.strategy
     if launched is None:
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if strategy.sharding_strategy != "none":
-        ShardingStrategy.parse(strategy.sharding_strategy)
+    parsed = ShardingStrategy.parse(strategy.sharding_strategy) if strategy.sharding_strategy != "none" else None
     if strategy.cpu_offload:
         raise ConfigurationError(
             "trainer.strategy.cpu_offload=true is not supported yet: shards stay on the training device. "
             "Set trainer.strategy.cpu_offload=false (or use a strategy that shards more: trainer.strategy=fsdp)."
         )
-    if strategy.reshard_after_forward not in (None, True, False):
+    raf = strategy.reshard_after_forward
+    if raf is not None and not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
         raise ConfigurationError(
-            "trainer.strategy.reshard_after_forward must be true, false or null, "
-            f"got {strategy.reshard_after_forward!r}"
+            "trainer.strategy.reshard_after_forward must be true, false, null or a positive int dividing the shard "
+            f"group's size, got {raf!r}"
         )
     if strategy.state_dict_type not in _STATE_DICT_TYPES:
         raise ConfigurationError(
@@ -271,6 +271,7 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
         "trainer.log_every_n_steps",
         "data.seq_len",
     )
+    _check_mesh(cfg, parsed)
     if trainer.gradient_clip_val < 0:
         raise ConfigurationError(
             f"trainer.gradient_clip_val must be >= 0 (0 disables), got {trainer.gradient_clip_val}"
@@ -282,7 +283,7 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
         raise ConfigurationError(
             f"trainer.strategy=single_device runs one process, but trainer.devices={trainer.devices} and "
             f"trainer.num_nodes={trainer.num_nodes}. Use trainer.devices=1, or a distributed strategy "
-            "(trainer.strategy=fsdp, zero2 or ddp)."
+            "(trainer.strategy=fsdp, zero2, zero1, ddp or hsdp)."
         )
     if not launched:
         if trainer.num_nodes > 1:
@@ -323,6 +324,49 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
         raise ConfigurationError(f"scheduler.min_lr_ratio must be within [0, 1], got {cfg.scheduler.min_lr_ratio}")
     if cfg.scheduler.warmup_steps < 0:
         raise ConfigurationError(f"scheduler.warmup_steps must be >= 0, got {cfg.scheduler.warmup_steps}")
+
+
+def shard_degrees(cfg: DictConfig) -> tuple[int, int]:
+    """``(replicate_size, shard_size)`` of the run: a hybrid strategy's degrees, else (1, world) or (world, 1)."""
+    strategy = cfg.trainer.strategy
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    if strategy.sharding_strategy == "none":
+        return 1, 1
+    parsed = ShardingStrategy.parse(strategy.sharding_strategy)
+    if parsed.policy.hybrid:
+        return hybrid_degrees(world_size=world, replicate_size=strategy.replicate_size, shard_size=strategy.shard_size)
+    return (1, world) if parsed.policy.shard_optimizer else (world, 1)
+
+
+def _check_mesh(cfg: DictConfig, parsed: ShardingStrategy | None) -> None:
+    """Hybrid degrees multiply to the world size; only hybrid strategies take them; an int reshard divides the group."""
+    strategy = cfg.trainer.strategy
+    hybrid = parsed is not None and parsed.policy.hybrid
+    if not hybrid and (strategy.replicate_size != -1 or strategy.shard_size != -1):
+        raise ConfigurationError(
+            f"trainer.strategy.replicate_size={strategy.replicate_size} and shard_size={strategy.shard_size} only "
+            f"apply to hybrid sharding, but the strategy is {strategy.sharding_strategy}. Use trainer.strategy=hsdp, "
+            "or leave both at -1."
+        )
+    if hybrid:
+        try:
+            shard_degrees(cfg)
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"trainer.strategy: {exc} (world size = trainer.devices={cfg.trainer.devices} x "
+                f"trainer.num_nodes={cfg.trainer.num_nodes}; set trainer.strategy.replicate_size and "
+                "trainer.strategy.shard_size)"
+            ) from None
+    raf = strategy.reshard_after_forward
+    if isinstance(raf, int) and not isinstance(raf, bool) and parsed is not None:
+        shard = shard_degrees(cfg)[1]
+        if not parsed.policy.shard_params or shard % raf:
+            divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+            raise ConfigurationError(
+                f"trainer.strategy.reshard_after_forward={raf} must divide the shard group's size {shard} of "
+                f"{strategy.sharding_strategy} (valid: {divisors if parsed.policy.shard_params else 'none'}; "
+                "the strategy must shard parameters: fsdp, zero2 or hsdp)"
+            )
 
 
 def to_yaml(cfg: DictConfig) -> str:

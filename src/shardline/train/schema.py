@@ -29,11 +29,18 @@ class StrategyConfig:
     """How the model is distributed (the ``trainer_strategy`` group; model-agnostic)."""
 
     name: str = "fsdp"
-    """Which base strategy config this is: fsdp, zero2, ddp or single_device."""
+    """Which base strategy config this is: fsdp, zero2, zero1, ddp, hsdp or single_device."""
     sharding_strategy: str = "full_shard"
-    """full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (ZeRO-0 / DDP) or none (single device, no wrapping)."""
+    """full_shard (ZeRO-3), shard_grad_op (ZeRO-2), shard_opt (ZeRO-1), no_shard (ZeRO-0 / DDP), hybrid_shard or
+    hybrid_shard_zero2 (on a replicate x shard mesh), or none (single device, no wrapping)."""
     reshard_after_forward: Any = None
-    """Free gathered parameters after forward: true, false, or null for the strategy's default."""
+    """Free gathered parameters after forward: true, false, null for the strategy's default, or an int N dividing
+    the shard group's size: keep them split over groups of N ranks, so backward gathers inside such a group."""
+    replicate_size: int = -1
+    """Hybrid strategies: how many replicas of each shard (-1: world size / shard_size)."""
+    shard_size: int = -1
+    """Hybrid strategies: ranks each model replica is sharded over, consecutive ranks (-1: world size /
+    replicate_size). replicate_size x shard_size must equal devices x num_nodes."""
     state_dict_type: str = "sharded"
     """Checkpoint layout: sharded (torch DCP, any world size) or full (gathered on rank 0)."""
     cpu_offload: bool = False

@@ -21,9 +21,10 @@ from torch import nn
 
 import shardline
 from shardline.distributed import DistInfo
-from shardline.engine import apply_activation_checkpointing, subtree_units
+from shardline.engine import ShardingStrategy, apply_activation_checkpointing, subtree_units
 from shardline.train.build import Policies, build_model
 from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
+from shardline.train.config import shard_degrees
 from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
 from shardline.train.precision import autocast
 
@@ -144,6 +145,7 @@ class Trainer:
         self.metrics: list[StepMetrics] = []
         self.val_history: list[tuple[int, float]] = []
         self.sharded = cfg.trainer.strategy.sharding_strategy != "none"
+        self.hybrid = self.sharded and ShardingStrategy.parse(cfg.trainer.strategy.sharding_strategy).policy.hybrid
         self.device = info.device
         self.precision = cfg.trainer.precision
         self.max_steps = cfg.trainer.max_steps
@@ -206,6 +208,12 @@ class Trainer:
                 "reshard_after_forward": strategy.reshard_after_forward,
                 "mixed_precision": policies.mixed_precision,
             }
+            if self.hybrid:
+                replicas, shard = shard_degrees(cfg)
+                kwargs["mesh"] = shardline.hybrid_mesh(
+                    replicate_size=replicas, shard_size=shard, device_type=self.device.type
+                )
+                log.info("hybrid mesh: %d replicas x %d-rank shard groups", replicas, shard)
             if policies.wrap is not None:
                 shardline.wrap(model, policies.wrap, **kwargs)
             else:
@@ -264,7 +272,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
             last = i == self.accumulate - 1
-            sync = contextlib.nullcontext() if last or not self.sharded else self.model.no_sync()
+            # Hybrid sharding reduce-scatters every micro-batch (memory stays sharded) and all-reduces
+            # across replicas once per step; the others skip every gradient collective until the last.
+            sync = (
+                contextlib.nullcontext() if last or not self.sharded else self.model.no_sync(reduce_scatter=self.hybrid)
+            )
             with sync:
                 loss = self._loss(x, y) / self.accumulate
                 loss.backward()

@@ -1,0 +1,126 @@
+"""Collectives a :class:`~shardline.engine.flat.FlatGroup` started and has not landed yet.
+
+The group decides every offset (it owns the packing); these records only carry what it
+computed until the collective completes: where a gather's output is copied out to, and which
+slice of a reduction's output becomes which parameter's gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardline.engine.layout import FlatLayout
+from shardline.engine.memory import MemoryTracker
+from shardline.engine.param import ShardedParam
+from shardline.engine.profiling import label
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = ["GradSlice", "PendingGather", "PendingReduce"]
+
+
+@dataclass
+class PendingGather:
+    """An all-gather that was started (possibly asynchronously) and not yet copied out.
+
+    Attributes:
+        layout: How the gathered ranks' buffers are packed (the group's layout, or its
+            post-forward layout for a partial reshard).
+        world: Ranks gathered over.
+        group: The process group gathered over.
+        in_place: The gather writes the parameter-major buffer directly (``gathered`` is it).
+    """
+
+    work: Any
+    gathered: torch.Tensor
+    send: torch.Tensor
+    buffer_bytes: int
+    layout: FlatLayout
+    world: int
+    group: dist.ProcessGroup | None = None
+    in_place: bool = False  # landed in the parameter-major buffer itself: nothing to copy out
+    moves_to_unsharded: int = 0  # bytes counted as a communication buffer until it lands, then as gathered
+
+    def wait(self) -> None:
+        if self.work is not None:
+            with label("all_gather_wait"):
+                self.work.wait()
+            self.work = None
+
+
+@dataclass(frozen=True)
+class GradSlice:
+    """Where one parameter's reduced gradient sits in a reduction's output (elements)."""
+
+    param: ShardedParam
+    start: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduction issued asynchronously that still has to land.
+
+    It lands either in the shards' ``.grad`` (``slices`` of ``output``), or -- when the
+    all-reduce across replicas is deferred -- in ``partial``'s owner, added to its partial sum.
+    """
+
+    name: str
+    memory: MemoryTracker
+    master: torch.dtype
+    work: Any
+    output: torch.Tensor | None
+    slices: list[GradSlice]
+    spare: torch.Tensor | None = None  # the memory tracker's scratch buffer in use: given back once landed
+    buffer_bytes: int = 0  # what this reduction added to the tracked communication buffers
+    direct: list[torch.Tensor | None] | None = None  # one rank, no replicas: the gradients as they are
+    into_partial: Any = None  # the FlatGroup whose partial sum receives the output (deferred all-reduce)
+    copy_back: list[torch.Tensor | None] | None = None  # gradients that receive their reduced values
+
+    def finish(self) -> None:
+        """Wait for the collective, then accumulate the result where it belongs."""
+        if self.work is not None:
+            with label(f"reduce_wait {self.name}"):
+                self.work.wait()
+        self.memory.add("comm_buffers", -self.buffer_bytes)
+        try:
+            self._land()
+        finally:
+            if self.spare is not None:
+                self.memory.give(self.spare)
+                self.spare = None
+
+    def _land(self) -> None:
+        if self.direct is not None:
+            for piece, grad in zip(self.slices, self.direct, strict=True):
+                if grad is not None:
+                    accumulate(piece.param, grad.view(piece.shape), self.master)
+            return
+        out = self.output
+        assert out is not None  # only direct reductions have no output buffer
+        if self.into_partial is not None:
+            self.into_partial.add_partial(out)
+            return
+        if out.dtype != self.master:
+            out = out.to(self.master)
+        for i, piece in enumerate(self.slices):
+            reduced = out[piece.start : piece.start + piece.numel].view(piece.shape)
+            if self.copy_back is not None:  # ``out`` is scratch: the values go back into the gradients
+                target = self.copy_back[i]
+                reduced = target.view(piece.shape).copy_(reduced) if target is not None else reduced.clone()
+            accumulate(piece.param, reduced, self.master)
+
+
+def accumulate(sp: ShardedParam, grad: torch.Tensor, master: torch.dtype) -> None:
+    """Add ``grad`` to the shard's ``.grad`` (or make it the ``.grad``)."""
+    if grad.dtype != master:
+        grad = grad.to(master)
+    if sp.sharded.grad is None:
+        sp.sharded.grad = grad
+    else:
+        sp.sharded.grad += grad

@@ -1,0 +1,151 @@
+"""Hybrid sharding on a 2-D (replicate, shard) mesh: equal to one process, and the collectives HSDP implies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import shardline
+from shardline.testing import run_distributed
+from tests.models import Block, ParityModel, batch, local_slice, loss_fn, max_rel_err
+
+TOL = 1e-6
+FP32 = 4
+GLOBAL_BATCH = 24  # divisible by 1-4 ranks times 2 micro-batches
+
+
+def _train(rank: int, world_size: int, strategy: str, shape: tuple[int, int], micro: int, clip: bool) -> dict:
+    mesh = shardline.hybrid_mesh(replicate_size=shape[0], shard_size=shape[1])
+    torch.manual_seed(0)
+    reference = ParityModel()
+    torch.manual_seed(0)
+    model = shardline.wrap(ParityModel(), shardline.layer_policy(Block), strategy=strategy, mesh=mesh)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, steps = [], []
+    for step in range(3):
+        tokens, targets = batch(step, GLOBAL_BATCH)
+        ref_loss = loss_fn(reference(tokens), targets)
+        ref_loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        pieces = zip(
+            local_slice(tokens, rank, world_size).chunk(micro),
+            local_slice(targets, rank, world_size).chunk(micro),
+            strict=True,
+        )
+        total = torch.zeros(())
+        records = []
+        for i, (t, y) in enumerate(pieces):
+            deferring = i < micro - 1
+            sync = model.no_sync(reduce_scatter=True) if deferring else torch.enable_grad()
+            with shardline.count_collectives(model) as counter, sync:
+                loss = loss_fn(model(t), y) / micro
+                loss.backward()
+            records.append([(r.kind.value, r.unit, r.bytes, r.group_size) for r in counter.records])
+            total += loss.detach()
+        if clip:
+            model.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append((total.item(), ref_loss.item()))
+        steps.append(records)
+    full = shardline.full_state_dict(model)
+    expected = reference.state_dict()
+    pieces = {k: v for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+    return {
+        "losses": losses,
+        "err": max(max_rel_err(full[k], expected[k]) for k in expected),
+        "records": steps[-1],
+        "placements": {tuple(v.placements) for v in pieces.values()},
+        "mesh_shape": {tuple(v.device_mesh.shape) for v in pieces.values()},
+    }
+
+
+CASES = [
+    pytest.param(2, "hybrid_shard", (2, 1), 2, False, id="W2-2x1-accum2"),
+    pytest.param(2, "hybrid_shard", (1, 2), 1, True, id="W2-1x2-clip"),
+    pytest.param(4, "hybrid_shard", (2, 2), 1, True, id="W4-2x2-clip"),
+    pytest.param(4, "hybrid_shard", (2, 2), 2, True, id="W4-2x2-accum2-clip"),
+    pytest.param(4, "hybrid_shard_zero2", (2, 2), 2, False, id="W4-2x2-zero2-accum2"),
+]
+
+
+def _unit_sizes(shard: int) -> dict[str, tuple[int, int]]:
+    """Per unit: (padded elements one rank sends in an all-gather, padded trainable elements), from the shapes."""
+
+    def padded(shape: tuple[int, ...]) -> int:
+        return math.ceil(shape[0] / shard) * math.prod(shape[1:])
+
+    block = {
+        (10,): 2,  # norm weight and bias
+        (7, 10): 1,
+        (7,): 1,
+        (10, 7): 1,
+        (2, 10): 1,
+    }
+    block_all = sum(padded(s) * n for s, n in block.items()) + padded((10,)) * 2  # fc2.bias, frozen_bias
+    block_train = block_all - padded((10,))  # frozen_bias sends no gradient
+    root = padded((13, 10)) + 2 * padded((10,))
+    return {"blocks.0": (block_all, block_train), "blocks.1": (block_all, block_train), "<root>": (root, root)}
+
+
+@pytest.mark.parametrize(("world_size", "strategy", "shape", "micro", "clip"), CASES)
+def test_hybrid_matches_one_process(world_size: int, strategy: str, shape: tuple, micro: int, clip: bool) -> None:
+    results = run_distributed(_train, world_size, args=(strategy, shape, micro, clip), timeout=100)
+    res = results[0]
+    for step, (got, want) in enumerate(res["losses"]):
+        assert abs(got - want) <= TOL * abs(want), f"step {step}: loss {got} vs one process {want}"
+    assert res["err"] <= TOL, res["err"]
+    # State-dict pieces are placed on the 2-D mesh: replicated across groups, Shard(0) inside.
+    assert res["placements"] == {(Replicate(), Shard(0))}
+    assert res["mesh_shape"] == {shape}
+
+    replicas, shard = shape
+    sizes = _unit_sizes(shard)
+    *deferred, last = res["records"]
+    for records in deferred:
+        # Deferring the all-reduce: units still reduce-scatter inside the shard group (memory stays
+        # sharded); nothing crosses replicas. A shard group of one has nothing to scatter: no collective.
+        if shard > 1:
+            assert sorted((u, b, n) for k, u, b, n in records if k == "reduce_scatter") == sorted(
+                (u, shard * t * FP32, shard) for u, (_, t) in sizes.items()
+            )
+        assert [r for r in records if r[0] == "all_reduce"] == []
+    # The last micro-batch: one reduce-scatter per unit in its shard group, one all-reduce per unit of
+    # its reduced shard across the replicas -- carrying every micro-batch's sum.
+    if shard > 1:
+        assert sorted((u, b, n) for k, u, b, n in last if k == "reduce_scatter") == sorted(
+            (u, shard * t * FP32, shard) for u, (_, t) in sizes.items()
+        )
+    expected_ar = sorted((u, t * FP32, replicas) for u, (_, t) in sizes.items()) if replicas > 1 else []
+    if shard == 1 and replicas > 1:  # no shard to reduce-scatter: whole gradients, unpadded
+        expected_ar = sorted((u, t * FP32, replicas) for u, (_, t) in _unit_sizes(1).items())
+    assert sorted((u, b, n) for k, u, b, n in last if k == "all_reduce") == expected_ar
+    gathers = [(u, b, n) for k, u, b, n in last if k == "all_gather"]
+    assert all(n == shard for *_, n in gathers)
+    if shard > 1:
+        assert {(u, b) for u, b, _ in gathers} <= {(u, shard * a * FP32) for u, (a, _) in sizes.items()}
+
+
+def _checkpoint_roundtrip(rank: int, world_size: int) -> bool:
+    """A hybrid model's state dict loads back into a hybrid model of another seed, exactly."""
+    mesh = shardline.hybrid_mesh(shard_size=2)
+    torch.manual_seed(0)
+    a = shardline.wrap(ParityModel(), shardline.layer_policy(Block), strategy="hsdp", mesh=mesh)
+    torch.manual_seed(1)
+    b = shardline.wrap(ParityModel(), shardline.layer_policy(Block), strategy="hsdp", mesh=mesh)
+    b.load_state_dict(a.state_dict())
+    fa, fb = shardline.full_state_dict(a), shardline.full_state_dict(b)
+    return all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_hybrid_state_dict_loads_into_hybrid() -> None:
+    assert all(run_distributed(_checkpoint_roundtrip, 4))
