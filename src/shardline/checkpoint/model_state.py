@@ -15,7 +15,7 @@ with shape ``(1,)`` in the sharded and local kinds (the engine's layout) and ``(
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 StateDictKind = Literal["sharded", "full", "local"]
-KINDS: tuple[str, ...] = ("sharded", "full", "local")
+KINDS: tuple[str, ...] = get_args(StateDictKind)
 _SHOW = 10
 
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,11 @@ from shardline.checkpoint.staged_check import digest_staged
 from shardline.engine import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
-__all__ = ["SAVE_KINDS", "SaveRequest", "StagedCheckpoint", "describe_model", "dtype_name", "stage"]
+__all__ = ["SAVE_KINDS", "SaveKind", "SaveRequest", "StagedCheckpoint", "describe_model", "dtype_name", "stage"]
 
-SAVE_KINDS = ("sharded", "full")
+SaveKind = Literal["sharded", "full"]
+"""How a checkpoint is saved: ``sharded`` (each rank writes its shards; reshardable) or ``full`` (gathered)."""
+SAVE_KINDS: tuple[str, ...] = get_args(SaveKind)
 TAG_PATTERN = re.compile(r"^[a-z0-9_]+$")
 
 
@@ -62,7 +64,7 @@ class SaveRequest:
     state: Mapping[str, Any] | None = None
     config: Mapping[str, Any] | None = None
     data_fingerprint: str | None = None
-    kind: str = "sharded"
+    kind: SaveKind = "sharded"
     tag: str | None = None
 
     def __post_init__(self) -> None:

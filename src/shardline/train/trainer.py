@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from torch import nn
 
 import shardline
@@ -26,6 +25,8 @@ from shardline.train.build import Policies, build_model
 from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
 from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
 from shardline.train.precision import autocast
+from shardline.train.records import METRICS_FILE
+from shardline.train.schema import TrainConfig
 
 __all__ = ["StepMetrics", "Summary", "Trainer"]
 
@@ -126,7 +127,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: TrainConfig,
         *,
         info: DistInfo,
         run_dir: Path,
@@ -143,7 +144,7 @@ class Trainer:
         self.is_rank0 = info.rank == 0
         self.metrics: list[StepMetrics] = []
         self.val_history: list[tuple[int, float]] = []
-        self.sharded = cfg.trainer.strategy.sharding_strategy != "none"
+        self.sharded = cfg.trainer.strategy.sharding is not None
         self.device = info.device
         self.precision = cfg.trainer.precision
         self.max_steps = cfg.trainer.max_steps
@@ -185,7 +186,7 @@ class Trainer:
         self.checkpoints = TrainingCheckpoints(cfg, run_dir)
         self.start_step = self.checkpoints.resume(self, cfg.trainer.resume)
         if self.start_step:
-            self.metrics = _read_metrics(run_dir / "metrics.csv", upto=self.start_step)
+            self.metrics = _read_metrics(run_dir / METRICS_FILE, upto=self.start_step)
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> nn.Module:
@@ -202,7 +203,7 @@ class Trainer:
         if self.sharded:
             strategy = cfg.trainer.strategy
             kwargs = {
-                "strategy": strategy.sharding_strategy,
+                "strategy": strategy.sharding,
                 "reshard_after_forward": strategy.reshard_after_forward,
                 "mixed_precision": policies.mixed_precision,
             }

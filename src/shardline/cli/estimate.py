@@ -11,7 +11,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from shardline.diagnostics.estimate import MemoryEstimate, estimate_memory
+from shardline.engine import ShardingStrategy
 from shardline.errors import ShardlineError
+from shardline.train.build import build_model, build_policies
+from shardline.train.config import compose_config, to_train_config
 
 __all__ = ["register", "run"]
 
@@ -32,15 +35,12 @@ def _mib(n: int) -> str:
 
 def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEstimate:
     """Estimate for the ``shardline train`` config selected by ``overrides`` (Hydra syntax)."""
-    from shardline.train.build import build_model, build_policies
-    from shardline.train.config import compose_config
-
-    cfg = compose_config(overrides)
+    cfg = to_train_config(compose_config(overrides))
     policies = build_policies(cfg)
-    strategy = cfg.trainer.strategy.sharding_strategy
+    strategy = cfg.trainer.strategy.sharding
     world = world_size or cfg.trainer.devices * cfg.trainer.num_nodes
-    if strategy == "none":
-        strategy, world = "no_shard", 1
+    if strategy is None:  # single device: the model is not wrapped; one rank holds everything
+        strategy, world = ShardingStrategy.NO_SHARD, 1
     return estimate_memory(
         lambda: build_model(cfg, device="cpu"),
         policy=policies.wrap,
@@ -54,6 +54,7 @@ def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEst
 
 
 def render(est: MemoryEstimate, console: Console) -> None:
+    """Print the estimate as two tables: memory by component, and the units."""
     table = Table(
         title=f"Estimated memory per rank: {est.strategy}, {est.world_size} ranks, {est.parameters:,} parameters",
         title_justify="left",
@@ -75,7 +76,7 @@ def render(est: MemoryEstimate, console: Console) -> None:
     console.print(units)
 
 
-def _cmd(args: argparse.Namespace) -> int:
+def _cmd_estimate(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
     try:
         est = run(args.overrides, world_size=args.world_size)
@@ -100,4 +101,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="the same overrides as shardline train")
     parser.add_argument("--world-size", type=int, help="ranks to estimate for (default: devices x num_nodes)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.set_defaults(func=_cmd)
+    parser.set_defaults(func=_cmd_estimate, positionals_into="overrides")
