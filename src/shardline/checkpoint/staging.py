@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from shardline.checkpoint.canonical import config_hash
 from shardline.checkpoint.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.hf_export import hf_metadata
 from shardline.checkpoint.manifest import describe_units
-from shardline.checkpoint.model_state import model_state_dict, param_index
+from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.optim_state import optimizer_state_dict
 from shardline.checkpoint.staged_check import digest_staged
 from shardline.engine import buffer_original_dtypes, registered_state_dict
@@ -35,9 +35,6 @@ from shardline.errors import ConfigurationError
 
 __all__ = ["SAVE_KINDS", "SaveKind", "SaveRequest", "StagedCheckpoint", "describe_model", "dtype_name", "stage"]
 
-SaveKind = Literal["sharded", "full"]
-"""How a checkpoint is saved: ``sharded`` (each rank writes its shards; reshardable) or ``full`` (gathered)."""
-SAVE_KINDS: tuple[str, ...] = get_args(SaveKind)
 TAG_PATTERN = re.compile(r"^[a-z0-9_]+$")
 
 

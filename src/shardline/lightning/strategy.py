@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import shardline
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
-from shardline.checkpoint.staging import SAVE_KINDS, SaveKind
+from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind
 from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import MixedPrecision, ShardingStrategy
 from shardline.errors import CheckpointExistsError, ConfigurationError

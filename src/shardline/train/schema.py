@@ -12,7 +12,7 @@ accept member names only (``FULL_SHARD``), not the values and aliases users type
 ``__post_init__`` of its dataclass -- when the composed config becomes a ``TrainConfig`` --
 against the one definition of its choices: a ``Literal`` here for the settings this module
 owns (:data:`Accelerator`, :data:`InitDevice`), and the owner's enum or ``Literal`` otherwise
-(:class:`~shardline.engine.ShardingStrategy`, :data:`~shardline.checkpoint.staging.SaveKind`,
+(:class:`~shardline.engine.ShardingStrategy`, :data:`~shardline.checkpoint.model_state.SaveKind`,
 :data:`~shardline.train.precision.Precision`, :class:`~shardline.checkpoint.verify.VerifyLevel`,
 :data:`~shardline.train.data.sources.DataSource`).
 """
@@ -25,7 +25,7 @@ from typing import Any, Literal, get_args
 
 from hydra.core.config_store import ConfigStore
 
-from shardline.checkpoint.staging import SAVE_KINDS
+from shardline.checkpoint.model_state import SAVE_KINDS
 from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
@@ -219,7 +219,7 @@ class CheckpointConfig:
     keep_last_n: int = 0
     """Keep only the newest N regular checkpoints (0: keep all); older ones are deleted after a newer one commits,
     each recorded by a tombstone row in the ledger."""
-    verify: str = "full"
+    verify: str = VerifyLevel.FULL.value
     """On resume: full (every byte hashed against the manifest), or the opt-ins sizes (file sizes only) and none;
     an opt-in is printed and recorded in the ledger."""
 

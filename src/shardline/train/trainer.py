@@ -120,7 +120,8 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
 class Trainer:
     """Builds everything from the config on every rank and runs the loop.
 
-    Attributes readable by callbacks: ``cfg``, ``info`` (rank, world size, device), ``run_dir``,
+    Attributes readable by callbacks: ``cfg`` (the run's :class:`~shardline.train.schema.TrainConfig`),
+    ``info`` (rank, world size, device), ``run_dir``,
     ``experiment``, ``model``, ``corpus``, ``metrics`` (all :class:`StepMetrics` so far),
     ``is_rank0``.
     """
