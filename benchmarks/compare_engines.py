@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from shardline.diagnostics.bench_cli import main
+from shardline.cli import main
 
 if __name__ == "__main__":  # ranks start from a forkserver, which must not re-run this module's work
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from shardline.checkpoint import cli
+from shardline import cli
 from shardline.testing import run_distributed
 from tests.checkpoint import ranks
 

@@ -16,7 +16,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from shardline.checkpoint import cli, consolidate, read_manifest
+from shardline import cli
+from shardline.checkpoint import consolidate, read_manifest
 from tests.models import ParityModel
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import shardline.checkpoint as ckpt
-from shardline.checkpoint import cli
+from shardline import cli
 from shardline.checkpoint.canonical import canonical_json
 from shardline.errors import IntegrityError, LineageError
 from shardline.testing import run_distributed

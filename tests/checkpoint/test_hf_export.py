@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from shardline.checkpoint import cli, consolidate, read_manifest
+from shardline import cli
+from shardline.checkpoint import consolidate, read_manifest
 from shardline.errors import CheckpointExistsError, ConfigurationError
 from shardline.testing import run_distributed
 from tests.checkpoint import hf_ranks, ranks

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardline.checkpoint import Ledger, cli, read_manifest
+from shardline import cli
+from shardline.checkpoint import Ledger, read_manifest
 from shardline.errors import LineageError
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardline.checkpoint import Ledger, cli
+from shardline import cli
+from shardline.checkpoint import Ledger
 from shardline.checkpoint.provenance import (
     PREDICATE_TYPE,
     STATEMENT_FILE,

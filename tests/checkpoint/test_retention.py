@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardline.checkpoint as ckpt
-from shardline.checkpoint import cli
+from shardline import cli
 from shardline.checkpoint.retention import RetentionPolicy
 from shardline.errors import ConfigurationError
 

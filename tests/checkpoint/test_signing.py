@@ -14,7 +14,8 @@ pytest.importorskip("model_signing", reason="the [signing] extra is not installe
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from shardline.checkpoint import cli, consolidate
+from shardline import cli
+from shardline.checkpoint import consolidate
 from shardline.checkpoint.signing import sign, verify_signature
 from shardline.errors import SignatureError
 

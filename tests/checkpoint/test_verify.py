@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardline.checkpoint import cli, verify_checkpoint
+from shardline import cli
+from shardline.checkpoint import verify_checkpoint
 from tests.models import ParityModel
 
 FILE_KINDS = [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "manifest.sha256", "SHA256SUMS"]

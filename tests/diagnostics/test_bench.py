@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.diagnostics import bench_cli
+from shardline.cli import main
 from shardline.diagnostics.bench import (
     HYBRID_RUN,
     MAIN_RUN,
@@ -192,19 +192,19 @@ def test_results_reload_and_rerender(tiny_run: tuple[BenchResult, Path], tmp_pat
     _, out = tiny_run
     original = json.loads((out / "results.json").read_text())
     assert json.loads(json.dumps(to_json(load_results(out / "results.json")))) == original
-    assert bench_cli.main(["--out", str(tmp_path), "--from-json", str(out / "results.json"), "--no-plot"]) == 0
+    assert main(["bench", "--out", str(tmp_path), "--from-json", str(out / "results.json"), "--no-plot"]) == 0
     assert json.loads((tmp_path / "results.json").read_text()) == original
     assert (tmp_path / "results.md").read_text() == (out / "results.md").read_text()
 
 
 def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_cli.main(["--out", str(tmp_path), "--sizes", "huge"]) == 1
+    assert main(["bench", "--out", str(tmp_path), "--sizes", "huge"]) == 1
     err = capsys.readouterr().err
     assert "huge" in err
     assert "default" in err
-    assert bench_cli.main(["--out", str(tmp_path), "--sizes", "tiny", "--world-size", "1"]) == 1
+    assert main(["bench", "--out", str(tmp_path), "--sizes", "tiny", "--world-size", "1"]) == 1
     assert "world_size" in capsys.readouterr().err
-    assert bench_cli.main(["--out", str(tmp_path), "--from-json", str(tmp_path / "missing.json")]) == 1
+    assert main(["bench", "--out", str(tmp_path), "--from-json", str(tmp_path / "missing.json")]) == 1
     assert "missing.json" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 

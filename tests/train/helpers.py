@@ -85,3 +85,24 @@ class EmptyErrorFileThenExit:
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w"):
                 pass
             os._exit(3)
+
+
+class RecordConfigType:
+    """Write, on every rank, the type of the config the worker was given and a few of its typed fields."""
+
+    def __init__(self, folder: str = "") -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: Any) -> None:
+        import json
+        from pathlib import Path
+
+        cfg = trainer.cfg
+        record = {
+            "config": f"{type(cfg).__module__}.{type(cfg).__qualname__}",
+            "strategy": f"{type(cfg.trainer.strategy).__module__}.{type(cfg.trainer.strategy).__qualname__}",
+            "sharding": repr(cfg.trainer.strategy.sharding),
+            "max_steps": cfg.trainer.max_steps,
+            "model": type(cfg.model).__name__,
+        }
+        Path(self.folder, f"rank{trainer.info.rank}.json").write_text(json.dumps(record))

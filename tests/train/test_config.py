@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from shardline.cli import main
 from shardline.errors import ConfigurationError, PolicyMatchError
 from shardline.train.build import preflight
-from shardline.train.config import compose_config, experiment_name, shard_degrees, validate
+from shardline.train.config import compose_config, experiment_name, shard_degrees, to_train_config, validate
 from shardline.train.schema import TrainConfig
 
 
@@ -36,7 +36,7 @@ def test_every_experiment_file_is_covered() -> None:
 
 def test_an_overlay_alone_has_no_model() -> None:
     with pytest.raises(ConfigurationError, match="no model configured"):
-        validate(compose_config(["experiment=fsdp_args"]), launched=True)
+        validate(to_train_config(compose_config(["experiment=fsdp_args"])), launched=True)
 
 
 @pytest.mark.parametrize("strategy", _options("trainer_strategy"))
@@ -48,12 +48,14 @@ def test_every_yaml_composes_validates_and_builds(strategy: str, experiment: str
     cfg = compose_config(overrides)
     assert cfg.trainer.strategy.name == strategy, "a strategy chosen on the command line wins over the experiment's"
     OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)  # still fits the schema
+    typed = to_train_config(cfg)
+    assert isinstance(typed, TrainConfig)
     if strategy == "single_device" and experiment == "[tiny_gpt,fsdp_args]":
         with pytest.raises(ConfigurationError, match="mixed_precision needs a sharded strategy"):
-            preflight(cfg)
+            preflight(typed)
         return
-    validate(cfg, launched=True)
-    policies = preflight(cfg)
+    validate(typed, launched=True)
+    policies = preflight(typed)
     assert policies.wrap is not None
 
 
@@ -77,10 +79,19 @@ def test_the_documented_override_line() -> None:
     assert compose_config(["trainer.strategy=zero1"]).trainer.strategy.sharding_strategy == "shard_opt"
     hsdp = compose_config(["trainer.strategy=hsdp", "trainer.devices=2"])
     assert (hsdp.trainer.strategy.sharding_strategy, hsdp.trainer.strategy.shard_size) == ("hybrid_shard", 2)
-    assert shard_degrees(hsdp) == (1, 2)
-    assert shard_degrees(compose_config(["trainer.strategy=hsdp", "trainer.strategy.shard_size=1"])) == (2, 1)
+    assert shard_degrees(to_train_config(hsdp)) == (1, 2)
     assert shard_degrees(
-        compose_config(["trainer.strategy=hsdp", "trainer.strategy.shard_size=-1", "trainer.strategy.replicate_size=2"])
+        to_train_config(compose_config(["trainer.strategy=hsdp", "trainer.strategy.shard_size=1"]))
+    ) == (
+        2,
+        1,
+    )
+    assert shard_degrees(
+        to_train_config(
+            compose_config(
+                ["trainer.strategy=hsdp", "trainer.strategy.shard_size=-1", "trainer.strategy.replicate_size=2"]
+            )
+        )
     ) == (2, 1)
     # A field of the strategy is still set with the dotted form.
     assert (
@@ -167,4 +178,4 @@ def test_policy_error_type_is_specific() -> None:
     with pytest.raises(
         PolicyMatchError, match="activation checkpointing policy layer_policy\\(GRU\\) matched no module"
     ):
-        preflight(cfg)
+        preflight(to_train_config(cfg))

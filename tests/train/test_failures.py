@@ -16,7 +16,7 @@ import pytest
 import shardline.checkpoint as ckpt
 from shardline.errors import RunLockedError
 from shardline.train.build import build_model
-from shardline.train.config import compose_config
+from shardline.train.config import compose_config, to_train_config
 from shardline.train.launcher import train
 from shardline.train.runlock import LOCK_NAME, RunLock
 from tests.train.test_cli import GPT_SMALL, PYTHONPATH, SMALL, error_line, read_metrics, shardline_train
@@ -37,7 +37,7 @@ def _refused(capsys, tmp_path: Path, *overrides: str) -> str:
 
 
 def _checkpoint_of_another_shape(path: Path) -> None:
-    cfg = compose_config([*GPT_SMALL, "model.dim=32"])
+    cfg = to_train_config(compose_config([*GPT_SMALL, "model.dim=32"]))
     ckpt.save(path, model=build_model(cfg, device="cpu"), step=1)
 
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from shardline.cli import main
 from shardline.errors import ConfigurationError
 from shardline.train.build import build_model, preflight
-from shardline.train.config import compose_config, experiment_name, validate
+from shardline.train.config import compose_config, experiment_name, to_train_config, validate
 
 MY_LM = """\
 # @package _global_
@@ -58,9 +58,10 @@ def test_config_dir_adds_experiments_and_strategies(config_dir: Path, capsys) ->
     assert cfg.trainer.max_steps == 7
     assert cfg.trainer.strategy.sharding_strategy == "shard_grad_op"
     assert cfg.trainer.strategy.state_dict_type == "full"
-    validate(cfg, launched=True)
-    preflight(cfg)  # the user's class builds and the user's wrap policy matches
-    assert type(build_model(cfg, device="meta")).__name__ == "TinyLM"
+    typed = to_train_config(cfg)
+    validate(typed, launched=True)
+    preflight(typed)  # the user's class builds and the user's wrap policy matches
+    assert type(build_model(typed, device="meta")).__name__ == "TinyLM"
     # The command line takes -cd and --config-dir, like Hydra's own applications.
     for flag in ("-cd", "--config-dir"):
         assert main(["train", flag, str(config_dir), "--cfg", "job", "experiment=my_lm"]) == 0
@@ -84,11 +85,11 @@ def test_a_new_model_target_replaces_the_model_node(tmp_path: Path) -> None:
     # Stacked on the default experiment: none of tiny_gpt's GPT arguments leak into TinyLM.
     cfg = compose_config([f"experiment=[tiny_gpt,{mine}]", "model.width=24"])
     assert dict(cfg.model) == {"_target_": "tests.train.user_model.TinyLM", "vocab": 300, "width": 24}
-    preflight(cfg)
+    preflight(to_train_config(cfg))
     # On the command line alone, against the default experiment.
     cfg = compose_config(["model._target_=tests.train.user_model.TinyLM", "+model.vocab=64"])
     assert dict(cfg.model) == {"_target_": "tests.train.user_model.TinyLM", "vocab": 64}
-    assert type(build_model(cfg, device="meta")).__name__ == "TinyLM"
+    assert type(build_model(to_train_config(cfg), device="meta")).__name__ == "TinyLM"
     # An overlay that restates the same class merges as usual.
     same = _write(tmp_path / "wider.yaml", "model:\n  _target_: shardline.models.GPT\n  dim: 64\n")
     cfg = compose_config([f"experiment=[tiny_gpt,{same}]"])
@@ -146,7 +147,7 @@ def test_model_argument_typos_in_a_yaml_file(tmp_path: Path, model: str, message
     path = _write(tmp_path / "m.yaml", f"model:\n  {model}\n")
     cfg = compose_config([f"experiment={path}"])
     with pytest.raises(ConfigurationError, match=message):
-        preflight(cfg)
+        preflight(to_train_config(cfg))
 
 
 def test_command_line_typo_in_a_free_form_node() -> None:

@@ -35,6 +35,7 @@ from shardline.checkpoint.fsutil import fsync_dir
 from shardline.checkpoint.hf_export import export_layout
 from shardline.checkpoint.opening import open_checkpoint
 from shardline.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
+from shardline.checkpoint.verify import VerifyLevel
 from shardline.errors import CheckpointError, CheckpointExistsError, CheckpointWarning, ConfigurationError
 
 __all__ = ["SIDECAR", "ConsolidationResult", "consolidate", "parse_dtype", "parse_size", "strip_wrapper_prefixes"]
@@ -116,7 +117,7 @@ class ConsolidationResult:
     step: int | None
     aliases: dict[str, str] = field(default_factory=dict)
     note: str | None = None
-    verified: str = "full"
+    verified: str = VerifyLevel.FULL.value
     """How the source was checked: ``full`` (every byte), or an opt-in (``sizes``, ``none``)."""
 
 
@@ -150,7 +151,7 @@ def consolidate(
     *,
     max_shard_size: str | int | None = None,
     dtype: str | torch.dtype | None = None,
-    verify: str = "full",
+    verify: VerifyLevel | str = VerifyLevel.FULL,
     expected_manifest_hash: str | None = None,
     read_batch_bytes: int = 256 * 2**20,
     adapters: bool = False,

@@ -24,6 +24,7 @@ from shardline.checkpoint.manifest import MANIFEST, read_manifest
 from shardline.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = [
+    "CHECKPOINTS_DIR",
     "LATEST_FILE",
     "CommittedCheckpoint",
     "DamagedCheckpoint",
@@ -37,6 +38,8 @@ __all__ = [
 ]
 
 LATEST_FILE = "latest"
+CHECKPOINTS_DIR = "checkpoints"
+"""The folder of a run directory that holds its checkpoints (``shardline train`` writes ``RUN_DIR/checkpoints``)."""
 _NAME = re.compile(r"^step-(?P<step>\d+)(?:-(?P<tag>[a-z0-9_]+))?$")
 
 

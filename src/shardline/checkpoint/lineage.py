@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from shardline.checkpoint.directory import CommittedCheckpoint, scan
+from shardline.checkpoint.directory import CHECKPOINTS_DIR, CommittedCheckpoint, scan
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
 from shardline.checkpoint.provenance import STATEMENT_FILE, read_statement
 from shardline.errors import IntegrityError, LineageError
@@ -34,7 +34,7 @@ def find_ledger(run_dir: str | os.PathLike) -> Path:
     root = Path(run_dir)
     if root.is_file():
         return root
-    candidates = [root / LEDGER_NAME, root / "checkpoints" / LEDGER_NAME]
+    candidates = [root / LEDGER_NAME, root / CHECKPOINTS_DIR / LEDGER_NAME]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
@@ -44,7 +44,7 @@ def find_ledger(run_dir: str | os.PathLike) -> Path:
 def checkpoint_directories(ledger: Ledger) -> list[Path]:
     """Where a ledger's checkpoints live: the directories its rows name, the ledger's own, and ``checkpoints/``."""
     base = ledger.path.parent
-    found = {base, base / "checkpoints"}
+    found = {base, base / CHECKPOINTS_DIR}
     if ledger.path.is_file():
         found |= {(base / r.checkpoint).parent for r in ledger.rows() if r.is_commit and r.checkpoint}
     return sorted(p for p in found if p.is_dir())

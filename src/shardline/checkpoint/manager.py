@@ -63,11 +63,13 @@ from shardline.errors import (
     LineageError,
 )
 
-__all__ = ["ON_EXCEPTION", "CheckpointManager", "CommittedCheckpoint"]
+__all__ = ["ON_EXCEPTION", "RESUME_AUTO", "CheckpointManager", "CommittedCheckpoint", "is_auto_resume", "no_resume"]
 
 log = logging.getLogger(__name__)
 
 ON_EXCEPTION = "on_exception"
+RESUME_AUTO = "auto"
+"""``resume`` value that picks the newest committed checkpoint that verifies (or none)."""
 
 
 class CheckpointManager:
@@ -196,7 +198,7 @@ class CheckpointManager:
 
     def _candidates(self, resume: str | os.PathLike) -> dict[str, Any]:
         """Rank 0: what to try, newest first, with the manifest hash the ledger records for each (plain data)."""
-        if str(resume) != "auto":
+        if not is_auto_resume(resume):
             paths = [self._explicit(resume)]
             damaged: list[list[str]] = []
         else:
@@ -217,7 +219,7 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError: an explicit path that is not a checkpoint directory.
         """
-        if _no_resume(resume):
+        if no_resume(resume):
             return None
         plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
         return Path(plan["paths"][0][0]) if plan["paths"] else None
@@ -405,10 +407,10 @@ class CheckpointManager:
             IntegrityError: an explicit checkpoint that does not verify.
             CheckpointMismatchError: the checkpoint does not fit the model (nothing is moved).
         """
-        if _no_resume(resume):
+        if no_resume(resume):
             return None
         level = VerifyLevel.parse(verify)
-        auto = str(resume) == "auto"
+        auto = is_auto_resume(resume)
         plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
         for path, reason in plan["damaged"]:
             moved = coord.rank0_decides(lambda p=path, r=reason: self._move_aside(Path(p), r), self._group)
@@ -451,5 +453,11 @@ class CheckpointManager:
         )
 
 
-def _no_resume(resume: str | os.PathLike | None) -> bool:
+def no_resume(resume: Any) -> bool:
+    """Whether a ``resume`` argument asks for no checkpoint: None, or ``""``, ``"none"``, ``"false"`` (any case)."""
     return resume is None or str(resume).lower() in ("", "none", "false")
+
+
+def is_auto_resume(resume: Any) -> bool:
+    """Whether a ``resume`` argument is :data:`RESUME_AUTO` (the newest committed checkpoint that verifies)."""
+    return resume is not None and str(resume) == RESUME_AUTO

@@ -15,7 +15,7 @@ with shape ``(1,)`` in the sharded and local kinds (the engine's layout) and ``(
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -35,6 +35,8 @@ from shardline.errors import CheckpointMismatchError, ConfigurationError
 
 __all__ = [
     "KINDS",
+    "SAVE_KINDS",
+    "SaveKind",
     "StateDictKind",
     "check_kind",
     "load_model_state_dict",
@@ -42,8 +44,12 @@ __all__ = [
     "param_index",
 ]
 
-StateDictKind = Literal["sharded", "full", "local"]
-KINDS: tuple[str, ...] = ("sharded", "full", "local")
+SaveKind = Literal["sharded", "full"]
+"""The kinds a checkpoint is saved in: ``sharded`` (each rank writes its shards; reshardable) or ``full`` (gathered)."""
+SAVE_KINDS: tuple[str, ...] = get_args(SaveKind)
+StateDictKind = Literal[SaveKind, "local"]
+"""Every kind of model state dict: the save kinds, and ``local`` (raw shards, for in-memory debugging)."""
+KINDS: tuple[str, ...] = get_args(StateDictKind)
 _SHOW = 10
 
 

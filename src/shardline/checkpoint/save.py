@@ -60,7 +60,7 @@ from shardline.checkpoint.manifest import (
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.provenance import STATEMENT_FILE, build_statement
 from shardline.checkpoint.staged_check import check_written
-from shardline.checkpoint.staging import SaveRequest, StagedCheckpoint, stage
+from shardline.checkpoint.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
 from shardline.checkpoint.summary import human_bytes
 from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError
 
@@ -420,7 +420,7 @@ def save(
     config: Mapping[str, Any] | None = None,
     data_fingerprint: str | None = None,
     parent_manifest_hash: str | None = None,
-    kind: str = "sharded",
+    kind: SaveKind = "sharded",
     tag: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     observer: SaveObserver | None = None,

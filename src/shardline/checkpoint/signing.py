@@ -39,7 +39,7 @@ from typing import Any
 from shardline.checkpoint.export_verify import is_export, verify_export
 from shardline.checkpoint.hashing import sha256_file
 from shardline.checkpoint.manifest import MANIFEST
-from shardline.checkpoint.verify import VerifyReport, verify_checkpoint
+from shardline.checkpoint.verify import VerifyLevel, VerifyReport, verify_checkpoint
 from shardline.errors import SignatureError
 
 __all__ = [
@@ -116,7 +116,7 @@ def _kind(path: Path) -> str:
 
 def _content_report(path: Path, kind: str, expected: str | None) -> VerifyReport | None:
     if kind == "checkpoint":
-        return verify_checkpoint(path, level="full", expected_manifest_hash=expected)
+        return verify_checkpoint(path, level=VerifyLevel.FULL, expected_manifest_hash=expected)
     if kind == "export":
         return verify_export(path)
     return None

@@ -27,15 +27,14 @@ from shardline.checkpoint.canonical import config_hash
 from shardline.checkpoint.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.hf_export import hf_metadata
 from shardline.checkpoint.manifest import describe_units
-from shardline.checkpoint.model_state import model_state_dict, param_index
+from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.optim_state import optimizer_state_dict
 from shardline.checkpoint.staged_check import digest_staged
 from shardline.engine import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
-__all__ = ["SAVE_KINDS", "SaveRequest", "StagedCheckpoint", "describe_model", "dtype_name", "stage"]
+__all__ = ["SAVE_KINDS", "SaveKind", "SaveRequest", "StagedCheckpoint", "describe_model", "dtype_name", "stage"]
 
-SAVE_KINDS = ("sharded", "full")
 TAG_PATTERN = re.compile(r"^[a-z0-9_]+$")
 
 
@@ -62,7 +61,7 @@ class SaveRequest:
     state: Mapping[str, Any] | None = None
     config: Mapping[str, Any] | None = None
     data_fingerprint: str | None = None
-    kind: str = "sharded"
+    kind: SaveKind = "sharded"
     tag: str | None = None
 
     def __post_init__(self) -> None:

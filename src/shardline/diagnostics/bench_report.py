@@ -14,15 +14,13 @@ import platform
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from shardline._version import __version__
+from shardline.diagnostics.bench_settings import BenchSettings, ModelSize
 from shardline.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from shardline.diagnostics.bench import BenchSettings, ModelSize
 
 __all__ = [
     "BenchResult",
@@ -353,8 +351,6 @@ def load_results(path: str | Path) -> BenchResult:
     Raises:
         ConfigurationError: The file is missing, not JSON, or not a benchmark result of this schema.
     """
-    from shardline.diagnostics.bench import BenchSettings, ModelSize
-
     try:
         data = json.loads(Path(path).read_text())
         if data.get("schema") != SCHEMA:

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import shardline
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
+from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind
 from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import MixedPrecision, ShardingStrategy
 from shardline.errors import CheckpointExistsError, ConfigurationError
@@ -54,7 +55,6 @@ __all__ = ["ShardlineStrategy"]
 log = logging.getLogger(__name__)
 
 _MESH_DIM = "data_parallel"
-_STATE_DICT_TYPES = ("sharded", "full")
 
 
 class _Root(nn.Module):
@@ -122,7 +122,7 @@ class ShardlineStrategy(ParallelStrategy):
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         mixed_precision: MixedPrecision | None = None,
-        state_dict_type: str = "sharded",
+        state_dict_type: SaveKind = "sharded",
         reshard_after_forward: bool | None = None,
         device_mesh: DeviceMesh | None = None,
         verify: VerifyLevel | str = VerifyLevel.FULL,
@@ -153,7 +153,7 @@ class ShardlineStrategy(ParallelStrategy):
                 "autocast pass Trainer(precision='bf16-mixed')"
             )
         self.mixed_precision = mixed_precision
-        if state_dict_type not in _STATE_DICT_TYPES:
+        if state_dict_type not in SAVE_KINDS:
             raise ConfigurationError(f"state_dict_type={state_dict_type!r}; use 'sharded' or 'full'")
         self.state_dict_type = state_dict_type
         if reshard_after_forward not in (None, True, False):

@@ -21,8 +21,9 @@ from shardline.checkpoint.lineage import audit, find_ledger
 from shardline.checkpoint.provenance import chain_statements
 from shardline.checkpoint.retention import signature_path_for, tombstone_detail
 from shardline.checkpoint.summary import render_summary, summarize
-from shardline.checkpoint.verify import verify_checkpoint
+from shardline.checkpoint.verify import VerifyLevel, verify_checkpoint
 from shardline.errors import CheckpointNotFoundError, ShardlineError
+from shardline.train.records import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
 
 __all__ = ["CheckpointFacts", "RunFacts", "Status", "collect_run"]
 
@@ -76,7 +77,7 @@ class RunFacts:
 
 
 def _read_summary(run_dir: Path) -> dict[str, Any] | None:
-    file = run_dir / "summary.json"
+    file = run_dir / SUMMARY_FILE
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -86,7 +87,7 @@ def _read_summary(run_dir: Path) -> dict[str, Any] | None:
 
 def _read_metrics(run_dir: Path) -> tuple[list[dict[str, float]], list[tuple[int, float]]]:
     """Training loss per step and validation loss per evaluation; a step's newest row wins (resumed attempts)."""
-    file = run_dir / "metrics.csv"
+    file = run_dir / METRICS_FILE
     steps: dict[int, float] = {}
     val: dict[int, float] = {}
     try:
@@ -144,7 +145,7 @@ def _facts(base: Path, row: LedgerRow, report: LineageReport, rows: list[LedgerR
             status=Status.MOVED,
             problems=[f"failed verification and was moved aside to {detail.get('moved_to')}: {detail.get('reason')}"],
         )
-    verdict = verify_checkpoint(path, level="full", expected_manifest_hash=row.manifest_sha256)
+    verdict = verify_checkpoint(path, level=VerifyLevel.FULL, expected_manifest_hash=row.manifest_sha256)
     facts = CheckpointFacts(row=row, path=path, status=Status.VERIFIED if verdict.ok else Status.FAILED)
     facts.problems = [f"{p.path}: {p.kind} ({p.detail})" for p in verdict.problems]
     if verdict.error:
@@ -177,7 +178,7 @@ def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | N
         checkpoints=[],
         events=[],
         public_key=key,
-        loss_png=(root / "loss.png") if (root / "loss.png").is_file() else None,
+        loss_png=(root / LOSS_PLOT_FILE) if (root / LOSS_PLOT_FILE).is_file() else None,
     )
     try:
         ledger = Ledger(find_ledger(root))

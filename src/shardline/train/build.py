@@ -7,17 +7,18 @@ reported before any worker starts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch import nn
 
 from shardline.engine import MixedPrecision, check_policy_matches
 from shardline.errors import ConfigurationError, ShardlineError
 from shardline.train.hints import keyword_hint, target_hint
+from shardline.train.schema import TrainConfig
 
 __all__ = ["Policies", "build_callbacks", "build_model", "build_policies", "preflight"]
 
@@ -34,7 +35,7 @@ def instantiate_node(node: Any, where: str) -> Any:
             cause = cause.__cause__
         if isinstance(cause, ShardlineError):
             raise ConfigurationError(f"{where}: {cause}") from None
-        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        target = node.get("_target_") if isinstance(node, Mapping) else None
         if isinstance(cause, ImportError) and "Error loading" in str(cause):
             detail = f"'{target}' cannot be imported.{target_hint(target)}"
         else:
@@ -47,7 +48,7 @@ def instantiate_node(node: Any, where: str) -> Any:
 class Policies:
     """The strategy's model-specific objects."""
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: TrainConfig) -> None:
         strategy = cfg.trainer.strategy
         self.wrap = instantiate_node(strategy.auto_wrap_policy, "trainer.strategy.auto_wrap_policy")
         self.checkpointing = instantiate_node(
@@ -65,23 +66,24 @@ class Policies:
                 "trainer.strategy.mixed_precision must build a shardline.MixedPrecision, got "
                 f"{type(self.mixed_precision).__name__}"
             )
-        if self.mixed_precision is not None and strategy.sharding_strategy == "none":
+        if self.mixed_precision is not None and strategy.sharding is None:
             raise ConfigurationError(
                 "trainer.strategy.mixed_precision needs a sharded strategy (fsdp, zero2, zero1, ddp or hsdp); with "
                 "single_device use trainer.precision=bf16-mixed instead"
             )
 
 
-def build_callbacks(cfg: DictConfig) -> list[Any]:
+def build_callbacks(cfg: TrainConfig) -> list[Any]:
     """The configured callbacks, in config order."""
     return [instantiate_node(node, f"callbacks.{name}") for name, node in (cfg.callbacks or {}).items() if node]
 
 
-def build_policies(cfg: DictConfig) -> Policies:
+def build_policies(cfg: TrainConfig) -> Policies:
+    """The strategy's wrap and activation-checkpointing policies and mixed precision, built."""
     return Policies(cfg)
 
 
-def build_model(cfg: DictConfig, *, device: torch.device | str) -> nn.Module:
+def build_model(cfg: TrainConfig, *, device: torch.device | str) -> nn.Module:
     """Instantiate ``cfg.model`` on ``device`` (``meta`` for deferred initialization)."""
     with torch.device(device):
         model = instantiate_node(cfg.model, "model")
@@ -90,7 +92,7 @@ def build_model(cfg: DictConfig, *, device: torch.device | str) -> nn.Module:
     return model
 
 
-def preflight(cfg: DictConfig) -> Policies:
+def preflight(cfg: TrainConfig) -> Policies:
     """Build the model on meta and check every policy and callback (no memory, no workers)."""
     policies = build_policies(cfg)
     build_callbacks(cfg)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from shardline.train.records import attempt_path
+from shardline.train.records import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, attempt_path
 
 __all__ = ["LossPlot", "MetricsCSV", "ProgressBar", "Summary", "TensorBoard"]
 
@@ -100,7 +100,7 @@ class MetricsCSV:
     final model descends from.
     """
 
-    def __init__(self, filename: str = "metrics.csv") -> None:
+    def __init__(self, filename: str = METRICS_FILE) -> None:
         self.filename = filename
         self._file: IO[str] | None = None
         self._writer: Any = None
@@ -176,7 +176,7 @@ class TensorBoard:
 class LossPlot:
     """``loss.png``: training loss per step and validation loss at each evaluation (``[plot]`` extra)."""
 
-    def __init__(self, filename: str = "loss.png") -> None:
+    def __init__(self, filename: str = LOSS_PLOT_FILE) -> None:
         self.filename = filename
 
     def on_fit_end(self, trainer: Any, summary: Any) -> None:
@@ -212,7 +212,7 @@ def _fmt_bytes(n: float) -> str:
 class Summary:
     """A final table on rank 0 and ``summary.json`` in the run directory."""
 
-    def __init__(self, filename: str = "summary.json") -> None:
+    def __init__(self, filename: str = SUMMARY_FILE) -> None:
         self.filename = filename
 
     def on_fit_end(self, trainer: Any, summary: Any) -> None:

@@ -22,18 +22,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
-from shardline.checkpoint.manager import ON_EXCEPTION
+from shardline.checkpoint.directory import has_manifest
+from shardline.checkpoint.manager import ON_EXCEPTION, is_auto_resume
 from shardline.errors import CheckpointNotFoundError
+from shardline.train.records import CHECKPOINTS_DIR, LEDGER_NAME, METRICS_FILE
+from shardline.train.schema import TrainConfig
 
-__all__ = ["CHECKPOINT_DIR", "LEDGER_FILE", "TrainingCheckpoints", "TrainingDiverged", "find_resumable_run"]
+__all__ = ["TrainingCheckpoints", "TrainingDiverged", "find_resumable_run"]
 
 log = logging.getLogger("shardline.train")
-
-CHECKPOINT_DIR = "checkpoints"
-LEDGER_FILE = "lineage.sqlite"
 
 
 class TrainingDiverged(FloatingPointError):
@@ -46,7 +44,7 @@ def find_resumable_run(run_root: Path, experiment: str) -> Path | None:
     if not base.is_dir():
         return None
     for run in sorted((p for p in base.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
-        if any((c / "manifest.json").is_file() for c in (run / CHECKPOINT_DIR).glob("step-*")):
+        if any(has_manifest(c) for c in (run / CHECKPOINTS_DIR).glob("step-*")):
             return run
     return None
 
@@ -54,13 +52,13 @@ def find_resumable_run(run_root: Path, experiment: str) -> Path | None:
 class TrainingCheckpoints:
     """The trainer's side of checkpointing (every method is a collective)."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
         self.cfg = cfg.checkpoint
         self.kind = cfg.trainer.strategy.state_dict_type
-        self.config = OmegaConf.to_container(cfg, resolve=True)
+        self.config = cfg.to_dict()
         self.manager = CheckpointManager(
-            run_dir / CHECKPOINT_DIR,
-            ledger_path=run_dir / LEDGER_FILE,
+            run_dir / CHECKPOINTS_DIR,
+            ledger_path=run_dir / LEDGER_NAME,
             async_save=self.cfg.async_save,
             keep_last_n=int(self.cfg.keep_last_n),
         )
@@ -82,7 +80,7 @@ class TrainingCheckpoints:
         step = 0 if state is None else int(state["step"])
         self.manager.check_free(self._planned_saves(trainer, step))
         if state is None:
-            if resume is not None and str(resume) == "auto":
+            if is_auto_resume(resume):
                 self._refuse_restart_over_records(trainer)
                 log.info("trainer.resume=auto: no committed checkpoint yet, starting from step 0")
             return 0
@@ -114,7 +112,7 @@ class TrainingCheckpoints:
     def _refuse_restart_over_records(self, trainer: Any) -> None:
         """``resume=auto`` found nothing that verifies: do not start over inside a run that has records."""
         moved = self.manager.moved_aside
-        records = trainer.run_dir / "metrics.csv"
+        records = trainer.run_dir / METRICS_FILE
         if moved and records.is_file() and records.stat().st_size > 0:
             raise CheckpointNotFoundError(
                 f"trainer.resume=auto: no checkpoint in {self.manager.directory} verifies (moved aside: "

@@ -1,7 +1,11 @@
 """Compose and validate the ``shardline train`` config: YAML layers + overrides onto typed schemas.
 
-Every failure becomes one :class:`~shardline.errors.ConfigurationError` whose message names the
-offending key or value and what is allowed, raised before any worker starts.
+:func:`compose_config` gives the composed ``DictConfig`` (what ``--cfg job`` prints);
+:func:`to_train_config` turns it into the typed :class:`~shardline.train.schema.TrainConfig`
+that everything after it takes -- the checks, the launcher, every worker -- and :func:`validate`
+checks what the schema cannot express. Every failure becomes one
+:class:`~shardline.errors.ConfigurationError` whose message names the offending key or value and
+what is allowed, raised before any worker starts.
 """
 
 from __future__ import annotations
@@ -22,16 +26,24 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from shardline.checkpoint.manager import is_auto_resume
 from shardline.checkpoint.retention import RetentionPolicy
-from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import ShardingStrategy, hybrid_degrees
 from shardline.errors import ConfigurationError
 from shardline.train.config_layers import DEFAULT_EXPERIMENT, ConfigPlan, apply_model_replacement, prepare, suggest
 from shardline.train.data.sources import check_data_config
-from shardline.train.precision import check_precision
-from shardline.train.schema import TrainConfig, register_schemas
+from shardline.train.schema import ACCELERATORS, TrainConfig, register_schemas
 
-__all__ = ["CONFIG_MODULE", "DEFAULT_EXPERIMENT", "compose_config", "experiment_name", "shard_degrees", "validate"]
+__all__ = [
+    "CONFIG_MODULE",
+    "DEFAULT_EXPERIMENT",
+    "compose_config",
+    "experiment_name",
+    "shard_degrees",
+    "to_train_config",
+    "to_yaml",
+    "validate",
+]
 
 CONFIG_MODULE = "shardline.train.conf"
 
@@ -91,6 +103,26 @@ def compose_config(overrides: Sequence[str] = (), *, config_dirs: Sequence[str |
 
 
 _HYDRA_ERRORS = (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException)
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The composed config as a typed :class:`TrainConfig` (the schema's enumerated settings checked).
+
+    Nodes the schema leaves free-form (``model``, the strategy's policies and mixed precision,
+    ``callbacks``: ``_target_`` nodes) become plain dicts and lists, built where they are used.
+
+    Raises:
+        ConfigurationError: a setting outside its choices (naming the key, the value and the choices).
+    """
+    try:
+        config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigurationError(f"the config does not fit its schema: {_first_line(exc)}") from None
+    if not isinstance(config, TrainConfig):
+        raise ConfigurationError(
+            f"the config is not a shardline train config (got {type(config).__name__}); compose it with compose_config"
+        )
+    return config
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -205,15 +237,10 @@ def _explain(exc: BaseException, plan: ConfigPlan) -> str:
     return _first_line(exc) + (f": {_first_line(inner)}" if inner is not None and inner is not exc else "")
 
 
-_ACCELERATORS = ("auto", "cpu", "cuda")
-_STATE_DICT_TYPES = ("sharded", "full")
-_INIT_DEVICES = ("cpu", "meta")
-
-
 def resolve_accelerator(accelerator: str) -> str:
     """``auto`` -> cuda when available, else cpu; cuda when unavailable is an error."""
-    if accelerator not in _ACCELERATORS:
-        raise ConfigurationError(f"trainer.accelerator={accelerator!r}; use one of {', '.join(_ACCELERATORS)}")
+    if accelerator not in ACCELERATORS:
+        raise ConfigurationError(f"trainer.accelerator={accelerator!r}; use one of {', '.join(ACCELERATORS)}")
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
@@ -223,15 +250,20 @@ def resolve_accelerator(accelerator: str) -> str:
     return accelerator
 
 
-def _positive(cfg: DictConfig, *keys: str) -> None:
+def _positive(cfg: TrainConfig, *keys: str) -> None:
     for key in keys:
-        value = OmegaConf.select(cfg, key)
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
         if value is None or value < 1:
             raise ConfigurationError(f"{key} must be at least 1, got {value}")
 
 
-def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
-    """Semantic checks the schema cannot express. Raises ConfigurationError with the fix.
+def validate(cfg: TrainConfig, *, launched: bool | None = None) -> None:
+    """Semantic checks the schema cannot express (ranges, the machine, files). Raises ConfigurationError with the fix.
+
+    The enumerated settings were checked when the config became a :class:`TrainConfig`
+    (:func:`to_train_config`).
 
     Args:
         launched: Whether this process already runs under a launcher (torchrun). Default:
@@ -240,25 +272,12 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
     trainer, strategy = cfg.trainer, cfg.trainer.strategy
     if launched is None:
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    parsed = ShardingStrategy.parse(strategy.sharding_strategy) if strategy.sharding_strategy != "none" else None
+    parsed = strategy.sharding
     if strategy.cpu_offload:
         raise ConfigurationError(
             "trainer.strategy.cpu_offload=true is not supported yet: shards stay on the training device. "
             "Set trainer.strategy.cpu_offload=false (or use a strategy that shards more: trainer.strategy=fsdp)."
         )
-    raf = strategy.reshard_after_forward
-    if raf is not None and not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
-        raise ConfigurationError(
-            "trainer.strategy.reshard_after_forward must be true, false, null or a positive int dividing the shard "
-            f"group's size, got {raf!r}"
-        )
-    if strategy.state_dict_type not in _STATE_DICT_TYPES:
-        raise ConfigurationError(
-            f"trainer.strategy.state_dict_type={strategy.state_dict_type!r}; use one of {', '.join(_STATE_DICT_TYPES)}"
-        )
-    check_precision(trainer.precision)
-    if trainer.init_device not in _INIT_DEVICES:
-        raise ConfigurationError(f"trainer.init_device={trainer.init_device!r}; use one of {', '.join(_INIT_DEVICES)}")
     _positive(
         cfg,
         "trainer.devices",
@@ -279,7 +298,7 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
     if trainer.collective_timeout_s <= 0:
         raise ConfigurationError(f"trainer.collective_timeout_s must be positive, got {trainer.collective_timeout_s}")
     accelerator = resolve_accelerator(trainer.accelerator)
-    if strategy.sharding_strategy == "none" and (trainer.devices > 1 or trainer.num_nodes > 1):
+    if strategy.sharding is None and (trainer.devices > 1 or trainer.num_nodes > 1):
         raise ConfigurationError(
             f"trainer.strategy=single_device runs one process, but trainer.devices={trainer.devices} and "
             f"trainer.num_nodes={trainer.num_nodes}. Use trainer.devices=1, or a distributed strategy "
@@ -298,21 +317,17 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
                 f"trainer.devices={trainer.devices} but this machine has {available} {unit}; "
                 f"use trainer.devices={available} or fewer."
             )
-    if cfg.model is None or "_target_" not in cfg.model:
+    if not isinstance(cfg.model, dict) or "_target_" not in cfg.model:
         raise ConfigurationError(
             "no model configured: select an experiment (experiment=tiny_gpt) or set model._target_"
         )
-    try:
-        VerifyLevel.parse(cfg.checkpoint.verify)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"checkpoint.verify={cfg.checkpoint.verify!r}: {exc}") from None
     if cfg.checkpoint.every_n_steps < 0:
         raise ConfigurationError(
             f"checkpoint.every_n_steps must be >= 0 (0 disables), got {cfg.checkpoint.every_n_steps}"
         )
     RetentionPolicy(keep_last_n=cfg.checkpoint.keep_last_n)  # a negative count is an error before any worker starts
     resume = cfg.trainer.resume
-    if resume is not None and str(resume) != "auto" and not os.path.isdir(str(resume)):
+    if resume is not None and not is_auto_resume(resume) and not os.path.isdir(str(resume)):
         raise ConfigurationError(
             f"trainer.resume={resume}: no such checkpoint directory; pass auto or the path of a committed "
             "checkpoint (RUN_DIR/checkpoints/step-N)"
@@ -326,19 +341,19 @@ def validate(cfg: DictConfig, *, launched: bool | None = None) -> None:
         raise ConfigurationError(f"scheduler.warmup_steps must be >= 0, got {cfg.scheduler.warmup_steps}")
 
 
-def shard_degrees(cfg: DictConfig) -> tuple[int, int]:
+def shard_degrees(cfg: TrainConfig) -> tuple[int, int]:
     """``(replicate_size, shard_size)`` of the run: a hybrid strategy's degrees, else (1, world) or (world, 1)."""
     strategy = cfg.trainer.strategy
     world = cfg.trainer.devices * cfg.trainer.num_nodes
-    if strategy.sharding_strategy == "none":
+    parsed = strategy.sharding
+    if parsed is None:
         return 1, 1
-    parsed = ShardingStrategy.parse(strategy.sharding_strategy)
     if parsed.policy.hybrid:
         return hybrid_degrees(world_size=world, replicate_size=strategy.replicate_size, shard_size=strategy.shard_size)
     return (1, world) if parsed.policy.shard_optimizer else (world, 1)
 
 
-def _check_mesh(cfg: DictConfig, parsed: ShardingStrategy | None) -> None:
+def _check_mesh(cfg: TrainConfig, parsed: ShardingStrategy | None) -> None:
     """Hybrid degrees multiply to the world size; only hybrid strategies take them; an int reshard divides the group."""
     strategy = cfg.trainer.strategy
     hybrid = parsed is not None and parsed.policy.hybrid
@@ -369,7 +384,7 @@ def _check_mesh(cfg: DictConfig, parsed: ShardingStrategy | None) -> None:
             )
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    """The resolved config as YAML (what ``--cfg job`` prints and the run directory keeps)."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
+def to_yaml(cfg: DictConfig | TrainConfig) -> str:
+    """The resolved config as YAML (what ``--cfg job`` prints and the run directory keeps as ``config.yaml``)."""
+    plain = cfg.to_dict() if isinstance(cfg, TrainConfig) else OmegaConf.to_container(cfg, resolve=True)
     return OmegaConf.to_yaml(OmegaConf.create(plain))

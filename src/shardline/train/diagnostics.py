@@ -33,7 +33,7 @@ from shardline.diagnostics.report import (
     unit_report,
 )
 from shardline.engine import count_collectives, memory_stats, reset_peak_memory_stats, subtree_units
-from shardline.train.records import attempt_path
+from shardline.train.records import MEMORY_PHASES_FILE, attempt_path
 
 __all__ = ["Diagnostics"]
 
@@ -142,7 +142,7 @@ class Diagnostics:
         for row in self.rows:
             log.info("diagnostics: %s", row.line())
         if trainer.is_rank0:
-            path = attempt_path(trainer.run_dir, "memory_phases.csv")
+            path = attempt_path(trainer.run_dir, MEMORY_PHASES_FILE)
             with open(path, "w", newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(["step", "phase", "engine_mib", "engine_peak_mib", "peak_rss_mib", "cuda_peak_mib"])

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from shardline.checkpoint.consolidate import consolidate
+from shardline.checkpoint.verify import VerifyLevel
 
 __all__ = ["Export"]
 
@@ -46,6 +47,6 @@ class Export:
             if not wanted:
                 continue
             out = trainer.run_dir / self.folder / name
-            result = consolidate(last.path, out, dtype=self.dtype, verify="full", adapters=adapters)
+            result = consolidate(last.path, out, dtype=self.dtype, verify=VerifyLevel.FULL, adapters=adapters)
             log.info("exported the %s of step %d to %s (%d tensors)", name, last.step, out, result.tensors)
             print(f"exported the {name} of step {last.step} to {out} ({result.tensors} tensors)", flush=True)

@@ -13,7 +13,8 @@ Three ways to run, one code path per worker (:func:`shardline.train.worker.run_w
 Before any worker starts, everything that can be checked is (exit code 2, one line): the config
 (:mod:`.config`), the model and policies on the meta device (:mod:`.build`), numbers and data
 and the checkpoint a resume will load (:mod:`.preflight`), and the run directory, whose lock
-this process holds for the whole run (:mod:`.runlock`).
+this process holds for the whole run (:mod:`.runlock`). The workers receive the config so
+checked, as the typed :class:`~shardline.train.schema.TrainConfig`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
@@ -34,9 +34,11 @@ from shardline import _torch_compat
 from shardline.distributed import free_port
 from shardline.errors import ShardlineError
 from shardline.train.build import preflight
-from shardline.train.config import compose_config, experiment_name, to_yaml, validate
+from shardline.train.config import compose_config, experiment_name, to_train_config, to_yaml, validate
 from shardline.train.preflight import check_data, check_values
+from shardline.train.records import LOGS_DIR
 from shardline.train.reports import ReportServer
+from shardline.train.schema import TrainConfig
 from shardline.train.worker import elastic_entry, open_run_dir, run_worker
 
 __all__ = ["train"]
@@ -57,19 +59,19 @@ def train(overrides: Sequence[str], *, print_config: bool = False, config_dirs: 
     """
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        cfg = compose_config(overrides, config_dirs=config_dirs)
+        composed = compose_config(overrides, config_dirs=config_dirs)
         if print_config:
-            print(to_yaml(cfg), end="")
+            print(to_yaml(composed), end="")
             return 0
+        cfg = to_train_config(composed)
         launched = _under_torchrun()
         validate(cfg, launched=launched)
         preflight(cfg)
         check_values(cfg)
         check_data(cfg)
         experiment = experiment_name(overrides)
-        config = OmegaConf.to_container(cfg, resolve=True)
         if launched:
-            run_worker(config, run_dir=None, experiment=experiment)
+            run_worker(cfg, run_dir=None, experiment=experiment)
             return 0
         run_dir, lock = open_run_dir(cfg, experiment)
     except ShardlineError as exc:
@@ -79,8 +81,8 @@ def train(overrides: Sequence[str], *, print_config: bool = False, config_dirs: 
         if lock.stale is not None:
             err.print(f"note: took over the stale lock of {run_dir}, left by {lock.stale.describe()}", markup=False)
         if cfg.trainer.devices == 1:
-            return _run_here(config, run_dir, experiment, err)
-        return _launch_local(cfg, config, run_dir, experiment, err)
+            return _run_here(cfg, run_dir, experiment, err)
+        return _launch_local(cfg, run_dir, experiment, err)
     finally:
         lock.release()
 
@@ -89,9 +91,9 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _run_here(config: dict[str, Any], run_dir: Path, experiment: str, err: Console) -> int:
+def _run_here(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console) -> int:
     try:
-        run_worker(config, run_dir=str(run_dir), experiment=experiment)
+        run_worker(cfg, run_dir=str(run_dir), experiment=experiment)
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
@@ -99,12 +101,12 @@ def _run_here(config: dict[str, Any], run_dir: Path, experiment: str, err: Conso
         first = (str(exc).strip().splitlines() or [""])[0]
         err.print("[bold red]error:[/]", escape(f"rank 0 failed: {type(exc).__name__}: {first}"))
         err.print(traceback.format_exc().rstrip(), markup=False)
-        err.print(f"log: {run_dir / 'logs' / 'rank0.log'}", markup=False)
+        err.print(f"log: {run_dir / LOGS_DIR / 'rank0.log'}", markup=False)
         return 1
     return 0
 
 
-def _launch_local(cfg: DictConfig, config: dict[str, Any], run_dir: Path, experiment: str, err: Console) -> int:
+def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -123,7 +125,7 @@ def _launch_local(cfg: DictConfig, config: dict[str, Any], run_dir: Path, experi
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(
-            log_dir=str(run_dir / "logs" / "workers"),
+            log_dir=str(run_dir / LOGS_DIR / "workers"),
             redirects=dict.fromkeys(range(1, devices), Std.ALL),
         ),
         shutdown_timeout=_SHUTDOWN_S,
@@ -141,7 +143,9 @@ def _launch_local(cfg: DictConfig, config: dict[str, Any], run_dir: Path, experi
     server = ReportServer(devices, timeout_s=cfg.trainer.collective_timeout_s)
     failed: BaseException | None = None
     try:
-        elastic_launch(launch, elastic_entry)(config, str(run_dir), experiment, server.address)
+        # Note: the typed config crosses the process boundary as is: torch's launcher pickles the
+        # arguments for the workers it spawns, and a TrainConfig is plain dataclasses and data.
+        elastic_launch(launch, elastic_entry)(cfg, str(run_dir), experiment, server.address)
     except ChildFailedError as exc:
         failed = exc
     except KeyboardInterrupt:
@@ -159,7 +163,7 @@ def _launch_local(cfg: DictConfig, config: dict[str, Any], run_dir: Path, experi
     err.print("[bold red]error:[/]", escape(headline))
     if trace:
         err.print(trace.rstrip(), markup=False, highlight=False)
-    err.print(f"logs of every rank: {run_dir / 'logs'}", markup=False)
+    err.print(f"logs of every rank: {run_dir / LOGS_DIR}", markup=False)
     return 1
 
 

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Literal, get_args
 
 import torch
 
 from shardline.engine import MixedPrecision
 from shardline.errors import ConfigurationError
 
-__all__ = ["PRECISIONS", "autocast", "bf16_mixed_precision", "check_precision"]
+__all__ = ["PRECISIONS", "Precision", "autocast", "bf16_mixed_precision", "check_precision"]
 
-PRECISIONS = ("32-true", "bf16-mixed")
+Precision = Literal["32-true", "bf16-mixed"]
+"""``trainer.precision``: no autocast, or autocast to bf16 around forward and loss."""
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 def bf16_mixed_precision() -> MixedPrecision:
@@ -35,13 +38,18 @@ def bf16_mixed_precision() -> MixedPrecision:
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 
 
-def check_precision(precision: str) -> str:
+def check_precision(precision: str) -> Precision:
+    """``precision`` if it is one of :data:`PRECISIONS`.
+
+    Raises:
+        ConfigurationError: naming the value and the choices.
+    """
     if precision not in PRECISIONS:
         raise ConfigurationError(
             f"trainer.precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)} "
             "(bf16-mixed autocasts forward to bf16; 16-mixed would need loss scaling and is not offered)"
         )
-    return precision
+    return precision  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

@@ -22,25 +22,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardline.checkpoint.dcp_io import MODEL_KEY, key_paths
-from shardline.checkpoint.directory import scan
+from shardline.checkpoint.directory import CHECKPOINTS_DIR, scan
+from shardline.checkpoint.manager import is_auto_resume, no_resume
 from shardline.checkpoint.opening import check_manifest, read_checked_metadata
 from shardline.checkpoint.staging import dtype_name
 from shardline.checkpoint.verify import VerifyLevel
 from shardline.errors import CheckpointError, ConfigurationError
 from shardline.train.build import build_model
 from shardline.train.data import load_corpus, make_batches
+from shardline.train.records import RECORDS
+from shardline.train.schema import TrainConfig
 
 __all__ = ["check_data", "check_resume", "check_values", "world_size"]
 
 _SHOW = 4
-RECORDS = ("metrics.csv", "summary.json")
 
 
-def world_size(cfg: DictConfig) -> int:
+def world_size(cfg: TrainConfig) -> int:
     """Ranks the job will have: torchrun's ``WORLD_SIZE``, else devices x nodes."""
     env = os.environ.get("WORLD_SIZE")
     return int(env) if env and env.isdigit() else int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
@@ -56,14 +57,13 @@ def _floats(node: Any, where: str) -> list[tuple[str, float]]:
     return []
 
 
-def check_values(cfg: DictConfig) -> None:
+def check_values(cfg: TrainConfig) -> None:
     """Every number in the config is finite; the optimizer's hyper-parameters are in range.
 
     Raises:
         ConfigurationError: naming the key, its value and what is allowed.
     """
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    for key, value in _floats(plain, ""):
+    for key, value in _floats(cfg.to_dict(), ""):
         if not math.isfinite(value):
             raise ConfigurationError(f"{key}={value} is not a finite number; set it to a real value")
     opt = cfg.optimizer
@@ -76,7 +76,7 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigurationError(f"optimizer.weight_decay={opt.weight_decay}; it must be >= 0")
 
 
-def check_data(cfg: DictConfig) -> None:
+def check_data(cfg: TrainConfig) -> None:
     """Build the corpus and the batch splitting exactly as the workers will (a fraction of a second).
 
     Raises:
@@ -130,7 +130,7 @@ def _stored_state(path: Path, verify: VerifyLevel) -> dict[str, tuple[tuple[int,
     return out
 
 
-def _fit_problems(cfg: DictConfig, stored: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
+def _fit_problems(cfg: TrainConfig, stored: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
     model = build_model(cfg, device="meta")
     have = {k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in model.state_dict(keep_vars=True).items()}
     problems = [f"the checkpoint lacks {k}" for k in sorted(have.keys() - stored.keys())]
@@ -144,7 +144,7 @@ def _fit_problems(cfg: DictConfig, stored: dict[str, tuple[tuple[int, ...], str]
     return problems
 
 
-def check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
+def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
     """The checkpoint a resume will load exists, is committed and fits the configured model (see the module note).
 
     Args:
@@ -154,13 +154,13 @@ def check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
         ConfigurationError: one line naming the checkpoint and what does not fit.
     """
     resume = cfg.trainer.resume
-    if resume is None or str(resume).lower() in ("", "none", "false"):
+    if no_resume(resume):
         return
     level = VerifyLevel.parse(cfg.checkpoint.verify)
-    if str(resume) == "auto":
+    if is_auto_resume(resume):
         if run_dir is None:
             return
-        committed, damaged = scan(run_dir / "checkpoints")
+        committed, damaged = scan(run_dir / CHECKPOINTS_DIR)
         if not committed and not damaged:
             records = [n for n in RECORDS if (run_dir / n).is_file() and (run_dir / n).stat().st_size > 0]
             if records:

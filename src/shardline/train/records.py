@@ -1,5 +1,19 @@
 """What a run writes into its directory, written so that a resumed run never replaces an earlier attempt's files.
 
+A run directory (``trainer.run_dir``, or ``<run_root>/<experiment>/<timestamp>``)::
+
+    config.yaml         the resolved config (config.resume-N.yaml for each resumed attempt)
+    metrics.csv         one row per step, appended by every attempt
+    summary.json        the outcome (summary.resume-N.json ...)
+    loss.png            the loss curve (with the [plot] extra)
+    memory_phases.csv   memory per step phase (the diagnostics callback)
+    logs/               rank<N>.log per rank; workers/ holds torch's launcher logs
+    checkpoints/        step-N checkpoints (:mod:`shardline.checkpoint.directory`)
+    lineage.sqlite      the hash-chained ledger of those checkpoints (:mod:`shardline.checkpoint.ledger`)
+
+These names are defined here, once: the callbacks write them, the launcher and resume read them,
+and ``shardline report`` reads them back.
+
 ``metrics.csv`` is appended to (each row carries the ``attempt`` it came from: 0 for the first,
 1 for the first resume...); one-off outputs -- ``summary.json``, ``loss.png``,
 ``memory_phases.csv``, like ``config.yaml`` -- go to the first free name among ``NAME``,
@@ -10,7 +24,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["attempt_path"]
+from shardline.checkpoint.directory import CHECKPOINTS_DIR
+from shardline.checkpoint.ledger import LEDGER_NAME
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "CONFIG_FILE",
+    "LEDGER_NAME",
+    "LOGS_DIR",
+    "LOSS_PLOT_FILE",
+    "MEMORY_PHASES_FILE",
+    "METRICS_FILE",
+    "RECORDS",
+    "SUMMARY_FILE",
+    "attempt_path",
+]
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.csv"
+SUMMARY_FILE = "summary.json"
+LOSS_PLOT_FILE = "loss.png"
+MEMORY_PHASES_FILE = "memory_phases.csv"
+LOGS_DIR = "logs"
+RECORDS = (METRICS_FILE, SUMMARY_FILE)
+"""The records that show a run directory already holds a training (never restarted over)."""
 
 
 def attempt_path(run_dir: str | Path, name: str) -> Path:

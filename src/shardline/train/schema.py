@@ -2,19 +2,44 @@
 
 Composed YAML is merged onto these dataclasses in struct mode, so a misspelled key or a value
 of the wrong type is an error naming the key -- never a silently ignored setting. Each field's
-docstring is its documentation (``shardline train --help`` lists the groups).
+docstring is its documentation (``shardline train --help-config`` lists them). The composed
+config becomes a :class:`TrainConfig` instance (:func:`shardline.train.config.to_train_config`),
+which is what the launcher checks and every worker receives.
+
+Note: enumerated settings. OmegaConf 2.3 cannot hold a ``Literal`` field, and its enum fields
+accept member names only (``FULL_SHARD``), not the values and aliases users type
+(``full_shard``, ``zero3``). So those fields stay ``str`` for Hydra, and each is checked in
+``__post_init__`` of its dataclass -- when the composed config becomes a ``TrainConfig`` --
+against the one definition of its choices: a ``Literal`` here for the settings this module
+owns (:data:`Accelerator`, :data:`InitDevice`), and the owner's enum or ``Literal`` otherwise
+(:class:`~shardline.engine.ShardingStrategy`, :data:`~shardline.checkpoint.model_state.SaveKind`,
+:data:`~shardline.train.precision.Precision`, :class:`~shardline.checkpoint.verify.VerifyLevel`,
+:data:`~shardline.train.data.sources.DataSource`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from hydra.core.config_store import ConfigStore
 
+from shardline.checkpoint.model_state import SAVE_KINDS
+from shardline.checkpoint.verify import VerifyLevel
+from shardline.engine import ShardingStrategy
+from shardline.errors import ConfigurationError
+from shardline.train.data.sources import check_source
+from shardline.train.precision import check_precision
+
 __all__ = [
+    "ACCELERATORS",
+    "INIT_DEVICES",
+    "NO_SHARDING",
+    "Accelerator",
     "CheckpointConfig",
     "DataConfig",
+    "InitDevice",
     "OptimizerConfig",
     "SchedulerConfig",
     "StrategyConfig",
@@ -22,6 +47,20 @@ __all__ = [
     "TrainerConfig",
     "register_schemas",
 ]
+
+Accelerator = Literal["auto", "cpu", "cuda"]
+"""``trainer.accelerator``: auto (cuda if available, else cpu), cpu or cuda."""
+ACCELERATORS: tuple[str, ...] = get_args(Accelerator)
+InitDevice = Literal["cpu", "meta"]
+"""``trainer.init_device``: build the model on CPU, or on the meta device and materialize only local shards."""
+INIT_DEVICES: tuple[str, ...] = get_args(InitDevice)
+NO_SHARDING = "none"
+"""``trainer.strategy.sharding_strategy`` of the single_device strategy: one process, the model not wrapped."""
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigurationError(f"{key}={value!r}; use one of {', '.join(choices)}")
 
 
 @dataclass
@@ -51,6 +90,27 @@ class StrategyConfig:
     """Which modules recompute activations in backward, same form as auto_wrap_policy."""
     mixed_precision: Any = None
     """A shardline.MixedPrecision (via _target_); decides parameter, reduction and buffer dtypes."""
+
+    def __post_init__(self) -> None:
+        _ = self.sharding  # an unknown name raises here, naming the choices
+        raf = self.reshard_after_forward
+        if raf is not None and not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
+            raise ConfigurationError(
+                "trainer.strategy.reshard_after_forward must be true, false, null or a positive int dividing the "
+                f"shard group's size, got {raf!r}"
+            )
+        _check_choice("trainer.strategy.state_dict_type", self.state_dict_type, SAVE_KINDS)
+
+    @property
+    def sharding(self) -> ShardingStrategy | None:
+        """The engine's strategy, or None for :data:`NO_SHARDING` (single device: the model is not wrapped).
+
+        Raises:
+            ConfigurationError: an unknown strategy name (naming the choices).
+        """
+        if self.sharding_strategy == NO_SHARDING:
+            return None
+        return ShardingStrategy.parse(self.sharding_strategy)
 
 
 @dataclass
@@ -94,6 +154,11 @@ class TrainerConfig:
     """null; auto (continue the newest run of this experiment, or trainer.run_dir, from its newest committed
     checkpoint; start fresh if there is none); or the path of a committed checkpoint (a new run branches from it)."""
 
+    def __post_init__(self) -> None:
+        _check_choice("trainer.accelerator", self.accelerator, ACCELERATORS)
+        check_precision(self.precision)
+        _check_choice("trainer.init_device", self.init_device, INIT_DEVICES)
+
 
 @dataclass
 class DataConfig:
@@ -122,6 +187,9 @@ class DataConfig:
     """About one file (or document) in val_every goes to the validation split."""
     seq_len: int = 128
     """Tokens per training sequence (bytes for the stdlib corpus)."""
+
+    def __post_init__(self) -> None:
+        check_source(self.name)
 
 
 @dataclass
@@ -159,9 +227,15 @@ class CheckpointConfig:
     keep_last_n: int = 0
     """Keep only the newest N regular checkpoints (0: keep all); older ones are deleted after a newer one commits,
     each recorded by a tombstone row in the ledger."""
-    verify: str = "full"
+    verify: str = VerifyLevel.FULL.value
     """On resume: full (every byte hashed against the manifest), or the opt-ins sizes (file sizes only) and none;
     an opt-in is printed and recorded in the ledger."""
+
+    def __post_init__(self) -> None:
+        try:
+            VerifyLevel.parse(self.verify)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"checkpoint.verify={self.verify!r}: {exc}") from None
 
 
 @dataclass
@@ -177,6 +251,10 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Named callbacks {name: {_target_: ..., ...}}; remove one with ~callbacks.NAME."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data (what ``config.yaml`` and each checkpoint's manifest record)."""
+        return dataclasses.asdict(self)
 
 
 def register_schemas() -> None:

@@ -16,17 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from torch import nn
 
 import shardline
 from shardline.distributed import DistInfo
-from shardline.engine import ShardingStrategy, apply_activation_checkpointing, subtree_units
+from shardline.engine import apply_activation_checkpointing, subtree_units
 from shardline.train.build import Policies, build_model
 from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
 from shardline.train.config import shard_degrees
 from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
 from shardline.train.precision import autocast
+from shardline.train.records import METRICS_FILE
+from shardline.train.schema import TrainConfig
 
 __all__ = ["StepMetrics", "Summary", "Trainer"]
 
@@ -120,14 +121,15 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
 class Trainer:
     """Builds everything from the config on every rank and runs the loop.
 
-    Attributes readable by callbacks: ``cfg``, ``info`` (rank, world size, device), ``run_dir``,
+    Attributes readable by callbacks: ``cfg`` (the run's :class:`~shardline.train.schema.TrainConfig`),
+    ``info`` (rank, world size, device), ``run_dir``,
     ``experiment``, ``model``, ``corpus``, ``metrics`` (all :class:`StepMetrics` so far),
     ``is_rank0``.
     """
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: TrainConfig,
         *,
         info: DistInfo,
         run_dir: Path,
@@ -144,8 +146,8 @@ class Trainer:
         self.is_rank0 = info.rank == 0
         self.metrics: list[StepMetrics] = []
         self.val_history: list[tuple[int, float]] = []
-        self.sharded = cfg.trainer.strategy.sharding_strategy != "none"
-        self.hybrid = self.sharded and ShardingStrategy.parse(cfg.trainer.strategy.sharding_strategy).policy.hybrid
+        self.sharded = cfg.trainer.strategy.sharding is not None
+        self.hybrid = self.sharded and cfg.trainer.strategy.sharding.policy.hybrid
         self.device = info.device
         self.precision = cfg.trainer.precision
         self.max_steps = cfg.trainer.max_steps
@@ -187,7 +189,7 @@ class Trainer:
         self.checkpoints = TrainingCheckpoints(cfg, run_dir)
         self.start_step = self.checkpoints.resume(self, cfg.trainer.resume)
         if self.start_step:
-            self.metrics = _read_metrics(run_dir / "metrics.csv", upto=self.start_step)
+            self.metrics = _read_metrics(run_dir / METRICS_FILE, upto=self.start_step)
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> nn.Module:
@@ -204,7 +206,7 @@ class Trainer:
         if self.sharded:
             strategy = cfg.trainer.strategy
             kwargs = {
-                "strategy": strategy.sharding_strategy,
+                "strategy": strategy.sharding,
                 "reshard_after_forward": strategy.reshard_after_forward,
                 "mixed_precision": policies.mixed_precision,
             }

@@ -1,5 +1,9 @@
 """What every training process runs: join the group, log to its own file, build the trainer, fit.
 
+Every worker receives the typed :class:`~shardline.train.schema.TrainConfig` the launcher
+checked (pickled by torch's launcher for the workers it starts; passed as is under torchrun and
+with ``trainer.devices=1``).
+
 Also the run directory's setup, shared by the local launcher and torchrun's rank 0:
 :func:`open_run_dir` picks the directory, takes its lock (one run per directory, see
 :mod:`.runlock`), checks what a resume will load (:mod:`.preflight`) and records the config.
@@ -18,18 +22,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardline.checkpoint import coord
+from shardline.checkpoint.manager import is_auto_resume
 from shardline.distributed import init_distributed
 from shardline.errors import ConfigurationError
 from shardline.train.build import build_callbacks, build_policies
 from shardline.train.checkpointing import find_resumable_run
 from shardline.train.config import resolve_accelerator, to_yaml
 from shardline.train.preflight import check_resume
+from shardline.train.records import CONFIG_FILE, LOGS_DIR, attempt_path
 from shardline.train.reports import Reporter, is_collective_timeout, stall_grace_s
 from shardline.train.runlock import RunLock
+from shardline.train.schema import TrainConfig
 from shardline.train.trainer import Trainer
 
 __all__ = ["elastic_entry", "open_run_dir", "resolve_run_dir", "run_worker"]
@@ -37,7 +43,7 @@ __all__ = ["elastic_entry", "open_run_dir", "resolve_run_dir", "run_worker"]
 log = logging.getLogger("shardline.train")
 
 
-def resolve_run_dir(cfg: DictConfig, experiment: str) -> Path:
+def resolve_run_dir(cfg: TrainConfig, experiment: str) -> Path:
     """Which run directory this run uses (nothing is created here).
 
     New runs go to ``<run_root>/<experiment>/<timestamp>`` or ``trainer.run_dir``. With
@@ -49,7 +55,7 @@ def resolve_run_dir(cfg: DictConfig, experiment: str) -> Path:
             not resuming (nothing there is ever overwritten).
     """
     explicit = cfg.trainer.run_dir
-    resuming = str(cfg.trainer.resume) == "auto"
+    resuming = is_auto_resume(cfg.trainer.resume)
     if explicit:
         path = Path(str(explicit))
         if path.exists() and not path.is_dir():
@@ -69,7 +75,7 @@ def resolve_run_dir(cfg: DictConfig, experiment: str) -> Path:
     return path
 
 
-def open_run_dir(cfg: DictConfig, experiment: str) -> tuple[Path, RunLock]:
+def open_run_dir(cfg: TrainConfig, experiment: str) -> tuple[Path, RunLock]:
     """Create the run directory, take its lock, check the resume, record the config; returns (path, held lock).
 
     The caller releases the lock when the run ends. A stale lock (left by a run that died) is
@@ -82,7 +88,7 @@ def open_run_dir(cfg: DictConfig, experiment: str) -> tuple[Path, RunLock]:
     path = resolve_run_dir(cfg, experiment)
     created = not path.exists()
     try:
-        (path / "logs").mkdir(parents=True, exist_ok=True)
+        (path / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _unwritable(path, exc) from None
     lock = RunLock(path)
@@ -100,7 +106,7 @@ def open_run_dir(cfg: DictConfig, experiment: str) -> tuple[Path, RunLock]:
         lock.release()
         if created:
             with contextlib.suppress(OSError):
-                (path / "logs").rmdir()
+                (path / LOGS_DIR).rmdir()
                 path.rmdir()
         raise
     return path, lock
@@ -113,16 +119,12 @@ def _unwritable(path: Path, exc: OSError) -> ConfigurationError:
     )
 
 
-def _record_config(path: Path, cfg: DictConfig) -> None:
+def _record_config(path: Path, cfg: TrainConfig) -> None:
     """``config.yaml``; a resumed attempt adds ``config.resume-N.yaml`` instead of replacing it."""
-    target, n = path / "config.yaml", 1
-    while target.exists():
-        target = path / f"config.resume-{n}.yaml"
-        n += 1
-    target.write_text(to_yaml(cfg))
+    attempt_path(path, CONFIG_FILE).write_text(to_yaml(cfg))
 
 
-def _agree_on_run_dir(run_dir: str | None, cfg: DictConfig, experiment: str, locks: list[RunLock]) -> Path:
+def _agree_on_run_dir(run_dir: str | None, cfg: TrainConfig, experiment: str, locks: list[RunLock]) -> Path:
     """Under torchrun no parent made the run directory: rank 0 opens it (and holds its lock) and tells the others."""
     if run_dir is None:
 
@@ -135,7 +137,7 @@ def _agree_on_run_dir(run_dir: str | None, cfg: DictConfig, experiment: str, loc
 
         run_dir = coord.rank0_decides(open_here, None)
     path = Path(run_dir)
-    (path / "logs").mkdir(parents=True, exist_ok=True)  # other nodes may not share the filesystem
+    (path / LOGS_DIR).mkdir(parents=True, exist_ok=True)  # other nodes may not share the filesystem
     return path
 
 
@@ -143,7 +145,7 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
     # A full disk must not turn every log call into a printed traceback: the failure that matters is
     # reported once, through the launcher.
     logging.raiseExceptions = False
-    handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    handler = logging.FileHandler(run_dir / LOGS_DIR / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("shardline")
     root.setLevel(logging.INFO)
@@ -157,9 +159,16 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
         root.addHandler(console)
 
 
-def run_worker(config: dict[str, Any], *, run_dir: str | None, experiment: str) -> dict[str, Any] | None:
-    """Train on this process as one rank of the job; returns the summary on rank 0."""
-    cfg = OmegaConf.create(config)
+def run_worker(cfg: TrainConfig, *, run_dir: str | None, experiment: str) -> dict[str, Any] | None:
+    """Train on this process as one rank of the job; returns the summary on rank 0.
+
+    Raises:
+        ConfigurationError: ``cfg`` is not a :class:`TrainConfig` (see :func:`~shardline.train.config.to_train_config`).
+    """
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigurationError(
+            f"a worker needs a TrainConfig (shardline.train.config.to_train_config), got {type(cfg).__name__}"
+        )
     accelerator = resolve_accelerator(cfg.trainer.accelerator)
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
@@ -197,7 +206,7 @@ def run_worker(config: dict[str, Any], *, run_dir: str | None, experiment: str) 
 
 @record
 def elastic_entry(
-    config: dict[str, Any], run_dir: str, experiment: str, report_address: str | None = None
+    config: TrainConfig, run_dir: str, experiment: str, report_address: str | None = None
 ) -> dict[str, Any] | None:
     """Entry point of the workers the local launcher starts.
 
@@ -220,7 +229,7 @@ def elastic_entry(
         if reporter is not None:
             reporter.failed(error)
             if is_collective_timeout(error):
-                time.sleep(stall_grace_s(config["trainer"]["collective_timeout_s"]))
+                time.sleep(stall_grace_s(config.trainer.collective_timeout_s))
         raise
     finally:
         if reporter is not None:

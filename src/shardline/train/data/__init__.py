@@ -3,7 +3,7 @@
 from shardline.train.data.batches import Batches, PackedBatches, make_batches
 from shardline.train.data.corpus import Corpus, stream_length, take_windows
 from shardline.train.data.files import build_text_corpus, build_token_corpus, expand_paths
-from shardline.train.data.sources import SOURCES, check_data_config, check_vocab, load_corpus
+from shardline.train.data.sources import SOURCES, DataSource, check_data_config, check_source, check_vocab, load_corpus
 from shardline.train.data.stdlib import build_stdlib_corpus
 from shardline.train.data.tokenizer import ByteEncoder, HFEncoder, TextEncoder, load_encoder
 
@@ -12,6 +12,7 @@ __all__ = [
     "Batches",
     "ByteEncoder",
     "Corpus",
+    "DataSource",
     "HFEncoder",
     "PackedBatches",
     "TextEncoder",
@@ -19,6 +20,7 @@ __all__ = [
     "build_text_corpus",
     "build_token_corpus",
     "check_data_config",
+    "check_source",
     "check_vocab",
     "expand_paths",
     "load_corpus",

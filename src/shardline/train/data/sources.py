@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from torch import nn
 
@@ -14,9 +14,22 @@ from shardline.train.data.files import TOKEN_SUFFIXES, build_text_corpus, build_
 from shardline.train.data.stdlib import build_stdlib_corpus
 from shardline.train.data.tokenizer import load_encoder
 
-__all__ = ["SOURCES", "check_data_config", "check_vocab", "load_corpus"]
+__all__ = ["SOURCES", "DataSource", "check_data_config", "check_source", "check_vocab", "load_corpus"]
 
-SOURCES = ("stdlib", "text", "jsonl", "tokens")
+DataSource = Literal["stdlib", "text", "jsonl", "tokens"]
+"""``data.name``: the built-in corpus, text files, JSON lines, or a pre-tokenized array."""
+SOURCES: tuple[str, ...] = get_args(DataSource)
+
+
+def check_source(name: str) -> DataSource:
+    """``name`` if it is one of :data:`SOURCES`.
+
+    Raises:
+        ConfigurationError: naming the value and the choices.
+    """
+    if name not in SOURCES:
+        raise ConfigurationError(f"unknown data source data.name={name!r}; available: {', '.join(SOURCES)}")
+    return name  # type: ignore[return-value]
 
 
 def check_data_config(data: Any) -> None:
@@ -26,8 +39,7 @@ def check_data_config(data: Any) -> None:
         ConfigurationError: an unknown ``data.name``, a glob matching nothing, a missing token file
             or tokenizer.
     """
-    if data.name not in SOURCES:
-        raise ConfigurationError(f"unknown data source data.name={data.name!r}; available: {', '.join(SOURCES)}")
+    check_source(data.name)
     if data.name in ("text", "jsonl"):
         expand_paths(data.path, "data.path")
         if data.val_path is not None:
@@ -50,8 +62,7 @@ def check_data_config(data: Any) -> None:
 
 def load_corpus(data: Any) -> Corpus:
     """The corpus the data config describes (any object with the ``DataConfig`` fields as attributes)."""
-    if data.name not in SOURCES:
-        raise ConfigurationError(f"unknown data source data.name={data.name!r}; available: {', '.join(SOURCES)}")
+    check_source(data.name)
     if data.name == "stdlib":
         if data.tokenizer is not None:
             raise ConfigurationError(

@@ -1,5 +1,5 @@
 """``shardline sign``: argument parsing for :func:`shardline.checkpoint.signing.sign` (verification is
-``shardline verify CKPT --public-key PUB.pem``, in :mod:`.cli`)."""
+``shardline verify CKPT --public-key PUB.pem``, in :mod:`.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
+from shardline.cli.common import sha256_arg
 from shardline.errors import ShardlineError
 
 __all__ = ["register"]
@@ -54,10 +54,8 @@ def _cmd_sign(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: Any) -> None:
-    """Add ``sign`` to an argparse subparsers object."""
-    from shardline.checkpoint.cli import _sha256_arg
-
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``sign`` to the ``shardline`` command."""
     sign = subparsers.add_parser(
         "sign",
         help="sign a checkpoint or export (OpenSSF model-signing format, offline, private key); needs [signing]",
@@ -71,7 +69,7 @@ def register(subparsers: Any) -> None:
         "--password-env", metavar="NAME", help="environment variable holding the private key's password, if any"
     )
     sign.add_argument(
-        "--expect", metavar="SHA256", type=_sha256_arg, help="require this manifest hash (e.g. from the ledger)"
+        "--expect", metavar="SHA256", type=sha256_arg, help="require this manifest hash (e.g. from the ledger)"
     )
     sign.add_argument("--force", action="store_true", help="replace an existing signature file")
     sign.add_argument("--json", action="store_true", help="machine-readable output")

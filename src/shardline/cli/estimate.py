@@ -13,6 +13,8 @@ from rich.table import Table
 from shardline.diagnostics.estimate import MemoryEstimate, estimate_memory
 from shardline.engine import ShardingStrategy, hybrid_degrees
 from shardline.errors import ShardlineError
+from shardline.train.build import build_model, build_policies
+from shardline.train.config import compose_config, resolve_accelerator, to_train_config
 
 __all__ = ["register", "run"]
 
@@ -33,18 +35,15 @@ def _mib(n: int) -> str:
 
 def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEstimate:
     """Estimate for the ``shardline train`` config selected by ``overrides`` (Hydra syntax)."""
-    from shardline.train.build import build_model, build_policies
-    from shardline.train.config import compose_config, resolve_accelerator
-
-    cfg = compose_config(overrides)
+    cfg = to_train_config(compose_config(overrides))
     policies = build_policies(cfg)
-    strategy = cfg.trainer.strategy.sharding_strategy
+    strategy = cfg.trainer.strategy.sharding
     world = world_size or cfg.trainer.devices * cfg.trainer.num_nodes
-    if strategy == "none":
-        strategy, world = "no_shard", 1
+    if strategy is None:  # single device: the model is not wrapped; one rank holds everything
+        strategy, world = ShardingStrategy.NO_SHARD, 1
     shard_size = cfg.trainer.strategy.shard_size
     replicate_size = cfg.trainer.strategy.replicate_size
-    if ShardingStrategy.parse(strategy).policy.hybrid:
+    if strategy.policy.hybrid:
         # --world-size rescales the job: keep the shard group (one node), grow the replicas.
         shard_size = hybrid_degrees(world_size=world, replicate_size=-1 if world_size else replicate_size,
                                     shard_size=shard_size)[1]  # fmt: skip
@@ -64,6 +63,7 @@ def run(overrides: Sequence[str], *, world_size: int | None = None) -> MemoryEst
 
 
 def render(est: MemoryEstimate, console: Console) -> None:
+    """Print the estimate as two tables: memory by component, and the units."""
     mesh = f" ({est.replicate_size} replicas x {est.shard_size}-rank shard groups)" if "hybrid" in est.strategy else ""
     table = Table(
         title=f"Estimated memory per rank: {est.strategy}, {est.world_size} ranks{mesh}, {est.parameters:,} parameters",
@@ -86,7 +86,7 @@ def render(est: MemoryEstimate, console: Console) -> None:
     console.print(units)
 
 
-def _cmd(args: argparse.Namespace) -> int:
+def _cmd_estimate(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
     try:
         est = run(args.overrides, world_size=args.world_size)
@@ -111,4 +111,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="the same overrides as shardline train")
     parser.add_argument("--world-size", type=int, help="ranks to estimate for (default: devices x num_nodes)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.set_defaults(func=_cmd)
+    parser.set_defaults(func=_cmd_estimate, positionals_into="overrides")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from shardline.errors import ShardlineError
 
@@ -33,8 +32,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 1 if bad or broken else 0
 
 
-def register(subparsers: Any) -> None:
-    """Add ``report`` to an argparse subparsers object."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``report`` to the ``shardline`` command."""
     report = subparsers.add_parser(
         "report", help="write one self-contained HTML page about a run for a reviewer (verifies every checkpoint)"
     )

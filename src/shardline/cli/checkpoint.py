@@ -12,42 +12,13 @@ import argparse
 import json
 import sys
 import warnings
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigurationError, ShardlineError, SignatureError
+from shardline.checkpoint.verify import VerifyLevel
+from shardline.cli.common import emit_json, fail, sha256_arg
+from shardline.errors import ShardlineError, SignatureError
 
-__all__ = ["find_ledger", "main", "register"]
-
-
-def _emit_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True))
-
-
-def _fail(args: argparse.Namespace, error: Exception) -> int:
-    message = str(error) if isinstance(error, ShardlineError) else _os_error(error)
-    if getattr(args, "json", False):
-        _emit_json({"ok": False, "error": message, "error_type": type(error).__name__})
-    else:
-        print(f"error: {message}", file=sys.stderr)
-    return 1
-
-
-def _os_error(error: Exception) -> str:
-    if isinstance(error, OSError) and error.filename is not None:
-        return f"{error.filename}: {error.strerror or error}"
-    return f"{type(error).__name__}: {error}"
-
-
-def _sha256_arg(text: str) -> str:
-    """argparse type of ``--expect``: a SHA-256 in hex, or a usage error naming the argument."""
-    from shardline.checkpoint.verify import check_expected_hash
-
-    try:
-        return str(check_expected_hash(text, where="--expect"))
-    except ConfigurationError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+__all__ = ["register"]
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -68,19 +39,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             except SignatureError as e:
                 sig_error = str(e)
     except (ShardlineError, OSError) as e:
-        return _fail(args, e)
+        return fail(args, e)
     ok = report.ok and sig_error is None
     if args.json:
         out = report.to_json() | {"ok": ok}
         if args.public_key:
             out["signature"] = signed.to_json() | {"ok": True} if signed else {"ok": False, "error": sig_error}
-        _emit_json(out)
+        emit_json(out)
         return 0 if ok else 1
     if report.ok:
         print(
             f"OK: {report.path} (step {report.step}): {report.files_checked} files match the "
             f"{'export record' if export else 'manifest'}"
-            f"{' (hashes re-computed)' if args.level == 'full' else ' (sizes only)'}; "
+            f"{' (hashes re-computed)' if VerifyLevel.parse(args.level) is VerifyLevel.FULL else ' (sizes only)'}; "
             f"{'source ' if export else ''}manifest hash {report.manifest_hash}"
         )
     else:
@@ -102,9 +73,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     try:
         summary = summarize(args.checkpoint)
     except (ShardlineError, OSError) as e:
-        return _fail(args, e)
+        return fail(args, e)
     if args.json:
-        _emit_json(summary)
+        emit_json(summary)
     else:
         print(render_summary(summary))
     return 0
@@ -127,12 +98,12 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
                 adapters=args.adapters,
             )
     except (ShardlineError, OSError) as e:
-        return _fail(args, e)
+        return fail(args, e)
     for w in caught:
         if "torch.distributed is disabled" not in str(w.message):
             print(f"warning: {w.message}", file=sys.stderr)
     if args.json:
-        _emit_json(
+        emit_json(
             {
                 "ok": True,
                 "out": str(result.out),
@@ -163,16 +134,9 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
-def find_ledger(run_dir: str | Path) -> Path:
-    """The ledger for ``run_dir`` (see :func:`shardline.checkpoint.lineage.find_ledger`)."""
-    from shardline.checkpoint.lineage import find_ledger as find
-
-    return find(run_dir)
-
-
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.ledger import Ledger
-    from shardline.checkpoint.lineage import audit
+    from shardline.checkpoint.lineage import audit, find_ledger
     from shardline.checkpoint.provenance import chain_statements
     from shardline.checkpoint.retention import record_deletions
 
@@ -186,13 +150,13 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
             return _new_chain(args, ledger, report)
         statements = chain_statements(ledger.path.parent, report.rows) if args.json else {}
     except (ShardlineError, OSError) as e:
-        return _fail(args, e)
+        return fail(args, e)
     if args.json:
         out = report.to_json()
         for row in out["rows"]:
             if row["seq"] in statements:
                 row["provenance"] = statements[row["seq"]]
-        _emit_json(out)
+        emit_json(out)
         return 0 if report.ok else 1
     commits = sum(1 for r in report.rows if r.is_commit)
     print(f"Lineage ledger {report.path}: {commits} committed checkpoint(s), {len(report.rows) - commits} event(s)")
@@ -256,7 +220,7 @@ def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
         return 1
     aside, rows = start_new_chain(ledger, problems=list(report.problems))
     if args.json:
-        _emit_json({"ok": True, "previous_ledger": str(aside), "rows": [r.to_json() for r in rows]})
+        emit_json({"ok": True, "previous_ledger": str(aside), "rows": [r.to_json() for r in rows]})
         return 0
     print(
         f"Kept the broken ledger as {aside}; started a new chain in {ledger.path}: its first row "
@@ -266,8 +230,8 @@ def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
     return 0
 
 
-def register(subparsers: Any) -> None:
-    """Add ``verify``, ``inspect``, ``consolidate`` and ``lineage`` to an argparse subparsers object."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``verify``, ``inspect``, ``consolidate`` and ``lineage`` to the ``shardline`` command."""
     verify = subparsers.add_parser(
         "verify", help="check every file of a checkpoint against its manifest (exit 1 naming any mismatch)"
     )
@@ -276,12 +240,12 @@ def register(subparsers: Any) -> None:
     )
     verify.add_argument(
         "--level",
-        choices=("full", "sizes"),
-        default="full",
+        choices=[level.value for level in VerifyLevel if level is not VerifyLevel.NONE],
+        default=VerifyLevel.FULL.value,
         help="full: re-hash every file (default); sizes: sizes only",
     )
     verify.add_argument(
-        "--expect", metavar="SHA256", type=_sha256_arg, help="also require this manifest hash (e.g. from the ledger)"
+        "--expect", metavar="SHA256", type=sha256_arg, help="also require this manifest hash (e.g. from the ledger)"
     )
     verify.add_argument(
         "--public-key",
@@ -315,11 +279,11 @@ def register(subparsers: Any) -> None:
     cons.add_argument("--dtype", help="cast floating-point weights (bf16, fp16, fp32)")
     cons.add_argument(
         "--verify",
-        choices=("full", "sizes", "none"),
-        default="full",
+        choices=[level.value for level in VerifyLevel],
+        default=VerifyLevel.FULL.value,
         help="check the checkpoint first: full (default: every byte); sizes, none: opt-ins, recorded in the output",
     )
-    cons.add_argument("--expect", metavar="SHA256", type=_sha256_arg, help="require this source manifest hash")
+    cons.add_argument("--expect", metavar="SHA256", type=sha256_arg, help="require this source manifest hash")
     cons.add_argument("--json", action="store_true", help="machine-readable output")
     cons.set_defaults(func=_cmd_consolidate)
 
@@ -342,14 +306,3 @@ def register(subparsers: Any) -> None:
         "--json", action="store_true", help="machine-readable output, with each checkpoint's provenance statement"
     )
     lineage.set_defaults(func=_cmd_lineage)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``shardline ARGV`` (the checkpoint subcommands are part of the ``shardline`` command)."""
-    from shardline.cli import main as shardline_main
-
-    return shardline_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

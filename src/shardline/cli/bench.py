@@ -1,8 +1,8 @@
 """``shardline bench``: shardline's engine vs torch FSDP2 vs torch DDP vs one process.
 
-``register(subparsers)`` adds the subcommand to the main parser; ``main(argv)`` runs it alone
-(``python -m shardline.diagnostics.bench_cli --out DIR``). Exit codes: 0 done, 1 bad input
-(one line naming the value and the fix), 2 usage errors (argparse).
+``register(subparsers)`` adds the subcommand to the main parser (the benchmark itself is
+:mod:`shardline.diagnostics.bench`). Exit codes: 0 done, 1 bad input (one line naming the value
+and the fix), 2 usage errors (argparse).
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Sequence
 
 from shardline.errors import ConfigurationError, ShardlineError
 
-__all__ = ["build_parser", "main", "register"]
+__all__ = ["register"]
 
 _EXAMPLES = """\
 examples:
@@ -71,9 +70,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             configs=_configs(args.configs),
             timeout_s=args.timeout,
         )
-        argv = getattr(args, "argv", None)  # set by main(); under the shardline command, sys.argv has it
-        words = ["bench", *argv] if argv is not None else sys.argv[1:]
-        command = "shardline " + " ".join(shlex.quote(a) for a in words)
+        command = "shardline " + " ".join(shlex.quote(a) for a in args.argv)
         result = run_benchmark(
             settings=settings,
             out_dir=args.out,
@@ -134,22 +131,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_arguments(parser)
     parser.set_defaults(func=_cmd_bench)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """A parser with ``bench`` as its only subcommand (for running this module directly)."""
-    parser = argparse.ArgumentParser(prog="shardline")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``shardline bench`` with ``argv`` (without the subcommand name)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(["bench", *argv])
-    args.argv = argv
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
