@@ -37,7 +37,7 @@ def test_a_staged_copy_that_is_not_a_copy_is_caught(tmp_path: Path, monkeypatch)
     manager.save(ckpt.SaveRequest(step=1, model=model))
     manager.wait()
     # pytorch#144657: staging that hands the writer the live tensors instead of copies
-    monkeypatch.setattr(staging, "_snapshot", lambda sd: sd)
+    monkeypatch.setattr(staging, "_snapshot", lambda sd, **_: sd)
     hold = _HoldWrites()
     manager.observer = hold
     manager.save(ckpt.SaveRequest(step=2, model=model))  # returns once "staged"

@@ -10,9 +10,9 @@ time* can.
 
 How:
 
-1. :func:`digest_staged` (on the training thread, right after the copy, before ``save`` returns)
-   hashes every staged tensor's bytes, on the two SHA-256 helper threads, keyed by where the
-   tensor lives (device, data pointer).
+1. :class:`StagedDigester` (on the training thread, before ``save`` returns) hashes every
+   staged tensor's bytes on the two SHA-256 helper threads, each tensor as soon as its copy is
+   made, keyed by where the tensor lives (device, data pointer).
 2. After DCP has written this rank's file, :func:`check_written` (on the background thread)
    reads back each tensor item from the file -- DCP writes each one as a ``torch.save`` archive at
    an offset it reports -- takes the one storage record inside it, and compares its SHA-256 with
@@ -20,8 +20,8 @@ How:
    every rank (nothing is committed) naming the tensor; so does a tensor the staging never saw.
 
 Non-tensor items (trainer state, the config) are immutable Python bytes/strings built during
-staging; they are not checked here. The cost is one SHA-256 pass over the rank's state on the
-training thread (split over two threads) and one read-back and hash on the background thread
+staging; they are not checked here. The cost is one SHA-256 pass over the rank's state while
+the training thread copies it (on two helper threads) and one read-back and hash on the background thread
 (docs/checkpoints.md has the figures).
 """
 
@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from shardline.checkpoint.hashing import hasher_pool
 
-__all__ = ["StagedTensor", "check_written", "digest_staged", "tensor_key"]
+__all__ = ["StagedDigester", "StagedTensor", "check_written", "digest_staged", "tensor_key"]
 
 _DATA_RECORD = re.compile(r"(?:^|/)data/\d+$")
 
@@ -95,22 +95,46 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(value, f"{prefix}.{i}")
 
 
+class StagedDigester:
+    """Hashes staged tensors as they are copied, so the digests overlap the staging copy.
+
+    Note: staging copies tensor after tensor on the training thread; each copy is handed to
+    :meth:`add` and hashed on the SHA-256 helper threads while the next one is copied, so the
+    training loop waits about max(copy, hash) rather than their sum. :meth:`digests` then hashes
+    whatever the staging did not hand over (a ``full`` save's gathered tensors, or a staging step
+    that skipped a tensor) and waits for every digest.
+    """
+
+    def __init__(self) -> None:
+        self._pool = hasher_pool()
+        self._futures: dict[tuple[str, int], Any] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """Start hashing one staged tensor (a no-op for an empty one, or one already started)."""
+        key = tensor_key(tensor)
+        if tensor.numel() and key not in self._futures:
+            self._futures[key] = self._pool.submit(_sha256, tensor)
+
+    def digests(self, state_dict: Mapping[str, Any]) -> dict[tuple[str, int], StagedTensor]:
+        """Every tensor of the staged ``state_dict`` (local shards of DTensors), keyed by :func:`tensor_key`."""
+        named = [(name, t) for name, t in _tensors(state_dict, "") if t.numel()]
+        for _, tensor in named:
+            self.add(tensor)
+        return {
+            tensor_key(t): StagedTensor(
+                name=name, nbytes=t.numel() * t.element_size(), sha256=self._futures[tensor_key(t)].result()
+            )
+            for name, t in named
+        }
+
+
 def digest_staged(state_dict: Mapping[str, Any]) -> dict[tuple[str, int], StagedTensor]:
     """Hash every tensor of a staged state dict (local shards of DTensors), keyed by :func:`tensor_key`.
 
     Runs on the calling thread until every digest is known, the hashing spread over the two
     SHA-256 helper threads. Empty tensors are left out (they write no bytes).
     """
-    pool = hasher_pool()
-    pending = []
-    for name, tensor in _tensors(state_dict, ""):
-        if tensor.numel() == 0:
-            continue
-        pending.append((name, tensor, pool.submit(_sha256, tensor)))
-    return {
-        tensor_key(t): StagedTensor(name=name, nbytes=t.numel() * t.element_size(), sha256=future.result())
-        for name, t, future in pending
-    }
+    return StagedDigester().digests(state_dict)
 
 
 def _written_digest(file: Path, offset: int, length: int) -> str:

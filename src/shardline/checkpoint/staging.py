@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from shardline.checkpoint.hf_export import hf_metadata
 from shardline.checkpoint.manifest import describe_units
 from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.optim_state import optimizer_state_dict
-from shardline.checkpoint.staged_check import digest_staged
+from shardline.checkpoint.staged_check import StagedDigester
 from shardline.engine import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
@@ -148,11 +148,16 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _snapshot(obj: Any) -> Any:
-    """A copy of every tensor in ``obj`` (DTensor pieces keep their placement) so training can go on."""
+def _snapshot(obj: Any, *, on_copy: Callable[[torch.Tensor], None]) -> Any:
+    """A copy of every tensor in ``obj`` (DTensor pieces keep their placement) so training can go on.
+
+    ``on_copy`` gets each copy (the local piece of a DTensor) as soon as it is made.
+    """
     if isinstance(obj, DTensor):
+        local = obj.to_local().clone()
+        on_copy(local)
         return DTensor.from_local(
-            obj.to_local().clone(),
+            local,
             obj.device_mesh,
             obj.placements,
             run_check=False,
@@ -160,11 +165,13 @@ def _snapshot(obj: Any) -> Any:
             stride=obj.stride(),
         )
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        copied = obj.detach().to("cpu", copy=True)
+        on_copy(copied)
+        return copied
     if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
+        return {k: _snapshot(v, on_copy=on_copy) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_snapshot(v) for v in obj]
+        return [_snapshot(v, on_copy=on_copy) for v in obj]
     return obj
 
 
@@ -233,8 +240,9 @@ def stage(
             sd[CONFIG_KEY] = _config_text(request.config)
     if per_rank is not None:
         sd[PER_RANK_KEY] = {str(rank): encode_state(_cpu(per_rank), f"per-rank trainer state of rank {rank}")}
-    if copy and kind == "sharded":
-        sd = _snapshot(sd)
+    digester = StagedDigester() if copy else None
+    if digester is not None and kind == "sharded":
+        sd = _snapshot(sd, on_copy=digester.add)
     return StagedCheckpoint(
         final=Path(path),
         step=request.step,
@@ -256,5 +264,5 @@ def stage(
         parent_manifest_hash=parent_manifest_hash,
         total_bytes=_local_bytes(sd),
         config=request.config,
-        staged_digests=digest_staged(sd) if copy else None,
+        staged_digests=digester.digests(sd) if digester is not None else None,
     )
