@@ -157,3 +157,24 @@ def _not_a_member(rank: int, world_size: int) -> None:
 
 def test_mesh_membership_and_groups() -> None:
     run_distributed(_not_a_member, 3)
+
+
+def test_error_chain_walks_causes_contexts_and_dcp_rank_failures() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardline.errors import error_chain
+
+    disk = OSError(28, "No space left on device")
+    rank1 = RuntimeError("rank 1 failed")
+    dcp_error = CheckpointException("save failed", {0: (disk, None), 1: (rank1, None)})
+    try:
+        try:
+            raise dcp_error
+        except CheckpointException as exc:
+            raise ValueError("wrapped") from exc
+    except ValueError as outer:
+        top = outer
+    walked = list(error_chain(top))
+    assert walked[0] is top
+    assert {id(e) for e in walked} == {id(top), id(dcp_error), id(disk), id(rank1)}
+    assert len(walked) == 4, "each exception once, even when it is both cause and context"

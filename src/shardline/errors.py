@@ -7,6 +7,8 @@ values, ``RuntimeError`` for bad state) so generic handlers keep working.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
@@ -24,6 +26,7 @@ __all__ = [
     "ShardlineError",
     "SignatureError",
     "StateDictError",
+    "error_chain",
 ]
 
 
@@ -89,3 +92,25 @@ class RunLockedError(ShardlineError, RuntimeError):
 
 class CheckpointWarning(UserWarning):
     """A checkpoint loads, but something a reviewer should know about it (e.g. it has no lineage manifest)."""
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, its causes and contexts, and the per-rank errors a torch DCP ``CheckpointException`` carries.
+
+    Each exception once, depth first. DCP's exception is recognised by its ``failures`` mapping
+    (rank -> (exception, traceback)), so this module needs no torch import.
+    """
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(
+                v[0] for v in failures.values() if isinstance(v, tuple) and v and isinstance(v[0], BaseException)
+            )
+        stack.extend(c for c in (e.__cause__, e.__context__) if c is not None)

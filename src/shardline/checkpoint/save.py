@@ -34,7 +34,7 @@ import os
 import shutil
 import sqlite3
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,7 @@ from shardline.checkpoint.provenance import STATEMENT_FILE, build_statement
 from shardline.checkpoint.staged_check import check_written
 from shardline.checkpoint.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
 from shardline.checkpoint.summary import human_bytes
-from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError
+from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, error_chain
 
 __all__ = ["CheckpointInfo", "commit", "disk_full_cause", "preflight", "save", "stage_agreed", "write_and_commit"]
 
@@ -176,24 +176,9 @@ def stage_agreed(
     return replace(staged, total_bytes=sum(sizes))
 
 
-def _causes(error: BaseException) -> Iterator[BaseException]:
-    """``error``, its causes and contexts, and the per-rank errors a DCP ``CheckpointException`` carries."""
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        if isinstance(e, CheckpointException):
-            stack.extend(exc for exc, _trace in e.failures.values() if isinstance(exc, BaseException))
-        stack.extend(c for c in (e.__cause__, e.__context__) if c is not None)
-
-
 def disk_full_cause(error: BaseException) -> BaseException | None:
     """The "no space left" (or quota) error behind ``error``, if there is one."""
-    for e in _causes(error):
+    for e in error_chain(error):
         if isinstance(e, OSError) and e.errno in _FULL:
             return e
         if isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e):
@@ -203,7 +188,7 @@ def disk_full_cause(error: BaseException) -> BaseException | None:
 
 def _first_line(error: BaseException) -> str:
     """The innermost error's type and first message line (DCP's own text is a multi-line traceback dump)."""
-    for e in _causes(error):
+    for e in error_chain(error):
         if not isinstance(e, CheckpointException):
             text = str(e).strip().splitlines()
             return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

@@ -30,9 +30,10 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from shardline.errors import error_chain
 
 __all__ = ["Report", "ReportServer", "Reporter", "is_collective_timeout", "stall_grace_s"]
 
@@ -47,21 +48,6 @@ def stall_grace_s(timeout_s: float) -> float:
     return min(5.0, max(1.0, 0.1 * float(timeout_s)))
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            stack.extend(v[0] for v in failures.values() if isinstance(v, tuple) and isinstance(v[0], BaseException))
-        stack.extend(c for c in (e.__cause__, e.__context__) if c is not None)
-
-
 def is_collective_timeout(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) is a collective that timed out (gloo, NCCL, or torch's store)."""
     from shardline.errors import ConfigurationError
@@ -70,7 +56,7 @@ def is_collective_timeout(error: BaseException) -> bool:
         not isinstance(e, ConfigurationError)
         and isinstance(e, (RuntimeError, TimeoutError))
         and _TIMEOUT.search(str(e))
-        for e in _chain(error)
+        for e in error_chain(error)
     )
 
 
