@@ -11,6 +11,7 @@ Anything else means rows are missing, and the chain does not verify.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from dataclasses import replace
@@ -22,7 +23,7 @@ from shardline.checkpoint.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageR
 from shardline.checkpoint.provenance import STATEMENT_FILE, read_statement
 from shardline.errors import IntegrityError, LineageError
 
-__all__ = ["audit", "checkpoint_directories", "find_ledger", "start_new_chain", "unrecorded"]
+__all__ = ["audit", "checkpoint_directories", "describe_event", "find_ledger", "start_new_chain", "unrecorded"]
 
 
 def find_ledger(run_dir: str | os.PathLike) -> Path:
@@ -140,3 +141,27 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
             )
         )
     return aside, rows
+
+
+def describe_event(row: LedgerRow) -> str:
+    """An event row of the ledger (quarantine, resume, tombstone, chain break) in plain words."""
+    try:
+        detail = json.loads(row.detail) if row.detail else {}
+    except ValueError:
+        detail = {}
+    if not isinstance(detail, dict):
+        detail = {}
+    what = detail.get("checkpoint")
+    if row.event == "quarantine":
+        return f"{what} failed verification, moved to {detail.get('moved_to')}"
+    if row.event == "resume":
+        return f"resumed from {what} with verify={detail.get('verify')!r} (not every byte hashed)"
+    if row.event == "tombstone":
+        reason = detail.get("reason", "no reason recorded")
+        return f"{what} deleted on purpose ({reason}); its record stays in the chain"
+    if row.event == "chain_break":
+        return (
+            f"new chain; the previous ledger ({detail.get('previous_ledger', 'missing')}) did not verify: "
+            + "; ".join(detail.get("problems", []))
+        )
+    return row.detail or ""

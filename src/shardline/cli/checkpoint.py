@@ -9,7 +9,6 @@ SHA-256). ``--json`` prints one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from typing import Any
@@ -136,7 +135,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.ledger import Ledger
-    from shardline.checkpoint.lineage import audit, find_ledger
+    from shardline.checkpoint.lineage import audit, describe_event, find_ledger
     from shardline.checkpoint.provenance import chain_statements
     from shardline.checkpoint.retention import record_deletions
 
@@ -162,7 +161,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     print(f"Lineage ledger {report.path}: {commits} committed checkpoint(s), {len(report.rows) - commits} event(s)")
     for row in report.rows:
         if not row.is_commit:
-            print(f"  #{row.seq:<3} {row.event}: {_event_text(row)}  row {row.row_sha256[:12]}  {row.committed_at}")
+            print(f"  #{row.seq:<3} {row.event}: {describe_event(row)}  row {row.row_sha256[:12]}  {row.committed_at}")
             continue
         parent = (row.parent_manifest_sha256 or "-")[:12]
         flags = " (recovered after a crash)" if row.recovered else ""
@@ -194,22 +193,6 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
-
-
-def _event_text(row: Any) -> str:
-    detail = json.loads(row.detail) if row.detail else {}
-    if row.event == "quarantine":
-        return f"{detail.get('checkpoint')} failed verification, moved to {detail.get('moved_to')}"
-    if row.event == "resume":
-        return f"resumed from {detail.get('checkpoint')} with verify={detail.get('verify')!r} (not every byte hashed)"
-    if row.event == "tombstone":
-        return f"{detail.get('checkpoint')} deleted on purpose ({detail.get('reason')}); its record stays in the chain"
-    if row.event == "chain_break":
-        return (
-            f"new chain; the previous ledger ({detail.get('previous_ledger', 'missing')}) did not verify: "
-            + "; ".join(detail.get("problems", []))
-        )
-    return row.detail or ""
 
 
 def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline._version import __version__
+from shardline.checkpoint.lineage import describe_event
 from shardline.checkpoint.summary import human_bytes
 from shardline.report.collect import CheckpointFacts, RunFacts, Status, collect_run
 from shardline.report.svg import STATUS_COLORS, lineage_svg, loss_svg
@@ -131,25 +132,8 @@ def _nodes(facts: RunFacts) -> list[dict[str, Any]]:
             "parent": r.parent_manifest_sha256,
         }
     for r in facts.events:
-        by_seq[r.seq] = {"kind": "event", "seq": r.seq, "label": r.event or "event", "detail": _event_words(r)}
+        by_seq[r.seq] = {"kind": "event", "seq": r.seq, "label": r.event or "event", "detail": describe_event(r)}
     return [by_seq[k] for k in sorted(by_seq)]
-
-
-def _event_words(row: Any) -> str:
-    import json
-
-    detail = json.loads(row.detail) if row.detail else {}
-    if row.event == "tombstone":
-        kept = detail.get("keep_last_n")
-        why = f"retention keeps the newest {kept}" if kept else "deletion recorded by hand"
-        return f"{detail.get('checkpoint')} deleted on purpose ({why})"
-    if row.event == "quarantine":
-        return f"{detail.get('checkpoint')} failed verification, moved to {detail.get('moved_to')}"
-    if row.event == "resume":
-        return f"resumed from {detail.get('checkpoint')} with verify={detail.get('verify')}"
-    if row.event == "chain_break":
-        return f"new chain: the previous ledger ({detail.get('previous_ledger', 'missing')}) did not verify"
-    return row.detail or ""
 
 
 def _lineage_section(facts: RunFacts) -> str:
