@@ -145,7 +145,6 @@ class Collectives(Protocol):
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
         """All-gather ``input`` of every rank into ``output`` (rank-major)."""
-        ...
 
     def reduce_scatter(
         self,
@@ -160,23 +159,19 @@ class Collectives(Protocol):
 
         ``input`` is scratch: a backend may overwrite it.
         """
-        ...
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
     ) -> Any:
         """Reduce ``tensor`` over the group, in place."""
-        ...
 
     def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
         """Broadcast ``tensor`` from global rank ``src``."""
-        ...
 
     def scatter(
         self, output: torch.Tensor, chunks: list[torch.Tensor] | None, group: dist.ProcessGroup, *, src: int
     ) -> None:
         """Scatter ``chunks`` (given on global rank ``src``) into ``output`` on every rank."""
-        ...
 
 
 class _CopyAfter:

@@ -29,22 +29,30 @@ def _check(data: TokenStream, *, seq_len: int, global_batch: int, world_size: in
         )
 
 
-class Batches:
-    """Random windows: ``global_batch`` windows of ``seq_len + 1`` tokens at offsets drawn from ``(seed, step)``.
+class _GlobalBatchSlices:
+    """What both batch kinds share: the stream, the window length, and this rank's slice of the global batch."""
 
-    Used for the built-in corpus. Rank ``r`` takes the ``r``-th contiguous slice of the global batch.
-    """
+    _unit = "tokens"
 
     def __init__(
         self, data: TokenStream, *, seq_len: int, global_batch: int, rank: int, world_size: int, seed: int
     ) -> None:
-        _check(data, seq_len=seq_len, global_batch=global_batch, world_size=world_size, unit="bytes")
+        _check(data, seq_len=seq_len, global_batch=global_batch, world_size=world_size, unit=self._unit)
         self.data = data
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.local_batch = global_batch // world_size
         self.rank = rank
         self.seed = seed
+
+
+class Batches(_GlobalBatchSlices):
+    """Random windows: ``global_batch`` windows of ``seq_len + 1`` tokens at offsets drawn from ``(seed, step)``.
+
+    Used for the built-in corpus. Rank ``r`` takes the ``r``-th contiguous slice of the global batch.
+    """
+
+    _unit = "bytes"
 
     def starts(self, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -58,7 +66,7 @@ class Batches:
         return windows[:, :-1], windows[:, 1:]
 
 
-class PackedBatches:
+class PackedBatches(_GlobalBatchSlices):
     """Packed fixed windows: the stream (documents joined by a separator) cut into consecutive windows.
 
     Window ``i`` holds tokens ``[i * seq_len, (i + 1) * seq_len]`` (``seq_len + 1`` tokens: inputs
@@ -71,13 +79,7 @@ class PackedBatches:
     def __init__(
         self, data: TokenStream, *, seq_len: int, global_batch: int, rank: int, world_size: int, seed: int
     ) -> None:
-        _check(data, seq_len=seq_len, global_batch=global_batch, world_size=world_size, unit="tokens")
-        self.data = data
-        self.seq_len = seq_len
-        self.global_batch = global_batch
-        self.local_batch = global_batch // world_size
-        self.rank = rank
-        self.seed = seed
+        super().__init__(data, seq_len=seq_len, global_batch=global_batch, rank=rank, world_size=world_size, seed=seed)
         self.windows = (stream_length(data) - 1) // seq_len
         self._orders: dict[int, torch.Tensor] = {}
 
