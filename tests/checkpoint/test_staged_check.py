@@ -93,3 +93,19 @@ def test_digest_staged_hashes_the_bytes_torch_save_writes() -> None:
     by_name = {d.name: d for d in digests.values()}
     assert by_name["a"].sha256 == hashlib.sha256(t.numpy().tobytes()).hexdigest()
     assert by_name["b.c"].sha256 == hashlib.sha256(view.contiguous().numpy().tobytes()).hexdigest()
+
+
+def test_a_digest_belongs_to_the_tensor_it_names_when_views_share_a_start() -> None:
+    import hashlib
+
+    from shardline.checkpoint.staged_check import StagedDigester, tensor_key
+
+    t = torch.arange(12, dtype=torch.float32)
+    head = t[:4]  # starts where t starts: the same (device, data pointer) key
+    digester = StagedDigester()
+    digester.add(t)  # staged first, as a copy handed over during staging would be
+    digests = digester.digests({"whole": t, "head": head})
+    (entry,) = digests.values()
+    assert tensor_key(head) == tensor_key(t)
+    assert (entry.name, entry.nbytes) == ("head", 16)
+    assert entry.sha256 == hashlib.sha256(head.numpy().tobytes()).hexdigest(), "the digest of the bytes it names"

@@ -107,13 +107,18 @@ class StagedDigester:
 
     def __init__(self) -> None:
         self._pool = hasher_pool()
-        self._futures: dict[tuple[str, int], Any] = {}
+        self._futures: dict[tuple[Any, ...], Any] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
         """Start hashing one staged tensor (a no-op for an empty one, or one already started)."""
-        key = tensor_key(tensor)
+        key = self._identity(tensor)
         if tensor.numel() and key not in self._futures:
             self._futures[key] = self._pool.submit(_sha256, tensor)
+
+    @staticmethod
+    def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
+        # the same bytes: where they start, and the view's shape, strides and dtype
+        return (*tensor_key(tensor), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
 
     def digests(self, state_dict: Mapping[str, Any]) -> dict[tuple[str, int], StagedTensor]:
         """Every tensor of the staged ``state_dict`` (local shards of DTensors), keyed by :func:`tensor_key`."""
@@ -122,7 +127,7 @@ class StagedDigester:
             self.add(tensor)
         return {
             tensor_key(t): StagedTensor(
-                name=name, nbytes=t.numel() * t.element_size(), sha256=self._futures[tensor_key(t)].result()
+                name=name, nbytes=t.numel() * t.element_size(), sha256=self._futures[self._identity(t)].result()
             )
             for name, t in named
         }
