@@ -6,6 +6,8 @@ A torch upgrade that moves any of these should only require edits in this file.
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +27,8 @@ __all__ = [
     "reduce_scatter_into",
     "set_writer_filesystem",
     "storage_key",
+    "tensor_pickle_global",
+    "typed_storage_dtype",
     "version_of",
 ]
 
@@ -158,6 +162,50 @@ def is_dcp_metadata_global(module: str, name: str) -> bool:
     if name in DCP_METADATA_CLASSES.get(module, ()):
         return True
     return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+# Note: what the ``data.pkl`` of a ``torch.save``'d plain dense tensor names (see
+# ``checkpoint.tensor_record``): one of two rebuild functions, a storage class (typed, e.g.
+# ``torch.FloatStorage``, or ``torch.storage.UntypedStorage`` with the dtype passed to the v3
+# rebuild), a dtype, and an empty ``OrderedDict`` of backward hooks. A torch version that writes
+# anything else makes that decoder step aside for ``torch.load``; nothing breaks.
+_TENSOR_PICKLE_GLOBALS: dict[tuple[str, str], str] = {
+    ("torch._utils", "_rebuild_tensor_v2"): "rebuild_v2",
+    ("torch._utils", "_rebuild_tensor_v3"): "rebuild_v3",
+    ("collections", "OrderedDict"): "ordered_dict",
+    ("torch.storage", "UntypedStorage"): "untyped_storage",
+    ("torch", "UntypedStorage"): "untyped_storage",
+}
+
+
+def tensor_pickle_global(module: str, name: str) -> str | None:
+    """The role of ``module.name`` in a plain tensor's ``torch.save`` pickle, or None if it has none there.
+
+    Roles: ``rebuild_v2``, ``rebuild_v3``, ``ordered_dict``, ``untyped_storage``, ``typed_storage``, ``dtype``.
+    """
+    role = _TENSOR_PICKLE_GLOBALS.get((module, name))
+    if role is not None:
+        return role
+    if module != "torch":
+        return None
+    value = getattr(torch, name, None)
+    if isinstance(value, torch.dtype):
+        return "dtype"
+    if name.endswith("Storage") and typed_storage_dtype(name) is not None:
+        return "typed_storage"
+    return None
+
+
+@functools.cache
+def typed_storage_dtype(name: str) -> torch.dtype | None:
+    """The dtype of the legacy typed storage class ``torch.<name>`` (e.g. ``FloatStorage``), or None."""
+    cls = getattr(torch, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.storage.TypedStorage)):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "TypedStorage is deprecated": only its dtype is read
+        dtype = getattr(cls, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def elastic_launch_config(**kwargs: Any) -> Any:

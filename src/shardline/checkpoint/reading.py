@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from shardline.checkpoint.dcp_io import MetadataReader
 from shardline.checkpoint.hashing import hasher_pool
+from shardline.checkpoint.tensor_record import decode_tensor
 from shardline.checkpoint.verify import FileProblem
 from shardline.errors import CheckpointError, IntegrityError
 
@@ -241,6 +242,10 @@ class VerifyingReader(MetadataReader):
         return pos
 
     def _load(self, group: list[ReadItem], data: bytes, planner: LoadPlanner) -> None:
+        # The group's items all read one stored tensor: decode it once, as a view of ``data`` (no copy,
+        # no torch.load; see tensor_record.py), or leave it None for torch.load when that declines.
+        decoded: torch.Tensor | None = None
+        tried = False
         for item in group:
             info = self.storage_data[item.storage_index]
             stream: Any = io.BytesIO(data)
@@ -250,11 +255,15 @@ class VerifyingReader(MetadataReader):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(stream.read(-1)))
                 continue
-            if not stream.seekable():
-                stream = io.BytesIO(stream.read(-1))
-            tensor = _narrow(
-                torch.load(stream, map_location="cpu", weights_only=True), item.storage_offsets, item.lengths
-            )
+            if not tried and not descriptors:
+                decoded, tried = decode_tensor(data), True
+            if decoded is not None and not descriptors:
+                stored = decoded
+            else:
+                if not stream.seekable():
+                    stream = io.BytesIO(stream.read(-1))
+                stored = torch.load(stream, map_location="cpu", weights_only=True)
+            tensor = _narrow(stored, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
             if target.size() != tensor.size():
                 raise IntegrityError(
