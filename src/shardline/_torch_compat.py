@@ -159,8 +159,11 @@ DCP_METADATA_CLASSES: dict[str, frozenset[str]] = {
 
 def is_dcp_metadata_global(module: str, name: str) -> bool:
     """Whether a ``.metadata`` pickle may refer to ``module.name`` (the allowlist above, plus torch dtypes)."""
-    if name in DCP_METADATA_CLASSES.get(module, ()):
-        return True
+    return name in DCP_METADATA_CLASSES.get(module, ()) or _is_torch_dtype(module, name)
+
+
+def _is_torch_dtype(module: str, name: str) -> bool:
+    """Whether ``module.name`` is a dtype (pickles name dtypes as ``torch.float32`` and the like)."""
     return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
 
 
@@ -186,12 +189,9 @@ def tensor_pickle_global(module: str, name: str) -> str | None:
     role = _TENSOR_PICKLE_GLOBALS.get((module, name))
     if role is not None:
         return role
-    if module != "torch":
-        return None
-    value = getattr(torch, name, None)
-    if isinstance(value, torch.dtype):
+    if _is_torch_dtype(module, name):
         return "dtype"
-    if name.endswith("Storage") and typed_storage_dtype(name) is not None:
+    if module == "torch" and name.endswith("Storage") and typed_storage_dtype(name) is not None:
         return "typed_storage"
     return None
 

@@ -18,6 +18,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import shardline.checkpoint as ckpt
 from shardline import cli
@@ -89,13 +91,34 @@ def _damaged_copies(saved_run: Path, root: Path) -> dict[str, Path]:
     (copy("extra") / "notes.txt").write_text("not part of the checkpoint")
     shard = copy("truncated") / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-10])
+    _flip_tensor_pickle(copy("flip-pickle") / "__0_0.distcp")
     return copies
 
 
-def _expected_file(name: str) -> str:
-    return {"missing": "__1_0.distcp", "extra": "notes.txt", "truncated": "__0_0.distcp"}.get(
-        name, name.removeprefix("flip")
+def _flip_tensor_pickle(shard: Path) -> None:
+    """Flip one bit inside the pickle of the file's first tensor item: ``_rebuild_tensor_v2`` reads ``..._v3``,
+    so the item no longer deserializes (the reader's decoder and torch.load both decline it)."""
+    metadata = FileSystemReader(str(shard.parent)).read_metadata()
+    offset, length = min(
+        (info.offset, info.length)
+        for index, info in metadata.storage_data.items()
+        if info.relative_path == shard.name
+        and isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata)
     )
+    data = bytearray(shard.read_bytes())
+    at = data.index(b"_rebuild_tensor_v2", offset) + len(b"_rebuild_tensor_v")
+    assert at < offset + length, "the flip must land inside that tensor item"
+    data[at] ^= 0x01  # "2" -> "3"
+    shard.write_bytes(bytes(data))
+
+
+def _expected_file(name: str) -> str:
+    return {
+        "missing": "__1_0.distcp",
+        "extra": "notes.txt",
+        "truncated": "__0_0.distcp",
+        "flip-pickle": "__0_0.distcp",
+    }.get(name, name.removeprefix("flip"))
 
 
 def test_load_and_consolidate_refuse_damage_naming_the_file(saved_run: Path, tmp_path: Path) -> None:
@@ -179,11 +202,13 @@ def test_resume_auto_falls_back_moves_the_damage_aside_and_records_it(saved_run:
 
 def test_resume_auto_falls_back_over_damage_of_every_kind(saved_run: Path, tmp_path: Path) -> None:
     directories = {}
-    for name in [*(f"flip{k}" for k in FILE_KINDS), "missing", "extra", "truncated"]:
+    for name in [*(f"flip{k}" for k in FILE_KINDS), "flip-pickle", "missing", "extra", "truncated"]:
         directory = tmp_path / name
         shutil.copytree(saved_run, directory)
         step4 = directory / "step-4"
-        if name.startswith("flip"):
+        if name == "flip-pickle":
+            _flip_tensor_pickle(step4 / "__0_0.distcp")
+        elif name.startswith("flip"):
             _flip(step4 / name.removeprefix("flip"))
         elif name == "missing":
             (step4 / "__1_0.distcp").unlink()

@@ -157,6 +157,24 @@ def test_a_hostile_pickle_is_declined_and_never_executed(tmp_path: Path) -> None
     assert not marker.exists(), "decode_tensor executed a global the tensor pickle does not name"
 
 
+@pytest.mark.parametrize("damage", ["truncated", "v2_called_as_v3", "bad_opcode"])
+def test_a_damaged_pickle_is_declined_and_torch_load_refuses_it(damage: str) -> None:
+    """Damage inside ``data.pkl`` goes to torch.load, whose refusal the reader reports (never a result)."""
+    data = _saved(torch.arange(6.0))
+    pkl = _pickle_of(data)
+    assert pkl.count(b"_rebuild_tensor_v2") == 1
+    damaged, refusal = {
+        "truncated": (pkl[: len(pkl) // 2], EOFError),
+        # one bit, as a flipped byte would: v3 takes one argument more
+        "v2_called_as_v3": (pkl.replace(b"_rebuild_tensor_v2", b"_rebuild_tensor_v3"), TypeError),
+        "bad_opcode": (pkl[:2] + b"\xff" + pkl[3:], pickle.UnpicklingError),
+    }[damage]
+    bad = _rewritten(data, {"/data.pkl": damaged})
+    assert decode_tensor(bad) is None
+    with pytest.raises(refusal):
+        torch.load(io.BytesIO(bad), weights_only=True)
+
+
 def test_a_record_shorter_than_its_pickle_promises_is_refused() -> None:
     data = _saved(torch.arange(8.0))
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
