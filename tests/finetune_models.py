@@ -76,6 +76,19 @@ class FineTuneNet(nn.Module):
         return self.head(x), self.aux(x)
 
 
+def forward_terms() -> int:
+    """Longest chain of reductions in one forward of :class:`FineTuneNet` (see ``tests.numerics``).
+
+    A LoRA block: LayerNorm's mean and variance over ``DIM``; ``q``'s dot products over ``DIM``
+    then, for the adapter, over ``RANK``; ``out``'s over ``2 * DIM`` then ``RANK``. The frozen
+    block: ``fc`` over ``DIM``, its LayerNorm over ``DIM`` twice. Chained: ``first``, ``frozen``,
+    ``shared`` twice, then the head over ``DIM`` and the softmax over ``VOCAB``.
+    """
+    lora = 2 * DIM + (DIM + RANK) + (2 * DIM + RANK)
+    frozen = DIM + 2 * DIM
+    return 3 * lora + frozen + DIM + VOCAB
+
+
 def lora_blocks(model: FineTuneNet) -> list[LoraBlock]:
     return [model.first, model.shared, model.aux]
 

@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import shardline
+from tests.numerics import max_rel_err
+
 VOCAB = 13
 DIM = 10
 HIDDEN = 7
@@ -75,9 +78,51 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max|a - e| / max|e|`` (0 when both are all zero)."""
-    actual, expected = actual.double(), expected.double()
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    diff = (actual - expected).abs().max().item() if expected.numel() else 0.0
-    return diff / scale if scale else diff
+BLOCK_TERMS = 2 * DIM + DIM + HIDDEN
+"""Longest chain of reductions in one :class:`Block`: LayerNorm's mean and variance over ``DIM``,
+fc1's dot products over ``DIM``, fc2's over ``HIDDEN`` (see ``tests.numerics``)."""
+
+
+def parity_forward_terms(n_blocks: int = 2) -> int:
+    """Longest chain of reductions in one forward of :class:`ParityModel` (see ``tests.numerics``).
+
+    Its blocks, then the final LayerNorm, the head's dot products over ``DIM`` and the softmax's
+    sum over ``VOCAB``.
+    """
+    return n_blocks * BLOCK_TERMS + 2 * DIM + DIM + VOCAB
+
+
+def chain_terms(*, forward: int, tokens: int, world_size: int, micro: int = 1) -> int:
+    """Longest chain of reductions behind one gradient element of a data-parallel step.
+
+    The forward's chain (``forward``), backward mirroring it, the mean loss's and the weight
+    gradient's sums over the global batch's ``tokens``, the accumulation of ``micro``
+    micro-batches and the average across ``world_size`` ranks.
+    """
+    return 2 * forward + 2 * tokens + micro + world_size
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A sharded model's full gradients by name (zeros where none), gathered like its parameters.
+
+    A collective: every rank calls it. Loads each shard's gradient into the parameter, gathers a
+    full state dict, and puts the parameters back.
+    """
+    saved = [(p, p.detach().clone()) for p in model.parameters()]
+    with torch.no_grad():
+        for p, _ in saved:
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    grads = shardline.full_state_dict(model)
+    with torch.no_grad():
+        for p, value in saved:
+            p.copy_(value)
+    return grads
+
+
+def grad_errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
+    """Relative error (``tests.numerics.max_rel_err``) of each of ``model``'s full gradients against ``reference``'s.
+
+    A collective (see :func:`full_grads`).
+    """
+    full = full_grads(model)
+    return {n: max_rel_err(full[n], p.grad) for n, p in reference.named_parameters() if p.grad is not None}

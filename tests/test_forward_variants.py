@@ -9,8 +9,37 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import shardline
-from shardline.testing import run_distributed
-from tests.models import DIM, VOCAB, Block, batch, local_slice, loss_fn, max_rel_err
+from shardline.engine import use_collectives
+from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from tests.models import (
+    BATCH,
+    BLOCK_TERMS,
+    DIM,
+    SEQ,
+    VOCAB,
+    Block,
+    batch,
+    chain_terms,
+    grad_errors,
+    local_slice,
+    loss_fn,
+)
+from tests.numerics import (
+    Reorder,
+    assert_caught,
+    assert_reordered,
+    assert_trajectory,
+    max_rel_err,
+    trajectory_ratio,
+)
+
+pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
+
+
+# Fancy: the shared block twice, the dict block's projection over DIM, the head over DIM, softmax over VOCAB.
+FANCY_RULE = Reorder(chain_terms(forward=2 * BLOCK_TERMS + DIM + DIM + VOCAB, tokens=BATCH * SEQ, world_size=2))
+# Two blocks on 8 rows of DIM features, a loss averaging all 8 * DIM outputs; up to two backward passes.
+TWO_BLOCKS_RULE = Reorder(chain_terms(forward=2 * BLOCK_TERMS, tokens=8 * DIM, world_size=2, micro=2))
 
 
 class DictBlock(nn.Module):
@@ -64,7 +93,10 @@ def _wrap(model: nn.Module, strategy: str) -> nn.Module:
     return shardline.wrap(model, shardline.layer_policy(Block, DictBlock, Probe), strategy=strategy)
 
 
-def _parity(rank: int, world_size: int, strategy: str, use_checkpoint: bool) -> dict:
+def _parity(
+    rank: int, world_size: int, strategy: str, use_checkpoint: bool, fault: GradientFault | None = None
+) -> dict:
+    """Train both models; with ``fault``, only the first step, through collectives with that bug."""
     torch.manual_seed(0)
     reference = Fancy(use_checkpoint)
     torch.manual_seed(0)
@@ -75,9 +107,14 @@ def _parity(rank: int, world_size: int, strategy: str, use_checkpoint: bool) -> 
     for step in range(3):
         tokens, targets = batch(step)
         loss_fn(reference(tokens), targets).backward()
+        with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+            loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size)).backward()
+        if step == 0:  # the same parameters on both sides: the gradients differ by reordering alone
+            first_grad_err = grad_errors(model, reference)
+            if fault:
+                return {"grad_err": first_grad_err}
         ref_opt.step()
         ref_opt.zero_grad()
-        loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size)).backward()
         assert not any(u.is_gathered for u in units), "every unit is freed at the end of backward"
         assert model.probe.w.grad is None, "a parameter used only outside autograd gets no gradient"
         # An evaluation forward without grad frees everything it gathered.
@@ -90,25 +127,31 @@ def _parity(rank: int, world_size: int, strategy: str, use_checkpoint: bool) -> 
         opt.step()
         opt.zero_grad()
     full = shardline.full_state_dict(model)
-    expected = reference.state_dict()
-    return {k: max_rel_err(full[k], expected[k]) for k in expected}
+    return {"grad_err": first_grad_err, "ratio": trajectory_ratio(full, reference.state_dict())}
+
+
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 
 
 def _grid(rank: int, world_size: int) -> dict:
-    return {
-        (s, c): _parity(rank, world_size, s, c)
-        for s in ("full_shard", "shard_grad_op", "no_shard")
-        for c in (False, True)
-    }
+    out = {(s, c): _parity(rank, world_size, s, c) for s in STRATEGIES for c in (False, True)}
+    for fault in GradientFault:  # the same check must see a broken gradient reduction
+        out.update({(s, fault.value): _parity(rank, world_size, s, False, fault) for s in STRATEGIES})
+    return out
 
 
 def test_unusual_forwards_match_one_process() -> None:
-    for (strategy, ckpt), errs in run_distributed(_grid, 2)[0].items():
-        worst = max(errs, key=errs.get)
-        assert errs[worst] <= 1e-6, f"{strategy} checkpoint={ckpt}: {worst} off by {errs[worst]:.2e}"
+    results = run_distributed(_grid, 2)[0]
+    for fault in GradientFault:
+        for strategy in STRATEGIES:
+            assert_caught(results.pop((strategy, fault.value))["grad_err"], FANCY_RULE, f"{strategy}, {fault.value}")
+    for (strategy, ckpt), res in results.items():
+        where = f"{strategy} checkpoint={ckpt}"
+        assert_reordered(res["grad_err"], FANCY_RULE, f"{where}: first step's gradients")
+        assert_trajectory(res["ratio"], f"{where}: parameters after 3 AdamW steps")
 
 
-def _two_backwards_and_freezing(rank: int, world_size: int) -> dict:
+def _two_backwards_and_freezing(rank: int, world_size: int, fault: GradientFault | None = None) -> dict:
     torch.manual_seed(0)
     reference = nn.Sequential(Block(), Block())
     torch.manual_seed(0)
@@ -119,8 +162,9 @@ def _two_backwards_and_freezing(rank: int, world_size: int) -> dict:
     # Two losses, two backward passes, one optimizer step: gradients add up.
     (reference(x).pow(2).mean()).backward()
     (reference(x).sin().mean()).backward()
-    model(mine).pow(2).mean().backward()
-    model(mine).sin().mean().backward()
+    with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+        model(mine).pow(2).mean().backward()
+        model(mine).sin().mean().backward()
     errs = []
     for (name, ref_p), p in zip(reference.named_parameters(), model.parameters(), strict=True):
         if ref_p.grad is None:
@@ -129,6 +173,8 @@ def _two_backwards_and_freezing(rank: int, world_size: int) -> dict:
         sp = next(s for s in unit.params if s.sharded is p)
         rows = ref_p.grad.reshape(sp.layout.rows, -1)[sp.layout.row_start : sp.layout.row_start + sp.layout.local_rows]
         errs.append(max_rel_err(p.grad.reshape(rows.shape), rows))
+    if fault:
+        return _max_over_ranks(errs)
 
     # Freezing a block after sharding: no gradient, and no gradient bytes, for it.
     for p in model[0].parameters():
@@ -139,14 +185,27 @@ def _two_backwards_and_freezing(rank: int, world_size: int) -> dict:
     assert all(p.grad is None for p in model[0].parameters())
     assert all(p.grad is not None for p in model[1].parameters() if p.requires_grad)
     scatters = [r.unit for r in counter.records if r.kind.value == "reduce_scatter"]
-    total = torch.tensor(max(errs))
+    return {"err": _max_over_ranks(errs), "scatters": scatters}
+
+
+def _max_over_ranks(errs: list[float]) -> float:
+    total = torch.tensor(max(errs), dtype=torch.float64)
     dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    return {"err": total.item(), "scatters": scatters}
+    return total.item()
+
+
+def _two_backwards_with_faults(rank: int, world_size: int) -> dict:
+    out = {"ok": _two_backwards_and_freezing(rank, world_size)}
+    out.update({f.value: _two_backwards_and_freezing(rank, world_size, f) for f in GradientFault})
+    return out
 
 
 def test_two_backward_passes_and_freezing_after_sharding() -> None:
-    res = run_distributed(_two_backwards_and_freezing, 2)[0]
-    assert res["err"] <= 1e-6
+    results = run_distributed(_two_backwards_with_faults, 2)[0]
+    res = results["ok"]
+    assert_reordered(res["err"], TWO_BLOCKS_RULE, "two backward passes: accumulated gradients")
+    for fault in GradientFault:
+        assert_caught(results[fault.value], TWO_BLOCKS_RULE, f"two backward passes with {fault.value}")
     assert res["scatters"] == ["1"], "only the trainable block reduces gradients"
 
 
@@ -170,7 +229,7 @@ def _zero_grad(rank: int, world_size: int, set_to_none: bool) -> None:
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-def _inference_first(rank: int, world_size: int) -> dict:
+def _inference_first(rank: int, world_size: int, fault: GradientFault | None = None) -> dict:
     torch.manual_seed(0)
     reference = nn.Sequential(Block(), Block())
     torch.manual_seed(0)
@@ -179,7 +238,8 @@ def _inference_first(rank: int, world_size: int) -> dict:
     with torch.inference_mode():  # an evaluation before any training: the first gathers happen here
         evaluated = model(local_slice(x, rank, world_size))
     reference(x).pow(2).mean().backward()
-    model(local_slice(x, rank, world_size)).pow(2).mean().backward()
+    with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+        model(local_slice(x, rank, world_size)).pow(2).mean().backward()
     full = {k: v.grad for k, v in reference.named_parameters() if v.grad is not None}
     errs = []
     for unit in shardline.engine.subtree_units(model):
@@ -191,10 +251,19 @@ def _inference_first(rank: int, world_size: int) -> dict:
                 sp.layout.row_start : sp.layout.row_start + sp.layout.local_rows
             ]
             errs.append(max_rel_err(sp.sharded.grad.reshape(rows.shape), rows))
-    return {"evaluated": tuple(evaluated.shape), "err": max(errs)}
+    return {"evaluated": tuple(evaluated.shape), "err": _max_over_ranks(errs)}
+
+
+def _inference_first_with_faults(rank: int, world_size: int) -> dict:
+    out = {"ok": _inference_first(rank, world_size)}
+    out.update({f.value: _inference_first(rank, world_size, f)["err"] for f in GradientFault})
+    return out
 
 
 def test_a_first_forward_under_inference_mode_does_not_poison_training() -> None:
-    res = run_distributed(_inference_first, 2)[0]
+    results = run_distributed(_inference_first_with_faults, 2)[0]
+    res = results["ok"]
     assert res["evaluated"] == (4, DIM)
-    assert res["err"] <= 1e-6
+    assert_reordered(res["err"], TWO_BLOCKS_RULE, "training after an inference-mode forward: gradients")
+    for fault in GradientFault:
+        assert_caught(results[fault.value], TWO_BLOCKS_RULE, f"after an inference-mode forward, {fault.value}")

@@ -6,13 +6,31 @@ import pytest
 import torch
 
 import shardline
-from shardline.testing import run_distributed
-from tests.models import Block, ParityModel, batch, local_slice, loss_fn, max_rel_err
+from shardline.engine import use_collectives
+from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from tests.models import (
+    BATCH,
+    SEQ,
+    Block,
+    ParityModel,
+    batch,
+    chain_terms,
+    local_slice,
+    loss_fn,
+    parity_forward_terms,
+)
+from tests.numerics import Reorder, assert_caught, assert_reordered, max_rel_err
+
+pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
 MICRO = 2
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 
 
-def _accumulate(rank: int, world_size: int, strategy: str, reduce_dtype: torch.dtype | None) -> dict:
+def _accumulate(
+    rank: int, world_size: int, strategy: str, reduce_dtype: torch.dtype | None, fault: GradientFault | None = None
+) -> dict:
+
     torch.manual_seed(0)
     reference = ParityModel()
     torch.manual_seed(0)
@@ -26,7 +44,10 @@ def _accumulate(rank: int, world_size: int, strategy: str, reduce_dtype: torch.d
     with shardline.count_collectives(model) as inside, model.no_sync():
         for t, y in zip(micro_t[:-1], micro_y[:-1], strict=True):
             (loss_fn(model(t), y) / MICRO).backward()
-    with shardline.count_collectives(model) as synced:
+    with (
+        shardline.count_collectives(model) as synced,
+        use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad(),
+    ):
         (loss_fn(model(micro_t[-1]), micro_y[-1]) / MICRO).backward()
 
     # Every sharded gradient equals the reference's rows for this rank.
@@ -48,19 +69,21 @@ def _accumulate(rank: int, world_size: int, strategy: str, reduce_dtype: torch.d
 
 
 def _grid(rank: int, world_size: int) -> dict:
-    return {
-        (s, str(rd)): _accumulate(rank, world_size, s, rd)
-        for s in ("full_shard", "shard_grad_op", "no_shard")
-        for rd in (None, torch.float64)
-    }
+    out = {(s, str(rd)): _accumulate(rank, world_size, s, rd) for s in STRATEGIES for rd in (None, torch.float64)}
+    for fault in GradientFault:  # the same check must see a broken gradient reduction
+        out.update({(s, fault.value): _accumulate(rank, world_size, s, None, fault) for s in STRATEGIES})
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_no_sync_accumulation_equals_one_big_batch(world_size: int) -> None:
     results = run_distributed(_grid, world_size)
+    rule = Reorder(chain_terms(forward=parity_forward_terms(), tokens=BATCH * SEQ, world_size=world_size, micro=MICRO))
+    for fault in GradientFault:
+        for strategy in STRATEGIES:
+            assert_caught(results[0].pop((strategy, fault.value))["errors"], rule, f"{strategy}, {fault.value}")
     for (strategy, reduce_dtype), res in results[0].items():
-        worst = max(res["errors"], key=res["errors"].get)
-        assert res["errors"][worst] <= 1e-6, f"{strategy}/{reduce_dtype}: {worst} off by {res['errors'][worst]:.2e}"
+        assert_reordered(res["errors"], rule, f"{strategy}/{reduce_dtype} W={world_size}: accumulated gradients")
         kinds_inside = {kind for kind, _ in res["inside"]}
         # No gradient collective inside no_sync, for any strategy.
         assert not kinds_inside & {"reduce_scatter", "all_reduce"}, (strategy, res["inside"])

@@ -9,9 +9,23 @@ import torch
 import torch.distributed as dist
 
 import shardline
-from shardline.engine import Residency, subtree_units
-from shardline.testing import run_distributed
-from tests.models import Block, ParityModel, batch, local_slice, loss_fn, max_rel_err
+from shardline.engine import Residency, subtree_units, use_collectives
+from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from tests.models import (
+    SEQ,
+    Block,
+    ParityModel,
+    batch,
+    chain_terms,
+    grad_errors,
+    local_slice,
+    loss_fn,
+    parity_forward_terms,
+)
+from tests.numerics import Reorder, assert_caught, assert_reordered, assert_trajectory, trajectory_ratio
+
+pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
+
 
 FP32 = 4
 
@@ -25,7 +39,8 @@ BLOCK = [(10,), (10,), (7, 10), (7,), (10, 7), (10,), (2, 10), (10,)]
 ROOT = [(13, 10), (10,), (10,)]
 
 
-def _run(rank: int, world_size: int, n: int, hybrid: bool) -> dict:
+def _run(rank: int, world_size: int, n: int, hybrid: bool, fault: GradientFault | None = None) -> dict:
+    """Train both models; with ``fault``, only the first step, through collectives with that bug."""
     mesh = shardline.hybrid_mesh(replicate_size=1, shard_size=world_size) if hybrid else None
     torch.manual_seed(0)
     reference = ParityModel(n_blocks=3)
@@ -43,21 +58,27 @@ def _run(rank: int, world_size: int, n: int, hybrid: bool) -> dict:
     for step in range(3):
         tokens, targets = batch(step, 24)
         loss_fn(reference(tokens), targets).backward()
+        with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+            out = model(local_slice(tokens, rank, world_size))
+            if step == 2:
+                residency = {u.display_name: u.residency for u in subtree_units(model)}
+                held = shardline.memory_stats(model).unsharded_params
+            with shardline.count_collectives(model) as counter:
+                loss_fn(out, local_slice(targets, rank, world_size)).backward()
+        records = [(r.kind.value, r.unit, r.bytes, r.group_size) for r in counter.records]
+        if step == 0:  # the same parameters on both sides: the gradients differ by reordering alone
+            first_grad_err = grad_errors(model, reference)
+            if fault:
+                return {"grad_err": first_grad_err}
         ref_opt.step()
         ref_opt.zero_grad()
-        out = model(local_slice(tokens, rank, world_size))
-        if step == 2:
-            residency = {u.display_name: u.residency for u in subtree_units(model)}
-            held = shardline.memory_stats(model).unsharded_params
-        with shardline.count_collectives(model) as counter:
-            loss_fn(out, local_slice(targets, rank, world_size)).backward()
-        records = [(r.kind.value, r.unit, r.bytes, r.group_size) for r in counter.records]
         opt.step()
         opt.zero_grad()
     full = shardline.full_state_dict(model)
     expected = reference.state_dict()
     return {
-        "err": max(max_rel_err(full[k], expected[k]) for k in expected),
+        "grad_err": first_grad_err,
+        "ratio": trajectory_ratio(full, expected),
         "residency": residency,
         "held": held,
         "backward": records,
@@ -65,11 +86,22 @@ def _run(rank: int, world_size: int, n: int, hybrid: bool) -> dict:
     }
 
 
+def _with_faults(rank: int, world_size: int, n: int, hybrid: bool) -> dict:
+    out = {"ok": _run(rank, world_size, n, hybrid)}
+    out.update({fault.value: _run(rank, world_size, n, hybrid, fault) for fault in GradientFault})
+    return out
+
+
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full_shard", "hybrid_1x4"])
 def test_partial_reshard_gathers_inside_the_group(hybrid: bool) -> None:
     world, n = 4, 2
-    res = run_distributed(_run, world, args=(n, hybrid), timeout=100)[0]
-    assert res["err"] <= 1e-6, res["err"]
+    results = run_distributed(_with_faults, world, args=(n, hybrid), timeout=100)[0]
+    res = results["ok"]
+    rule = Reorder(chain_terms(forward=parity_forward_terms(n_blocks=3), tokens=24 * SEQ, world_size=world))
+    assert_reordered(res["grad_err"], rule, "first step's gradients")
+    assert_trajectory(res["ratio"], "parameters after 3 SGD steps")
+    for fault in GradientFault:
+        assert_caught(results[fault.value]["grad_err"], rule, f"with {fault.value}")
     # After forward: with an explicit N every unit (the root and the last block too) keeps its piece over N ranks.
     blocks = {f"blocks.{i}" for i in range(3)}
     assert res["residency"] == dict.fromkeys([*blocks, "<root>"], Residency.PARTIAL)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shardline.testing import run_distributed
 from tests.checkpoint import ranks
+
+pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
 
 def test_three_kinds_roundtrip() -> None:

@@ -25,6 +25,7 @@ from shardline.diagnostics.bench import (
 )
 from shardline.diagnostics.bench_report import load_results, to_json
 from shardline.errors import ConfigurationError
+from tests.numerics import close_ratio
 
 TINY = ModelSize(name="tiny", dim=32, n_layers=2, n_heads=2, seq_len=16)
 FAST = {"world_size": 2, "micro_batch": 2, "steps": 2, "rounds": 1, "warmup": 1, "memory_steps": 1, "timeout_s": 50.0}
@@ -61,7 +62,7 @@ def test_every_configuration_is_measured(tiny_run: tuple[BenchResult, Path]) -> 
             assert m.step >= 0, c.key
         assert c.tokens_per_step == 2 * FAST["micro_batch"] * TINY.seq_len
         # Same seed, same global batch: every configuration starts from the same loss.
-        assert c.first_loss == pytest.approx(main.configs[0].first_loss, rel=1e-5), c.key
+        assert close_ratio(c.first_loss, main.configs[0].first_loss) <= 1, c.key  # assert_close's fp32 defaults
 
 
 def test_bytes_per_step_match_theory(tiny_run: tuple[BenchResult, Path]) -> None:
@@ -109,7 +110,7 @@ def test_hybrid_run_compares_with_fsdp2_hsdp(tiny_run: tuple[BenchResult, Path])
     assert [c.key for c in hybrid.configs] == list(HYBRID_RUN)
     ours, peer = hybrid.configs
     assert ours.ranks == peer.ranks == 4
-    assert ours.first_loss == pytest.approx(peer.first_loss, rel=1e-5)
+    assert close_ratio(ours.first_loss, peer.first_loss) <= 1  # assert_close's fp32 defaults
     assert ours.comm.engine == ours.comm.theory
     assert ours.comm.measured == issued_on_gloo(ours.comm.theory)
     assert peer.comm.measured == peer.comm.theory
@@ -130,7 +131,7 @@ def test_w1_compares_full_shard_with_the_plain_model(tiny_run: tuple[BenchResult
     assert plain.tokens_per_step == ours.tokens_per_step == 2 * FAST["micro_batch"] * TINY.seq_len
     assert _positive(plain.step.median)
     assert _positive(ours.step.median)
-    assert ours.first_loss == pytest.approx(plain.first_loss, rel=1e-6)
+    assert ours.first_loss == plain.first_loss, "one rank: the same kernels on the same values, bit for bit"
     names = {(t.name, t.size) for t in result.targets}
     assert names == {
         ("FULL_SHARD step time / FSDP2", "tiny"),

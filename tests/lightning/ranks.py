@@ -87,6 +87,24 @@ def _recorder() -> Any:
     return GradNorms()
 
 
+def _broken(fault: str) -> Any:
+    """A callback that runs the whole fit through collectives with a gradient fault (tests.numerics)."""
+    import lightning.pytorch as pl
+
+    from shardline.engine import use_collectives
+    from shardline.testing import FaultyCollectives
+
+    class Broken(pl.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.context = use_collectives(trainer.strategy.model, FaultyCollectives(fault))
+            self.context.__enter__()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.context.__exit__(None, None, None)
+
+    return Broken()
+
+
 def _weights(trainer: Any) -> bytes:
     import shardline
 
@@ -121,9 +139,18 @@ def train_save_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     resumed.fit(
         lit_module(seed=7, shard_in_configure_model=True), _loader(LOCAL_BATCH, rank, world), ckpt_path=str(first)
     )
+    from shardline.testing import GradientFault
+
+    faulted = {}
+    for fault in GradientFault:  # the same comparisons must see a broken gradient reduction
+        norms = _recorder()
+        broken = _trainer(root, epochs=2, callbacks=[norms, _broken(fault.value)], devices=world)
+        broken.fit(lit_module(), _loader(LOCAL_BATCH, rank, world))
+        faulted[fault.value] = {"weights": _weights(broken), "norms": norms.norms}
     return {
         "straight": _weights(straight),
         "resumed": _weights(resumed),
+        "faulted": faulted,
         "straight_norms": straight_norms.norms,
         "resumed_norms": resumed_norms.norms,
         "resumed_global_step": resumed.global_step,

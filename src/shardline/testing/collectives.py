@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 
 from shardline.engine import Collectives, TorchCollectives
 
-__all__ = ["DelayedCollectives"]
+__all__ = ["DelayedCollectives", "FaultyCollectives", "GradientFault"]
 
 
 class _DelayedWork:
@@ -91,6 +92,90 @@ class DelayedCollectives:
         if not async_op:
             return inner(buffer, group, async_op=False)
         return self._delay(buffer, lambda out: inner(out, group, async_op=True))
+
+    def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
+        self.inner.broadcast(tensor, group, src=src)
+
+    def scatter(
+        self, output: torch.Tensor, chunks: list[torch.Tensor] | None, group: dist.ProcessGroup, *, src: int
+    ) -> None:
+        self.inner.scatter(output, chunks, group, src=src)
+
+
+class GradientFault(str, enum.Enum):
+    """A bug in gradient reduction, injected to prove that a parity check would see it."""
+
+    MISSING_REDUCTION = "missing_reduction"
+    """Averaging reductions do nothing: each rank keeps its own, unreduced gradients."""
+    SUM_NOT_MEAN = "sum_not_mean"
+    """Averaging reductions sum instead: gradients come out ``group size`` times too large."""
+
+
+class _Done:
+    """Work handle of a collective that did nothing."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class FaultyCollectives:
+    """Inject a :class:`GradientFault` into every averaging reduction; everything else passes through.
+
+    Gradients are the only tensors shardline averages, so gathers, norms (sums and maxima) and
+    broadcasts stay right. A parity test that still passes with this backend cannot see the
+    bug it stands for.
+
+    >>> with shardline.engine.use_collectives(model, FaultyCollectives("sum_not_mean")):
+    ...     loss.backward()
+    """
+
+    def __init__(self, fault: GradientFault | str, inner: Collectives | None = None) -> None:
+        self.fault = GradientFault(fault)
+        self.inner: Collectives = inner or TorchCollectives()
+        self.injected = 0
+
+    def _op(self, op: dist.ReduceOp.RedOpType) -> dist.ReduceOp.RedOpType | None:
+        """The op to run instead of ``op``, or None to skip the reduction."""
+        if op != dist.ReduceOp.AVG:
+            return op
+        self.injected += 1
+        return None if self.fault is GradientFault.MISSING_REDUCTION else dist.ReduceOp.SUM
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+        return self.inner.all_gather(output, input, group, async_op=async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool,
+    ) -> Any:
+        run = self._op(op)
+        if run is None:  # this rank's rows, unreduced
+            output.copy_(input.view(dist.get_world_size(group), -1)[dist.get_rank(group)].view_as(output))
+            return _Done() if async_op else None
+        return self.inner.reduce_scatter(output, input, group, op=run, async_op=async_op)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
+    ) -> Any:
+        run = self._op(op)
+        if run is None:
+            return _Done() if async_op else None
+        return self.inner.all_reduce(tensor, group, op=run, async_op=async_op)
+
+    def gathers_in_place(self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: Any) -> bool:
+        check = getattr(self.inner, "gathers_in_place", None)
+        return bool(check is not None and check(group, numel=numel, dtype=dtype, device=device))
+
+    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+        return self.inner.all_gather_in_place(buffer, group, async_op=async_op)  # type: ignore[attr-defined]
 
     def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
         self.inner.broadcast(tensor, group, src=src)
