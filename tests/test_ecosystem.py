@@ -104,7 +104,10 @@ def _ddp(rank: int, world_size: int) -> dict:
     expected = reference.state_dict()
     # The same check must see a broken gradient reduction in the sharded blocks.
     caught = {}
+    tokens, targets = batch(0)
     for fault in GradientFault:
+        torch.manual_seed(0)
+        fresh = ParityModel()
         torch.manual_seed(0)
         broken = ParityModel()
         for block in broken.blocks:
@@ -115,9 +118,8 @@ def _ddp(rank: int, world_size: int) -> dict:
                 DistributedDataParallel(broken)(local_slice(tokens, rank, world_size)),
                 local_slice(targets, rank, world_size),
             ).backward()
-        loss_fn(reference(tokens), targets).backward()
-        caught[fault.value] = {k: v for k, v in grad_errors(broken, reference).items() if k.startswith("blocks.")}
-        reference.zero_grad()
+        loss_fn(fresh(tokens), targets).backward()
+        caught[fault.value] = {k: v for k, v in grad_errors(broken, fresh).items() if k.startswith("blocks.")}
     return {
         "untouched": untouched,
         "ignored_by_block": sorted(ignored),
