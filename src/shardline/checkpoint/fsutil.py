@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import uuid
 from pathlib import Path
+
+from shardline.checkpoint.crashpoints import crash_point
 
 __all__ = [
     "TMP_PATTERN",
@@ -13,6 +16,7 @@ __all__ = [
     "atomic_write_bytes",
     "fsync_dir",
     "fsync_file",
+    "fsync_new_dirs",
     "is_tmp_name",
     "is_trash_name",
     "tmp_dir_for",
@@ -56,29 +60,61 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+# fsync on a directory descriptor is refused this way by some platforms and file systems: nothing to flush.
+_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EISDIR)
+
+
 def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (new names, renames) to stable storage, where the platform allows it."""
+    """Flush a directory's entries (new names, renames) to stable storage, where the platform allows it.
+
+    Raises:
+        OSError: the flush itself failed (``EIO``, ``ENOSPC``, ...): the entries may not be on disk, so
+            the step that needed them durable must not be reported done. Platforms that cannot open or
+            fsync a directory at all (Windows; ``EINVAL`` from some file systems) are not an error.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # e.g. Windows cannot open directories; renames there are durable on return
-        return
+    except OSError as e:  # e.g. Windows cannot open directories; renames there are durable on return
+        if e.errno in (errno.EACCES, errno.EISDIR, errno.EINVAL) or os.name == "nt":
+            return
+        raise
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno not in _FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically: write a temp file, fsync it, rename it over, fsync the dir."""
+def fsync_new_dirs(path: Path, *, existed: Path) -> None:
+    """After ``path.mkdir(parents=True)``: fsync every directory from ``path`` up to ``existed`` (the deepest
+    ancestor that existed before), so the new names survive a power loss."""
+    path, existed = Path(path), Path(existed)
+    current = path
+    while True:
+        fsync_dir(current)
+        if current == existed or current.parent == current:
+            break
+        current = current.parent
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, crash_name: str | None = None) -> None:
+    """Replace ``path`` with ``data`` atomically: write a temp file, fsync it, rename it over, fsync the dir.
+
+    ``crash_name`` (``"latest"``, ``"head"``) names the :mod:`.crashpoints` of this write.
+    """
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if crash_name:
+            crash_point(f"{crash_name}.tmp_written")
         os.replace(tmp, path)
+        if crash_name:
+            crash_point(f"{crash_name}.replaced")
     finally:
         if tmp.exists():
             tmp.unlink()
