@@ -2,8 +2,10 @@
 
 Note: the order of a deletion, so that a crash anywhere leaves a chain that verifies.
 
-1. Only after a newer checkpoint has committed (the manager calls :func:`apply_retention` from its
-   publish step, after the new checkpoint's ledger row) are older ones considered.
+1. Only after a newer checkpoint has committed and been recorded, and every rank has agreed on
+   that (the manager calls :func:`apply_retention` on rank 0 after the save returned), are older
+   ones considered. A failure here is a warning: the chain and the next save's parent are not
+   affected.
 2. A **tombstone row** is appended first: the deleted checkpoint's step, directory and manifest
    hash, why it was deleted, what it held (file count, bytes), the SHA-256 of its provenance
    statement and a copy of the statement itself, and the SHA-256 of its signature file if it had
@@ -18,9 +20,13 @@ the tombstone follows it, and ``shardline lineage`` accepts a recorded checkpoin
 only when a tombstone (or a quarantine move) accounts for it.
 
 What is counted: regular checkpoints (``step-N``) in the manager's directory that the ledger
-records, ordered by creation time. Tagged ones (``step-N-on_exception``) are kept: they are
-records of something that went wrong, not periodic saves. The checkpoint just committed is never
-deleted.
+records, ordered by the ledger (never by a clock), with the live branch -- the checkpoint just
+committed and its ancestors, following parent manifest hashes -- counted as newer than every
+other branch. So after an explicit resume from step-300 while step-400 and step-500 exist, the
+branch point step-300 is one of the newest of the live branch and is kept, while the abandoned
+step-400/500 are the oldest and go first (each with its tombstone). Tagged ones
+(``step-N-on_exception``) are kept: they are records of something that went wrong, not
+periodic saves. The checkpoint just committed is never deleted.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardline.checkpoint.crashpoints import crash_point
 from shardline.checkpoint.directory import CommittedCheckpoint, scan
 from shardline.checkpoint.fsutil import fsync_dir, trash_dir_for
 from shardline.checkpoint.ledger import TOMBSTONE, Ledger, LedgerRow
+from shardline.checkpoint.lineage import live_branch, order
 from shardline.checkpoint.manifest import manifest_files, read_manifest
 from shardline.checkpoint.provenance import read_statement
 from shardline.errors import ConfigurationError, IntegrityError
@@ -110,10 +118,13 @@ def _remove(ckpt: CommittedCheckpoint) -> None:
     trash = trash_dir_for(ckpt.path)
     os.rename(ckpt.path, trash)
     fsync_dir(ckpt.path.parent)
+    crash_point("retention.renamed")
     sig = signature_path_for(ckpt.path)
     if sig.is_file():
         sig.unlink()
+        crash_point("retention.signature_removed")
     shutil.rmtree(trash)
+    crash_point("retention.removed")
 
 
 def apply_retention(
@@ -134,7 +145,13 @@ def apply_retention(
     rows = ledger.rows() if ledger.path.is_file() else []
     recorded = {r.manifest_sha256 for r in rows if r.is_commit}
     buried = tombstones(rows)
-    regular = [c for c in scan(directory)[0] if c.tag is None]
+    committed = order(scan(directory)[0], rows)
+    newest_ckpt = next((c for c in committed if c.path == just_committed), None)
+    if newest_ckpt is None:
+        return []  # not on disk as a committed checkpoint: nothing to measure the branch from
+    branch = live_branch(newest_ckpt, committed, rows)
+    regular = [c for c in committed if c.tag is None]
+    regular = [c for c in regular if c.manifest_hash not in branch] + [c for c in regular if c.manifest_hash in branch]
     keep = {c.path for c in regular[-policy.keep_last_n :]} | {just_committed}
     appended: list[LedgerRow] = []
     newest = rel(just_committed)
@@ -163,6 +180,7 @@ def apply_retention(
                     detail=detail,
                 )
             )
+            crash_point("retention.tombstone")
         try:
             _remove(ckpt)
         except OSError as e:  # recorded already; the next pass retries, training goes on
