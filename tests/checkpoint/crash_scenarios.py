@@ -10,6 +10,7 @@ promises after any crash.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 from dataclasses import dataclass
@@ -179,6 +180,32 @@ def recover(name: str, root: Path, *, may_redo_new_chain: bool) -> dict[str, obj
     leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
     assert not leftovers, f"{name}: leftovers after the next open and save: {leftovers}"
     return {"loaded": loaded, "redone": redone}
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The forkserver the children fork from: it imports torch and shardline once, so a child costs a fork.
+
+    ``torch._dynamo`` too: the optimizer imports it lazily, which would cost each child a second.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["torch", "torch._dynamo", "torch.distributed.checkpoint", "shardline.checkpoint", __name__]
+    )
+    return ctx
+
+
+def run_child(name: str, root: Path, point: str | None, hit: int = 1, trace_file: Path | None = None) -> int:
+    """Run :func:`child` in a forked process; its exit code (a hang past 60 s fails)."""
+    proc = context().Process(
+        target=child, args=(name, str(root), point, hit, str(trace_file) if trace_file else None), daemon=True
+    )
+    proc.start()
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"{name}: the child crashed at {point} (hit {hit}) hung for 60 s")
+    return proc.exitcode
 
 
 def copy_base(base: Path, root: Path) -> None:

@@ -17,7 +17,6 @@ costs a fork, not an interpreter start.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,36 +26,11 @@ import pytest
 from shardline.checkpoint.crashpoints import CRASH_EXIT_CODE, CRASH_POINTS
 from tests.checkpoint import crash_scenarios as sc
 
-_CONTEXT = multiprocessing.get_context("forkserver")
-# torch._dynamo: the optimizer imports it lazily, which would cost each child a second
-_CONTEXT.set_forkserver_preload(
-    [
-        "torch",
-        "torch._dynamo",
-        "torch.distributed.checkpoint",
-        "shardline.checkpoint",
-        "tests.checkpoint.crash_scenarios",
-    ]
-)
-
-
-def _run_child(name: str, root: Path, point: str | None, hit: int = 1, trace_file: Path | None = None) -> int:
-    proc = _CONTEXT.Process(
-        target=sc.child, args=(name, str(root), point, hit, str(trace_file) if trace_file else None), daemon=True
-    )
-    proc.start()
-    proc.join(timeout=60)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        raise AssertionError(f"{name}: the child crashed at {point} (hit {hit}) hung for 60 s")
-    return proc.exitcode
-
 
 def _trace(name: str, base: Path, work: Path) -> list[str]:
     root, trace_file = work / f"{name}-trace", work / f"{name}-trace.json"
     sc.copy_base(base, root)
-    code = _run_child(name, root, None, trace_file=trace_file)
+    code = sc.run_child(name, root, None, trace_file=trace_file)
     assert code == 0, f"{name}: the traced run exited with {code}"
     sc.recover(name, root, may_redo_new_chain=False)  # the uninterrupted run leaves a healthy chain too
     return json.loads(trace_file.read_text())
@@ -77,7 +51,7 @@ def test_every_crash_point_is_survived(tmp_path: Path) -> None:
             hit = seen[point]
             root = tmp_path / "case" / f"{scenario.name}-{point}-{hit}"
             sc.copy_base(base, root)
-            code = _run_child(scenario.name, root, point, hit)
+            code = sc.run_child(scenario.name, root, point, hit)
             assert code == CRASH_EXIT_CODE, f"{scenario.name}: crash at {point} (hit {hit}) exited with {code}"
             sc.recover(scenario.name, root, may_redo_new_chain=index < swapped)
             covered.setdefault(point, []).append(f"{scenario.name}#{hit}")

@@ -136,6 +136,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._last: CheckpointInfo | None = None
         self._last_good: Path | None = None
+        self._unrecorded: list[CheckpointInfo] = []  # committed saves whose ledger row may be missing
         self._rank = coord.group_rank(process_group)
         if self.async_save and coord.group_size(process_group) > 1:
             # Note: a dedicated group, created collectively here, so the background thread's
@@ -343,6 +344,7 @@ class CheckpointManager:
         except PublishError as e:  # committed: the next save chains to it even though recording it failed
             if isinstance(e.info, CheckpointInfo):
                 self._committed(e.info)
+                self._unrecorded.append(e.info)  # the next publish records it first, so the chain has no gap
             raise
         self._committed(info)
         if self._rank == 0:
@@ -363,6 +365,11 @@ class CheckpointManager:
     def _publish(self, info: CheckpointInfo) -> None:
         """Rank 0, right after the commit and before every rank learns the outcome: repoint ``latest`` (regular
         saves) and append the ledger row."""
+        while self._unrecorded:  # saves whose publish failed: each recorded before its child
+            missed = self._unrecorded[0]
+            if missed.manifest_hash not in self.ledger.manifest_hashes():
+                self._ledger_row(missed, recovered=True)
+            self._unrecorded.pop(0)
         if info.tag is None:
             write_latest(self.directory, info.path)
         self.observer.on_phase(SavePhase.AFTER_LATEST, 0)
