@@ -18,6 +18,11 @@ the same exception class with the same message.
    parent. This is the commit point: a directory with a final name is always complete.
 6. **Publish** (rank 0, optional callback): the manager updates ``latest`` and the ledger.
 7. Rank 0 tells every rank the outcome; every rank returns the same :class:`CheckpointInfo` or raises.
+   A failure after the rename (the parent's fsync, or the publish) is :class:`~shardline.errors.PublishError`
+   on every rank, carrying the ``CheckpointInfo``: the checkpoint is committed, and the caller
+   chains the next save to it. The manager applies retention only after this step, on rank 0.
+
+Each change to a file or directory here is a named crash point (:mod:`.crashpoints`).
 
 A crash before step 5 leaves only a hidden temporary directory that nothing resumes from;
 the final name is never overwritten (step 1 refuses an existing one, and step 5 re-checks).
@@ -234,6 +239,8 @@ def write_and_commit(
     Raises:
         DiskFullError: a rank ran out of space (the message names the path, bytes needed vs
             free, and ``last_good``); nothing was committed.
+        PublishError: the checkpoint committed, but making the rename durable or
+            ``after_commit`` failed; its ``info`` is the committed checkpoint.
         CheckpointError: any other failure, named in the first line of the message.
     """
     final = staged.final.absolute()
