@@ -210,3 +210,30 @@ def run_child(name: str, root: Path, point: str | None, hit: int = 1, trace_file
 
 def copy_base(base: Path, root: Path) -> None:
     shutil.copytree(base, root, symlinks=True)
+
+
+def hold_a_save(directory: str, ready_file: str) -> None:
+    """Run in a child process: start a save (its temporary directory exists) and stay inside it until killed."""
+    import time
+
+    from shardline.checkpoint.save import preflight
+
+    tmp = preflight(Path(directory) / "step-5")
+    ready = Path(ready_file)
+    ready.with_suffix(".part").write_text(str(tmp))
+    ready.with_suffix(".part").rename(ready)
+    time.sleep(120)
+
+
+def start_holding_a_save(directory: Path, ready_file: Path) -> multiprocessing.process.BaseProcess:
+    """:func:`hold_a_save` in a forked process; returns once its temporary directory exists."""
+    import time
+
+    proc = context().Process(target=hold_a_save, args=(str(directory), str(ready_file)), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while not ready_file.exists():
+        assert proc.is_alive(), f"the saving process ended with {proc.exitcode} before its save started"
+        assert time.monotonic() < deadline, "the saving process did not start its save within 60 s"
+        time.sleep(0.05)
+    return proc

@@ -355,3 +355,20 @@ def test_new_parent_directories_are_fsynced(tmp_path: Path, monkeypatch) -> None
         ckpt.save(tmp_path / "a" / "b" / "step-1", model=_model()[0], step=1)
     assert str(tmp_path / "a") in opened  # the new "b" is an entry of "a"
     assert str(tmp_path) in opened  # and the new "a" one of tmp_path
+
+
+def test_opening_a_manager_leaves_another_process_s_save_in_flight_alone(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    ckpt.CheckpointManager(directory)
+    saver = sc.start_holding_a_save(directory, tmp_path / "ready")
+    try:
+        tmp = Path((tmp_path / "ready").read_text())
+        assert tmp.is_dir()
+        ckpt.CheckpointManager(directory)  # a second process opens the same directory meanwhile
+        assert tmp.is_dir(), "the temporary directory of a save in flight was removed"
+    finally:
+        saver.kill()
+        saver.join()
+    ckpt.CheckpointManager(directory)  # its owner is gone: now it is a leftover
+    assert not tmp.exists()
+    assert [p.name for p in directory.iterdir() if p.name.startswith(".")] == []

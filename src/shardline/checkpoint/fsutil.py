@@ -17,9 +17,13 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "fsync_new_dirs",
+    "is_tmp_lock_name",
     "is_tmp_name",
     "is_trash_name",
+    "lock_tmp",
+    "release_tmp",
     "tmp_dir_for",
+    "tmp_in_use",
     "trash_dir_for",
 ]
 
@@ -49,6 +53,71 @@ def tmp_dir_for(final: Path) -> Path:
 def is_tmp_name(name: str) -> bool:
     """Whether ``name`` is the temporary directory of an unfinished (or crashed) save."""
     return TMP_PATTERN.match(name) is not None
+
+
+# Note: who owns a temporary directory. The process that saves holds an exclusive ``flock`` on
+# ``.step-N.tmp-<hex>.lock`` beside it from before the directory exists until the save ends; the
+# kernel drops the lock however the process dies. A manager opening the directory removes a temp
+# directory only when it can take that lock itself (its owner is gone) or the lock file is
+# missing (the directory predates the lock), so a second process never removes a save in flight.
+# Where ``fcntl`` is missing (Windows) nothing is locked and every temp directory counts as stale.
+_HELD: dict[str, int] = {}
+
+
+def _lock_path(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + ".lock")
+
+
+def lock_tmp(tmp: Path) -> None:
+    """Create and hold the lock of the temporary directory ``tmp`` (call before creating ``tmp``)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    fd = os.open(_lock_path(tmp), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    _HELD[str(tmp)] = fd
+
+
+def release_tmp(tmp: Path) -> None:
+    """Drop the lock of ``tmp`` and remove its lock file (a no-op if this process holds none)."""
+    fd = _HELD.pop(str(tmp), None)
+    if fd is None:
+        return
+    try:
+        _lock_path(tmp).unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def tmp_in_use(tmp: Path) -> bool:
+    """Whether a live process holds the lock of the temporary directory ``tmp`` (see the note above)."""
+    if str(tmp) in _HELD:
+        return True
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return False
+    try:
+        fd = os.open(_lock_path(tmp), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def is_tmp_lock_name(name: str) -> bool:
+    """Whether ``name`` is the lock file of a save's temporary directory."""
+    return name.endswith(".lock") and is_tmp_name(name[: -len(".lock")])
 
 
 def fsync_file(path: Path) -> None:

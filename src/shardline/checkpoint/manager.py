@@ -59,7 +59,7 @@ from shardline.checkpoint.directory import (
     write_latest,
 )
 from shardline.checkpoint.directory import CommittedCheckpoint as CommittedCheckpoint
-from shardline.checkpoint.fsutil import fsync_dir, is_tmp_name, is_trash_name
+from shardline.checkpoint.fsutil import fsync_dir, is_tmp_lock_name, is_tmp_name, is_trash_name, tmp_in_use
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger, LedgerRow
 from shardline.checkpoint.lineage import order, unrecorded
 from shardline.checkpoint.load import load as load_checkpoint
@@ -168,10 +168,16 @@ class CheckpointManager:
         """Rank 0: drop leftovers of crashed saves; check the chain against the disk; finish an interrupted
         quarantine; record a checkpoint committed just before a crash; repoint ``latest``."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        for child in self.directory.iterdir():
+        for child in sorted(self.directory.iterdir()):
             if child.is_dir() and is_tmp_name(child.name):
+                if tmp_in_use(child):  # another process is saving into it (see fsutil's note)
+                    log.info("leaving %s: a save in another process holds it", child)
+                    continue
                 log.warning("removing %s, left by a checkpoint save that did not commit", child)
                 shutil.rmtree(child, ignore_errors=True)
+                child.with_name(child.name + ".lock").unlink(missing_ok=True)
+            elif child.is_file() and is_tmp_lock_name(child.name) and not tmp_in_use(child.with_suffix("")):
+                child.unlink(missing_ok=True)  # the lock of a save that crashed before its directory existed
             elif child.is_dir() and is_trash_name(child.name):
                 log.info("removing %s, a checkpoint retention had recorded deleted and not finished removing", child)
                 shutil.rmtree(child, ignore_errors=True)

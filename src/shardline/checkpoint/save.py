@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardline.checkpoint import coord
 from shardline.checkpoint.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.crashpoints import crash_point
-from shardline.checkpoint.fsutil import fsync_dir, fsync_new_dirs, tmp_dir_for
+from shardline.checkpoint.fsutil import fsync_dir, fsync_new_dirs, lock_tmp, release_tmp, tmp_dir_for
 from shardline.checkpoint.hashing import FileDigest, HashingWriter
 from shardline.checkpoint.manifest import (
     MANIFEST,
@@ -119,8 +119,10 @@ def _prepare(final: Path) -> Path:
         )
     tmp = tmp_dir_for(final)
     try:
+        lock_tmp(tmp)  # held until the save ends, so no other process takes the directory for a leftover
         tmp.mkdir()
     except OSError as e:
+        release_tmp(tmp)
         raise CheckpointError(f"cannot create {tmp}: {e.strerror or e}. Choose a writable location.") from None
     crash_point("save.tmp_created")
     return tmp
@@ -149,7 +151,7 @@ def preflight(path: str | os.PathLike, *, process_group: dist.ProcessGroup | Non
         coord.all_agree(can_write, process_group, what="write the checkpoint directory")
     except CheckpointError:
         if coord.group_rank(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
         raise
     return tmp
 
@@ -182,10 +184,16 @@ def stage_agreed(
         sizes = coord.all_agree(stage_here, process_group, what=f"stage its part of checkpoint {path}")
     except Exception:
         if coord.group_rank(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
         raise
     assert staged is not None  # all_agree returned, so this rank's step succeeded
     return replace(staged, total_bytes=sum(sizes))
+
+
+def _discard(tmp: Path) -> None:
+    """Rank 0, after a failed save: remove the temporary directory, then its lock."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    release_tmp(tmp)
 
 
 def disk_full_cause(error: BaseException) -> BaseException | None:
@@ -263,7 +271,7 @@ def write_and_commit(
     if failure is not None:
 
         def clean_up() -> None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
             error = DiskFullError if disk_full_cause(failure) is not None else CheckpointError
             raise error(_failure_message(final, staged, failure, last_good))
 
@@ -276,7 +284,7 @@ def write_and_commit(
             manifest_digest, files, statement_digest = _finalize(staged, tmp, final, digests, observer, done)
         except Exception as e:
             if not done:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _discard(tmp)
                 message = _failure_message(final, staged, e, last_good)
                 raise (DiskFullError if disk_full_cause(e) is not None else CheckpointError)(message) from e
             # renamed, but the parent's fsync failed: the name may not survive a power loss, yet it is there now
@@ -292,7 +300,10 @@ def write_and_commit(
                 problem = f"recording it failed ({_first_line(e)})"
         return _outcome(info, problem)
 
-    outcome = coord.rank0_decides(finalize, process_group)
+    try:
+        outcome = coord.rank0_decides(finalize, process_group)
+    finally:
+        release_tmp(tmp)  # renamed or removed by now (a no-op on ranks other than 0)
     info = CheckpointInfo(
         path=final,
         step=staged.step,
