@@ -269,3 +269,18 @@ def save_llama(rank: int, world: int, root: str) -> dict[str, bytes]:
         ckpt.save(path, model=model, state={"step": 1}, step=1)  # the model's config is recorded by itself
         out[path] = pack(shardline.full_state_dict(model, rank0_only=True))
     return out
+
+
+def load_failing_on_one_rank(rank: int, world: int, path: str) -> tuple[str, str]:
+    """Load a checkpoint while the trainer state does not decode on rank 1 alone (after DCP's agreed read)."""
+    import importlib
+
+    load_module = importlib.import_module("shardline.checkpoint.load")  # the package's `load` is the function
+    model, optimizer = build(seed=123)
+    if rank == 1:
+
+        def undecodable(data: bytes) -> Any:
+            raise ValueError("this rank cannot decode its trainer state")
+
+        load_module.decode_state = undecodable
+    return catch(ckpt.load, path, model=model, optimizer=optimizer)

@@ -372,3 +372,18 @@ def test_opening_a_manager_leaves_another_process_s_save_in_flight_alone(tmp_pat
     ckpt.CheckpointManager(directory)  # its owner is gone: now it is a leftover
     assert not tmp.exists()
     assert [p.name for p in directory.iterdir() if p.name.startswith(".")] == []
+
+
+# -- 7. a failure on one rank after DCP's read is every rank's error, not a hang ----------------------------
+
+
+def test_a_failure_after_the_read_on_one_rank_reaches_every_rank(saved_run: Path) -> None:
+    from shardline.testing import run_distributed
+    from tests.checkpoint import ranks
+
+    results = run_distributed(ranks.load_failing_on_one_rank, 2, args=(str(saved_run / "step-4"),), timeout=60)
+    assert results[0] == results[1], results  # the same error on both ranks; neither went on alone
+    kind, message = results[0]
+    assert kind == "CheckpointError", results
+    assert "rank 1 could not install the state read from" in message
+    assert "this rank cannot decode its trainer state" in message

@@ -537,7 +537,9 @@ class CheckpointManager:
                 self.moved_aside.append(Path(moved))
                 continue
             self.resumed_from = path
-            self.parent_manifest_hash = read_manifest(path)[1] if has_manifest(path) else None
+            self.parent_manifest_hash = coord.rank0_decides(  # one answer for every rank, or one error
+                lambda p=path: read_manifest(p)[1] if has_manifest(p) else None, self._group
+            )
             if level.opt_in:
                 coord.rank0_decides(lambda p=path: self._record_opt_in(p, level), self._group)
             return state
