@@ -284,3 +284,21 @@ def load_failing_on_one_rank(rank: int, world: int, path: str) -> tuple[str, str
 
         load_module.decode_state = undecodable
     return catch(ckpt.load, path, model=model, optimizer=optimizer)
+
+
+def lightning_append_fails_on_rank0(rank: int, world: int, directory: str) -> tuple[str, str]:
+    """Save with the Lightning strategy's recording step while rank 0's ledger append fails."""
+    from pathlib import Path
+
+    from shardline.lightning.strategy import record_commit
+
+    model, optimizer = build()
+    path = Path(directory) / "epoch=0-step=1.ckpt"
+    info = ckpt.save(path, model=model, optimizer=optimizer, step=1)
+    if rank == 0:
+
+        def disk_full(self: Any, **kwargs: Any) -> None:
+            raise OSError(28, "No space left on device", str(self.path))
+
+        ckpt.Ledger.append = disk_full
+    return catch(record_commit, path, info)

@@ -387,3 +387,35 @@ def test_a_failure_after_the_read_on_one_rank_reaches_every_rank(saved_run: Path
     assert kind == "CheckpointError", results
     assert "rank 1 could not install the state read from" in message
     assert "this rank cannot decode its trainer state" in message
+
+
+def test_lightning_a_failed_ledger_append_raises_on_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from shardline.testing import run_distributed
+    from tests.checkpoint import ranks
+
+    results = run_distributed(ranks.lightning_append_fails_on_rank0, 2, args=(str(tmp_path),), timeout=60)
+    assert results[0] == results[1], results  # rank 1 is not left in a barrier
+    kind, message = results[0]
+    assert kind == "PublishError", results
+    assert "committed" in message
+    assert "No space left on device" in message
+
+
+def test_lightning_top_k_pruning_leaves_a_tombstone(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from shardline.lightning import ShardlineStrategy
+
+    directory = tmp_path / "ckpts"
+    model, opt = _model()
+    m = ckpt.CheckpointManager(directory)  # the strategy's ledger is lineage.sqlite beside the checkpoints
+    _save(m, model, opt, 1)
+    _save(m, model, opt, 2)
+    ShardlineStrategy().remove_checkpoint(directory / "step-1")
+    assert _names(directory) == ["step-2"]
+    ledger = ckpt.Ledger(directory / "lineage.sqlite")
+    tomb = ledger.rows()[-1]
+    assert (tomb.event, tomb.checkpoint) == ("tombstone", "step-1")
+    assert "ModelCheckpoint" in json.loads(tomb.detail)["reason"]
+    report = ckpt.audit(ledger)
+    assert report.ok, report.problems

@@ -48,12 +48,13 @@ from shardline.checkpoint.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.lineage import live_branch, order
 from shardline.checkpoint.manifest import manifest_files, read_manifest
 from shardline.checkpoint.provenance import read_statement
-from shardline.errors import ConfigurationError, IntegrityError
+from shardline.errors import CheckpointError, ConfigurationError, IntegrityError
 
 __all__ = [
     "RetentionPolicy",
     "apply_retention",
     "record_deletions",
+    "retire",
     "signature_path_for",
     "tombstone_detail",
     "tombstones",
@@ -190,6 +191,57 @@ def apply_retention(
             "retention: deleted %s (keep_last_n=%d); a tombstone row records it", ckpt.path.name, policy.keep_last_n
         )
     return appended
+
+
+def retire(path: Path, *, ledger: Ledger, reason: str) -> LedgerRow | None:
+    """Delete one committed checkpoint on purpose, the way retention does: its tombstone row first (what it
+    held, its statement), then the rename to a hidden name, its signature, the removal.
+
+    For callers that choose what to delete themselves (Lightning's ``ModelCheckpoint`` top-k pruning).
+    A checkpoint the ledger does not record is not deleted (the chain would lose it without a trace).
+    Returns the tombstone row (None when a crash had already written it and only the deletion is finished).
+
+    Raises:
+        CheckpointError: ``path`` is not a committed checkpoint the ledger records (named, with the fix).
+    """
+    path = Path(path).absolute()
+    try:
+        manifest, digest = read_manifest(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot delete {path} as a checkpoint: {e}") from e
+    rows = ledger.rows() if ledger.path.is_file() else []
+    name = os.path.relpath(path, ledger.path.parent)
+    if digest not in {r.manifest_sha256 for r in rows if r.is_commit}:
+        raise CheckpointError(
+            f"refusing to delete {path}: the ledger {ledger.path} does not record its manifest {digest[:12]}, so "
+            "its deletion could not be recorded against its commit. Record it first (open a CheckpointManager on "
+            "its directory), or delete it by hand and run `shardline lineage --record-deletions`."
+        )
+    ckpt = CommittedCheckpoint(
+        path=path,
+        step=int(manifest.get("step", 0)),
+        tag=manifest.get("tag"),
+        manifest_hash=digest,
+        created_unix_ns=int(manifest.get("created_unix_ns", 0)),
+        parent_manifest_hash=manifest.get("parent_manifest_sha256"),
+        world_size=int(manifest.get("world_size", 0)),
+    )
+    earlier = tombstones(rows).get(name)
+    row = None
+    if earlier is None or earlier.manifest_sha256 != digest:
+        row = ledger.append(
+            step=ckpt.step,
+            tag=ckpt.tag,
+            checkpoint=name,
+            manifest_sha256=digest,
+            parent_manifest_sha256=ckpt.parent_manifest_hash,
+            world_size=ckpt.world_size,
+            event=TOMBSTONE,
+            detail={"checkpoint": name, "reason": reason, **_what_it_held(ckpt)},
+        )
+        crash_point("retention.tombstone")
+    _remove(ckpt)
+    return row
 
 
 def record_deletions(ledger: Ledger) -> list[LedgerRow]:
