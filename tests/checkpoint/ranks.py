@@ -302,3 +302,23 @@ def lightning_append_fails_on_rank0(rank: int, world: int, directory: str) -> tu
 
         ckpt.Ledger.append = disk_full
     return catch(record_commit, path, info)
+
+
+def full_save_out_of_host_memory_on_rank0(rank: int, world: int, path: str) -> tuple[str, str]:
+    """A ``kind="full"`` save while rank 0's host copies run out of memory at the second unit."""
+    import importlib
+
+    model, optimizer = build()
+    train_step(model, optimizer, 0, rank, world)
+    if rank == 0:
+        module = importlib.import_module("shardline.engine.state_dict")
+        real, calls = module.host_copy, []
+
+        def out_of_memory(tensor: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB")
+            return real(tensor)
+
+        module.host_copy = out_of_memory
+    return catch(ckpt.save, path, model=model, optimizer=optimizer, step=1, kind="full")

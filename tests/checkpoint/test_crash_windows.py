@@ -419,3 +419,18 @@ def test_lightning_top_k_pruning_leaves_a_tombstone(tmp_path: Path) -> None:
     assert "ModelCheckpoint" in json.loads(tomb.detail)["reason"]
     report = ckpt.audit(ledger)
     assert report.ok, report.problems
+
+
+def test_host_memory_running_out_on_rank0_alone_is_every_rank_s_error(tmp_path: Path) -> None:
+    from shardline.testing import run_distributed
+    from tests.checkpoint import ranks
+
+    path = tmp_path / "step-1"
+    results = run_distributed(ranks.full_save_out_of_host_memory_on_rank0, 2, args=(str(path),), timeout=60)
+    assert results[0] == results[1], results  # neither rank waits in a gather the other left
+    kind, message = results[0]
+    assert kind == "StateDictError", results
+    assert "ran out of host memory on this rank" in message
+    assert "kind='sharded'" in message
+    assert not path.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".step-1.tmp-")]
