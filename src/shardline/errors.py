@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointReadError",
     "CheckpointWarning",
     "ConfigurationError",
     "DiskFullError",
@@ -21,6 +22,7 @@ __all__ = [
     "IntegrityError",
     "LineageError",
     "PolicyMatchError",
+    "PublishError",
     "RunLockedError",
     "ShardingError",
     "ShardlineError",
@@ -80,6 +82,23 @@ class LineageError(CheckpointError):
 
 class DiskFullError(CheckpointError):
     """A checkpoint could not be written because the file system is full; nothing was committed."""
+
+
+class CheckpointReadError(CheckpointError):
+    """A checkpoint file could not be read (an I/O error, a permission, a decoder that refuses bytes that match
+    the manifest): not damage, so nothing is moved aside; the message names the cause and how to fix it."""
+
+
+class PublishError(CheckpointError):
+    """A checkpoint committed, but recording it (``latest``, the ledger row) failed; ``info`` describes it.
+
+    The checkpoint is complete and the next save chains to it; the next manager on the directory
+    records it (marked ``recovered``) if its ledger row is missing.
+    """
+
+    def __init__(self, message: str, *, info: object = None) -> None:
+        super().__init__(message)
+        self.info = info
 
 
 class SignatureError(CheckpointError):

@@ -269,3 +269,56 @@ def save_llama(rank: int, world: int, root: str) -> dict[str, bytes]:
         ckpt.save(path, model=model, state={"step": 1}, step=1)  # the model's config is recorded by itself
         out[path] = pack(shardline.full_state_dict(model, rank0_only=True))
     return out
+
+
+def load_failing_on_one_rank(rank: int, world: int, path: str) -> tuple[str, str]:
+    """Load a checkpoint while the trainer state does not decode on rank 1 alone (after DCP's agreed read)."""
+    import importlib
+
+    load_module = importlib.import_module("shardline.checkpoint.load")  # the package's `load` is the function
+    model, optimizer = build(seed=123)
+    if rank == 1:
+
+        def undecodable(data: bytes) -> Any:
+            raise ValueError("this rank cannot decode its trainer state")
+
+        load_module.decode_state = undecodable
+    return catch(ckpt.load, path, model=model, optimizer=optimizer)
+
+
+def lightning_append_fails_on_rank0(rank: int, world: int, directory: str) -> tuple[str, str]:
+    """Save with the Lightning strategy's recording step while rank 0's ledger append fails."""
+    from pathlib import Path
+
+    from shardline.lightning.strategy import record_commit
+
+    model, optimizer = build()
+    path = Path(directory) / "epoch=0-step=1.ckpt"
+    info = ckpt.save(path, model=model, optimizer=optimizer, step=1)
+    if rank == 0:
+
+        def disk_full(self: Any, **kwargs: Any) -> None:
+            raise OSError(28, "No space left on device", str(self.path))
+
+        ckpt.Ledger.append = disk_full
+    return catch(record_commit, path, info)
+
+
+def full_save_out_of_host_memory_on_rank0(rank: int, world: int, path: str) -> tuple[str, str]:
+    """A ``kind="full"`` save while rank 0's host copies run out of memory at the second unit."""
+    import importlib
+
+    model, optimizer = build()
+    train_step(model, optimizer, 0, rank, world)
+    if rank == 0:
+        module = importlib.import_module("shardline.engine.state_dict")
+        real, calls = module.host_copy, []
+
+        def out_of_memory(tensor: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB")
+            return real(tensor)
+
+        module.host_copy = out_of_memory
+    return catch(ckpt.save, path, model=model, optimizer=optimizer, step=1, kind="full")

@@ -106,3 +106,30 @@ class RecordConfigType:
             "model": type(cfg.model).__name__,
         }
         Path(self.folder, f"rank{trainer.info.rank}.json").write_text(json.dumps(record))
+
+
+class SlowCheckpointFiles:
+    """Make every checkpoint manifest write in this worker take ``seconds`` longer (a slow file system)."""
+
+    def __init__(self, seconds: float = 1.0) -> None:
+        import importlib
+
+        module = importlib.import_module("shardline.checkpoint.save")  # the package's `save` is the function
+        real = module._write_durable
+
+        def slow(path: Any, data: bytes) -> None:
+            time.sleep(seconds)
+            real(path, data)
+
+        module._write_durable = slow
+
+
+class RaiseEverywhere:
+    """Raise the same error on every rank at the end of a step (after the previous saves were queued)."""
+
+    def __init__(self, step: int = 3) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if metrics.step == self.step:
+            raise RuntimeError(f"injected failure on every rank at step {self.step}")

@@ -147,6 +147,25 @@ def test_disk_full_during_an_async_save_names_path_sizes_and_last_good(tmp_path:
     assert ckpt.verify_checkpoint(checkpoints / "step-2").ok
 
 
+def test_an_exception_in_training_completes_the_queued_async_save(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = shardline_train(
+        *QUICK,
+        "checkpoint.every_n_steps=2",
+        "checkpoint.async_save=true",
+        "+callbacks.slow._target_=tests.train.helpers.SlowCheckpointFiles",
+        "+callbacks.fail._target_=tests.train.helpers.RaiseEverywhere",
+        f"trainer.run_dir={run_dir}",
+        run_root=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "injected failure on every rank at step 3" in proc.stderr
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("step-", "."))) == ["step-2"]
+    assert ckpt.verify_checkpoint(checkpoints / "step-2").ok
+    assert [r.step for r in ckpt.Ledger(run_dir / "lineage.sqlite").rows()] == [2]
+
+
 def test_the_launcher_survives_an_empty_error_file(tmp_path: Path) -> None:
     proc = shardline_train(
         *QUICK, "+callbacks.quit._target_=tests.train.helpers.EmptyErrorFileThenExit", run_root=tmp_path

@@ -9,6 +9,8 @@ Layout::
     latest                               text file naming the newest regular checkpoint ("step-200")
 
 Only ``step-N`` / ``step-N-TAG`` directories with a ``manifest.json`` count as committed.
+Which one is newest is the ledger's to say (:func:`shardline.checkpoint.lineage.order`), not
+the creation time a manifest records: clocks differ between nodes.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from pathlib import Path
 
 from shardline.checkpoint.fsutil import atomic_write_bytes, fsync_dir
 from shardline.checkpoint.manifest import MANIFEST, read_manifest
-from shardline.errors import CheckpointError, CheckpointNotFoundError
+from shardline.errors import CheckpointNotFoundError, IntegrityError
 
 __all__ = [
     "CHECKPOINTS_DIR",
     "LATEST_FILE",
     "CommittedCheckpoint",
     "DamagedCheckpoint",
+    "aside_path",
     "checkpoint_name",
+    "clear_latest",
     "is_checkpoint_name",
     "move_aside",
     "read_latest",
@@ -82,8 +86,13 @@ def is_checkpoint_name(name: str) -> bool:
 
 
 def scan(directory: Path) -> tuple[list[CommittedCheckpoint], list[DamagedCheckpoint]]:
-    """Committed checkpoints (oldest first, by the creation time their manifest records, then step) and
-    ``step-N`` directories whose manifest is damaged. Directories without a manifest are neither."""
+    """Committed checkpoints (by step, then name: the ledger orders them, see the module note) and ``step-N``
+    directories whose manifest is damaged. Directories without a manifest are neither.
+
+    Raises:
+        CheckpointReadError: a manifest could not be read (an I/O error, a permission): that is not
+            damage, so it is not reported as such.
+    """
     found: list[CommittedCheckpoint] = []
     damaged: list[DamagedCheckpoint] = []
     if not directory.is_dir():
@@ -96,7 +105,7 @@ def scan(directory: Path) -> tuple[list[CommittedCheckpoint], list[DamagedCheckp
             manifest, digest = read_manifest(child)
         except CheckpointNotFoundError:
             continue
-        except CheckpointError as e:
+        except IntegrityError as e:
             damaged.append(DamagedCheckpoint(child, int(match["step"]), str(e)))
             continue
         found.append(
@@ -110,7 +119,7 @@ def scan(directory: Path) -> tuple[list[CommittedCheckpoint], list[DamagedCheckp
                 world_size=int(manifest.get("world_size", 0)),
             )
         )
-    return sorted(found, key=lambda c: (c.created_unix_ns, c.step)), sorted(damaged, key=lambda d: d.step)
+    return sorted(found, key=lambda c: (c.step, c.path.name)), sorted(damaged, key=lambda d: d.step)
 
 
 def read_latest(directory: Path) -> Path | None:
@@ -124,14 +133,20 @@ def read_latest(directory: Path) -> Path | None:
 
 def write_latest(directory: Path, checkpoint: Path) -> None:
     """Point ``latest`` at ``checkpoint`` (atomically)."""
-    atomic_write_bytes(directory / LATEST_FILE, f"{checkpoint.name}\n".encode())
+    atomic_write_bytes(directory / LATEST_FILE, f"{checkpoint.name}\n".encode(), crash_name="latest")
 
 
-def move_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint to ``<name>.damaged-<UTC time>`` beside it (nothing deleted); return the new path.
+def clear_latest(directory: Path) -> None:
+    """Remove ``latest`` (no regular checkpoint is left for it to name)."""
+    (directory / LATEST_FILE).unlink(missing_ok=True)
+    fsync_dir(directory)
 
-    The new name is not a checkpoint name, so nothing resumes from it and a later save of the
-    same step does not collide with it.
+
+def aside_path(path: Path) -> Path:
+    """A free ``<name>.damaged-<UTC time>`` beside ``path``: where a checkpoint that fails verification goes.
+
+    The name is not a checkpoint name, so nothing resumes from it and a later save of the same
+    step does not collide with it.
     """
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     target = path.with_name(f"{path.name}.damaged-{stamp}")
@@ -139,6 +154,12 @@ def move_aside(path: Path) -> Path:
     while target.exists():
         target = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
         n += 1
+    return target
+
+
+def move_aside(path: Path, target: Path | None = None) -> Path:
+    """Rename a damaged checkpoint to ``target`` (default :func:`aside_path`) beside it; return the new path."""
+    target = target or aside_path(path)
     os.rename(path, target)
     fsync_dir(path.parent)
     return target

@@ -17,7 +17,20 @@ these columns existed have them NULL, and a NULL ``event``/``detail`` is left ou
 Note: the head record. After each append the ledger's last row (``seq row_sha256``) is written
 to ``<ledger>.head`` beside it. Deleting rows from the end of the table keeps the chain
 internally consistent -- every remaining link still matches -- so the head record is what
-shows it: a ledger that ends before the row its head names has lost its tail.
+shows it: a ledger that ends before the row its head names has lost its tail. A ledger may
+reach beyond its head (a crash between a row's commit and the head's rewrite leaves the head
+one row behind); it may never end before it. A new ledger gets a *genesis* head
+(``0 000...0``, "the empty chain") before its first row is inserted, so the same rule covers
+a crash right after the first row: the head is behind, not missing. A missing head with rows
+that carry events is still a problem -- nothing shardline does leaves one.
+
+Note: a new chain (:meth:`Ledger.start_new_chain`) has one commit point. The new ledger is
+built completely under a temporary name, the old ledger and head are copied aside, the head
+record is pointed at the new chain's first row (which the old ledger cannot match), and only
+then is the new file renamed over the old one; the head is rewritten to its last row after.
+A crash before the rename leaves the old ledger, still refused, and running ``--new-chain``
+again starts over; after it, the new chain opens like any other (its head one or more rows
+behind, never ahead).
 
 Note: SQLite needs working file locks; keep the ledger on a local or POSIX-compliant shared
 file system (only rank 0 writes it).
@@ -28,6 +41,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint.canonical import canonical_json, sha256_hex
-from shardline.checkpoint.fsutil import atomic_write_bytes
+from shardline.checkpoint.crashpoints import crash_point
+from shardline.checkpoint.fsutil import atomic_write_bytes, fsync_dir, fsync_file
 from shardline.errors import LineageError
 
 __all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "TOMBSTONE", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
@@ -223,11 +238,18 @@ class Ledger:
         """
         if event not in EVENTS:
             raise ValueError(f"unknown ledger event {event!r}; events are {', '.join(EVENTS)}")
+        new = not self.path.exists()
         with self._connect(create=True) as conn:
+            if new:
+                fsync_dir(self.path.parent)
+                crash_point("ledger.created")
             self._upgrade(conn)
             conn.execute("BEGIN EXCLUSIVE")
             try:
                 last = conn.execute("SELECT seq, row_sha256 FROM checkpoints ORDER BY seq DESC LIMIT 1").fetchone()
+                if last is None and self.head_record() is None:
+                    self.write_head(0, GENESIS)
+                    crash_point("ledger.genesis_head")
                 fields: dict[str, Any] = {
                     "seq": (last[0] + 1) if last else 1,
                     "step": int(step),
@@ -251,8 +273,13 @@ class Ledger:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
-        atomic_write_bytes(self.head_path, f"{fields['seq']} {fields['row_sha256']}\n".encode())
+        crash_point("ledger.row_committed")
+        self.write_head(fields["seq"], fields["row_sha256"])
         return LedgerRow(**fields)
+
+    def write_head(self, seq: int, row_sha256: str) -> None:
+        """Replace the head record with ``seq row_sha256`` atomically (``0`` and 64 zeros: the empty chain)."""
+        atomic_write_bytes(self.head_path, f"{seq} {row_sha256}\n".encode(), crash_name="head")
 
     def manifest_hashes(self) -> set[str]:
         """Manifest hashes of every recorded checkpoint (empty if the ledger does not exist yet)."""
@@ -268,38 +295,66 @@ class Ledger:
         found = [r.manifest_sha256 for r in self.rows() if r.is_commit and r.checkpoint == rel]
         return found[-1] if found else None
 
-    def start_new_chain(self, *, reason: str, problems: list[str]) -> tuple[Path, LedgerRow]:
-        """Move this ledger (and its head record) aside and start a new one whose first row records the break.
+    def start_new_chain(
+        self, *, reason: str, problems: list[str], rows: list[dict[str, Any]] | None = None
+    ) -> tuple[Path, list[LedgerRow]]:
+        """Keep this ledger (and its head record) aside and start a new one whose first row records the break.
 
         The old file is kept as ``<stem>.broken-<UTC time><suffix>`` and named, with its SHA-256
-        and last row, in the new ``chain_break`` row. Returns (where the old ledger went, the new row).
+        and last row, in the new ``chain_break`` row; ``rows`` (keyword arguments of :meth:`append`)
+        follow it. The switch is one rename (see the module note), so a crash leaves either the old
+        ledger or the whole new one. Returns (where the old ledger went, the new rows).
         """
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         aside = self.path.with_name(f"{self.path.stem}.broken-{stamp}{self.path.suffix}")
+        n = 1
+        while aside.exists():
+            aside = self.path.with_name(f"{self.path.stem}.broken-{stamp}-{n}{self.path.suffix}")
+            n += 1
         detail: dict[str, Any] = {"reason": reason, "problems": list(problems)}
         if self.path.is_file():
             detail["previous_ledger"] = aside.name
             detail["previous_ledger_sha256"] = sha256_hex(self.path.read_bytes())
             try:
-                rows = self.rows()
+                old_rows = self.rows()
             except LineageError:
-                rows = []
-            if rows:
-                detail["previous_last_row"] = {"seq": rows[-1].seq, "row_sha256": rows[-1].row_sha256}
-            os.rename(self.path, aside)
+                old_rows = []
+            if old_rows:
+                detail["previous_last_row"] = {"seq": old_rows[-1].seq, "row_sha256": old_rows[-1].row_sha256}
+        for leftover in self.path.parent.glob(f".{self.path.name}.new-*"):  # from a new chain a crash interrupted
+            leftover.unlink()
+        building = Ledger(self.path.with_name(f".{self.path.name}.new-{stamp}"))
+        made = [
+            building.append(
+                step=0,
+                tag=None,
+                checkpoint="",
+                manifest_sha256="",
+                parent_manifest_sha256=None,
+                world_size=0,
+                event="chain_break",
+                detail=detail,
+            )
+        ]
+        made += [building.append(**row) for row in rows or []]
+        fsync_file(building.path)
+        crash_point("new_chain.built")
+        if self.path.is_file():
+            shutil.copy2(self.path, aside)
+            fsync_file(aside)
         if self.head_path.is_file():
-            os.rename(self.head_path, aside.with_name(aside.name + ".head"))
-        row = self.append(
-            step=0,
-            tag=None,
-            checkpoint="",
-            manifest_sha256="",
-            parent_manifest_sha256=None,
-            world_size=0,
-            event="chain_break",
-            detail=detail,
-        )
-        return aside, row
+            head_aside = aside.with_name(aside.name + ".head")
+            shutil.copy2(self.head_path, head_aside)
+            fsync_file(head_aside)
+        fsync_dir(self.path.parent)
+        crash_point("new_chain.kept_aside")
+        self.write_head(made[0].seq, made[0].row_sha256)  # the new chain's first row: the old ledger cannot match it
+        os.replace(building.path, self.path)
+        fsync_dir(self.path.parent)
+        crash_point("new_chain.swapped")
+        building.head_path.unlink(missing_ok=True)
+        self.write_head(made[-1].seq, made[-1].row_sha256)
+        return aside, made
 
     def verify(self, *, check_checkpoints: bool = True) -> LineageReport:
         """Recompute every row hash and link; with ``check_checkpoints``, also compare each checkpoint still on
@@ -398,6 +453,8 @@ class Ledger:
                 ]
             return []
         seq, digest = head
+        if seq == 0 and digest == GENESIS:
+            return []  # the empty chain: every ledger reaches it (a new ledger before its first head rewrite)
         match = next((r for r in rows if r.seq == seq), None)
         if match is None:
             ends = f"row {last.seq} (step {last.step})" if last else "no row at all"

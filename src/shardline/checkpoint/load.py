@@ -329,17 +329,28 @@ def load(
             )
     except CheckpointException as e:
         raise _dcp_error(path, e) from None
-    with torch.no_grad():
-        for fn in plan["after"]:
-            fn()
-    if optimizer is not None:
-        load_optimizer_state_dict(model, optimizer, targets[OPTIM_KEY], kind="sharded")
-    state = decode_state(targets[TRAINER_KEY]) if targets.get(TRAINER_KEY) is not None else {}
-    if not isinstance(state, dict):
-        raise CheckpointMismatchError(f"checkpoint {path}: the trainer state is a {type(state).__name__}, not a dict")
-    if PER_RANK_KEY in targets:
-        state["per_rank"] = decode_state(targets[PER_RANK_KEY][str(rank)])
-    return state
+    result: dict[str, Any] = {}
+
+    def install() -> None:
+        with torch.no_grad():
+            for fn in plan["after"]:
+                fn()
+        if optimizer is not None:
+            load_optimizer_state_dict(model, optimizer, targets[OPTIM_KEY], kind="sharded")
+        state = decode_state(targets[TRAINER_KEY]) if targets.get(TRAINER_KEY) is not None else {}
+        if not isinstance(state, dict):
+            raise CheckpointMismatchError(
+                f"checkpoint {path}: the trainer state is a {type(state).__name__}, not a dict"
+            )
+        if PER_RANK_KEY in targets:
+            state["per_rank"] = decode_state(targets[PER_RANK_KEY][str(rank)])
+        result["state"] = state
+
+    # Note: the steps after DCP's read (buffers, optimizer state, trainer state) can fail on one rank
+    # alone -- a per-rank entry that does not decode, say -- so every rank learns the outcome here
+    # instead of its peers waiting in the next collective until the timeout.
+    coord.all_agree(install, process_group, what=f"install the state read from {path}")
+    return result["state"]
 
 
 def _read_item(path: str | os.PathLike, key: str, verify: VerifyLevel | str) -> Any:

@@ -3,19 +3,29 @@
 See :mod:`.directory` for the layout. Every method is a collective; each decision is taken on
 rank 0 and reaches every rank through :func:`~.coord.rank0_decides`.
 
-Note: what "newest" means. Checkpoints are ordered by the creation time their manifest
-records (then by step), so after an explicit resume from an older checkpoint the branch
-trained since is what ``auto`` resumes, not an abandoned one with a higher step. The commit
-point of a save is the rename of its directory; ``latest`` and the ledger follow it. If a
-crash falls between the rename and those updates, the checkpoint is still committed: the next
-manager on the directory appends its ledger row (marked ``recovered``) and repoints ``latest``.
+Note: what "newest" means. Checkpoints are ordered by the ledger -- the sequence number of
+each one's commit row (:func:`.lineage.order`) -- never by a clock, so after an explicit resume
+from an older checkpoint the branch trained since is what ``auto`` resumes, not an abandoned one
+with a higher step, and a node whose clock is behind changes nothing. The commit point of a save
+is the rename of its directory; ``latest`` and the ledger follow it. If a crash falls between
+the rename and those updates, the checkpoint is still committed: the next manager on the
+directory appends its ledger row (marked ``recovered``) and repoints ``latest``. Retention runs
+after every rank has agreed on the commit, on rank 0 alone; its failure is a warning and never
+touches the chain or the next save's parent.
 
 Note: failing closed. Opening a manager checks the ledger's chain and compares it with the
 committed checkpoints on disk (:mod:`.lineage`); a chain that does not verify is refused --
 nothing is appended to it -- with the way to continue. ``load("auto")`` loads the newest
 checkpoint that verifies: one that does not is moved aside (``step-N.damaged-<time>``, so a
-later save of step N does not collide with it), the move is recorded in the ledger, and the
-next newest is tried.
+later save of step N does not collide with it) and the next newest is tried. Only damage (a
+hash mismatch, a missing or an extra file) moves a checkpoint; an error reading it (``EIO``,
+``EACCES``, a decoder that refuses bytes matching their hashes) stops the load and moves nothing.
+
+Note: a quarantine records before it moves. The ``quarantine`` row names where the checkpoint
+will go; then the directory is renamed, its ``step-N.sig`` follows it, and ``latest`` is
+repointed if it named it. A crash after the row leaves a move the next manager finishes
+(:meth:`CheckpointManager._finish_quarantines`), so the ledger never meets a moved checkpoint
+it does not account for.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import logging
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,9 +45,12 @@ from torch import nn
 
 from shardline import _torch_compat
 from shardline.checkpoint import coord
-from shardline.checkpoint.directory import CommittedCheckpoint as CommittedCheckpoint
+from shardline.checkpoint.crashpoints import crash_point
 from shardline.checkpoint.directory import (
+    LATEST_FILE,
+    aside_path,
     checkpoint_name,
+    clear_latest,
     has_manifest,
     move_aside,
     read_latest,
@@ -44,14 +58,15 @@ from shardline.checkpoint.directory import (
     step_of,
     write_latest,
 )
-from shardline.checkpoint.fsutil import is_tmp_name, is_trash_name
-from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
-from shardline.checkpoint.lineage import unrecorded
+from shardline.checkpoint.directory import CommittedCheckpoint as CommittedCheckpoint
+from shardline.checkpoint.fsutil import fsync_dir, is_tmp_lock_name, is_tmp_name, is_trash_name, tmp_in_use
+from shardline.checkpoint.ledger import LEDGER_NAME, Ledger, LedgerRow
+from shardline.checkpoint.lineage import order, unrecorded
 from shardline.checkpoint.load import load as load_checkpoint
 from shardline.checkpoint.manifest import DCP_METADATA, read_manifest
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.provenance import STATEMENT_FILE, read_statement
-from shardline.checkpoint.retention import RetentionPolicy, apply_retention
+from shardline.checkpoint.retention import RetentionPolicy, apply_retention, signature_path_for, tombstone_detail
 from shardline.checkpoint.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
 from shardline.checkpoint.staging import SaveRequest, StagedCheckpoint
 from shardline.checkpoint.verify import VerifyLevel
@@ -59,8 +74,10 @@ from shardline.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointWarning,
     IntegrityError,
     LineageError,
+    PublishError,
 )
 
 __all__ = ["ON_EXCEPTION", "RESUME_AUTO", "CheckpointManager", "CommittedCheckpoint", "is_auto_resume", "no_resume"]
@@ -119,6 +136,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._last: CheckpointInfo | None = None
         self._last_good: Path | None = None
+        self._unrecorded: list[CheckpointInfo] = []  # committed saves whose ledger row may be missing
         self._rank = coord.group_rank(process_group)
         if self.async_save and coord.group_size(process_group) > 1:
             # Note: a dedicated group, created collectively here, so the background thread's
@@ -135,29 +153,43 @@ class CheckpointManager:
         return self.directory / checkpoint_name(step, tag)
 
     def committed(self) -> list[CommittedCheckpoint]:
-        """Committed checkpoints in the directory, oldest first (ones whose manifest is damaged are left out)."""
-        return scan(self.directory)[0]
+        """Committed checkpoints in the directory, oldest first by the ledger (ones whose manifest is damaged are
+        left out; see the module note)."""
+        return order(scan(self.directory)[0], self._rows())
+
+    def _rows(self) -> list[LedgerRow]:
+        return self.ledger.rows() if self.ledger.path.is_file() else []
 
     def latest(self) -> Path | None:
         """The checkpoint the ``latest`` pointer names, or None."""
         return read_latest(self.directory)
 
     def _open(self) -> None:
-        """Rank 0: drop leftovers of crashed saves; check the chain against the disk; record a checkpoint committed
-        just before a crash; repoint ``latest``."""
+        """Rank 0: drop leftovers of crashed saves; check the chain against the disk; finish an interrupted
+        quarantine; record a checkpoint committed just before a crash; repoint ``latest``."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        for child in self.directory.iterdir():
+        for child in sorted(self.directory.iterdir()):
             if child.is_dir() and is_tmp_name(child.name):
+                if tmp_in_use(child):  # another process is saving into it (see fsutil's note)
+                    log.info("leaving %s: a save in another process holds it", child)
+                    continue
                 log.warning("removing %s, left by a checkpoint save that did not commit", child)
                 shutil.rmtree(child, ignore_errors=True)
+                child.with_name(child.name + ".lock").unlink(missing_ok=True)
+            elif child.is_file() and is_tmp_lock_name(child.name) and not tmp_in_use(child.with_suffix("")):
+                child.unlink(missing_ok=True)  # the lock of a save that crashed before its directory existed
             elif child.is_dir() and is_trash_name(child.name):
                 log.info("removing %s, a checkpoint retention had recorded deleted and not finished removing", child)
                 shutil.rmtree(child, ignore_errors=True)
+            elif child.is_file() and child.name.startswith(f".{LATEST_FILE}.tmp-"):
+                child.unlink(missing_ok=True)  # a `latest` rewrite a crash interrupted before its rename
         problems: list[str] = []
         if self.ledger.path.is_file():
             problems += self.ledger.verify(check_checkpoints=False).problems
         elif self.ledger.head_path.exists():
             problems.append(f"the ledger is gone but its head record {self.ledger.head_path.name} is still there")
+        if not problems:
+            self._finish_quarantines()
         missing, recoverable = unrecorded(self.ledger, [self.directory])
         problems += [
             f"{c.path.name} (step {c.step}) is committed on disk but missing from the ledger"
@@ -173,11 +205,39 @@ class CheckpointManager:
             )
         if recoverable is not None:
             self._ledger_row(recoverable, recovered=True)
+        self._repoint_latest()
         committed = self.committed()
-        regular = [c for c in committed if c.tag is None]
-        if regular and self.latest() != regular[-1].path:
-            write_latest(self.directory, regular[-1].path)
         self._last_good = committed[-1].path if committed else None
+
+    def _repoint_latest(self) -> None:
+        """Rank 0: ``latest`` names the newest regular checkpoint (by the ledger), or is removed when none is left."""
+        regular = [c for c in self.committed() if c.tag is None]
+        if regular:
+            if self.latest() != regular[-1].path:
+                write_latest(self.directory, regular[-1].path)
+        elif (self.directory / LATEST_FILE).exists():
+            clear_latest(self.directory)
+
+    def _finish_quarantines(self) -> None:
+        """Rank 0: complete moves that a ``quarantine`` row records but a crash interrupted (see the module note)."""
+        base = self.ledger.path.parent
+        rows = self._rows()
+        for row in rows:
+            if row.event != "quarantine":
+                continue
+            detail = tombstone_detail(row)
+            if not detail.get("checkpoint") or not detail.get("moved_to"):
+                continue
+            source, target = base / str(detail["checkpoint"]), base / str(detail["moved_to"])
+            if any(r.seq > row.seq and r.is_commit and r.checkpoint == detail["checkpoint"] for r in rows):
+                continue  # the step was saved again after the quarantine: that directory is a new checkpoint
+            if source.is_dir() and not target.exists():
+                log.warning("finishing the move of %s to %s, which a crash interrupted", source.name, target.name)
+                move_aside(source, target)
+            signature, moved_signature = signature_path_for(source), signature_path_for(target)
+            if not source.exists() and signature.is_file() and not moved_signature.exists():
+                os.rename(signature, moved_signature)
+                fsync_dir(signature.parent)
 
     def _explicit(self, resume: str | os.PathLike) -> Path:
         path = Path(resume)
@@ -203,7 +263,7 @@ class CheckpointManager:
             damaged: list[list[str]] = []
         else:
             found, broken = scan(self.directory)
-            paths = [c.path for c in reversed(found)]
+            paths = [c.path for c in reversed(order(found, self._rows()))]
             damaged = [[str(d.path), d.reason] for d in broken]
         return {
             "paths": [[str(p), self.ledger.recorded_hash(p)] for p in paths],
@@ -221,6 +281,7 @@ class CheckpointManager:
         """
         if no_resume(resume):
             return None
+        self.wait()  # an async save in flight may commit the newest checkpoint
         plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
         return Path(plan["paths"][0][0]) if plan["paths"] else None
 
@@ -277,17 +338,29 @@ class CheckpointManager:
         coord.rank0_decides(check, self._group)
 
     def _write(self, staged: StagedCheckpoint, tmp: Path) -> CheckpointInfo:
-        info = write_and_commit(
-            staged,
-            tmp,
-            process_group=self._io_group,
-            observer=self.observer,
-            after_commit=self._publish,
-            last_good=self._last_good,
-        )
-        self._last = info
-        self.parent_manifest_hash = info.manifest_hash
+        try:
+            info = write_and_commit(
+                staged,
+                tmp,
+                process_group=self._io_group,
+                observer=self.observer,
+                after_commit=self._publish,
+                last_good=self._last_good,
+            )
+        except PublishError as e:  # committed: the next save chains to it even though recording it failed
+            if isinstance(e.info, CheckpointInfo):
+                self._committed(e.info)
+                self._unrecorded.append(e.info)  # the next publish records it first, so the chain has no gap
+            raise
+        self._committed(info)
+        if self._rank == 0:
+            self._retain(info)
         return info
+
+    def _committed(self, info: CheckpointInfo) -> None:
+        self._last = info
+        self._last_good = info.path
+        self.parent_manifest_hash = info.manifest_hash
 
     def _write_in_background(self, staged: StagedCheckpoint, tmp: Path) -> None:
         try:
@@ -296,19 +369,37 @@ class CheckpointManager:
             self._error = e
 
     def _publish(self, info: CheckpointInfo) -> None:
-        """Rank 0, right after the commit: repoint ``latest`` (regular saves) and append the ledger row."""
+        """Rank 0, right after the commit and before every rank learns the outcome: repoint ``latest`` (regular
+        saves) and append the ledger row."""
+        while self._unrecorded:  # saves whose publish failed: each recorded before its child
+            missed = self._unrecorded[0]
+            if missed.manifest_hash not in self.ledger.manifest_hashes():
+                self._ledger_row(missed, recovered=True)
+            self._unrecorded.pop(0)
         if info.tag is None:
             write_latest(self.directory, info.path)
         self.observer.on_phase(SavePhase.AFTER_LATEST, 0)
         self._ledger_row(info, recovered=False)
-        self._last_good = info.path
-        apply_retention(
-            directory=self.directory,
-            ledger=self.ledger,
-            policy=self.retention,
-            just_committed=info.path,
-            rel=self._rel,
-        )
+
+    def _retain(self, info: CheckpointInfo) -> None:
+        """Rank 0, after every rank agreed on the commit: apply retention. A failure is a warning (the checkpoint
+        is committed and recorded; the next save retries the deletions)."""
+        try:
+            apply_retention(
+                directory=self.directory,
+                ledger=self.ledger,
+                policy=self.retention,
+                just_committed=info.path,
+                rel=self._rel,
+            )
+        except Exception as e:
+            message = (
+                f"retention (keep_last_n={self.retention.keep_last_n}) after {info.path.name} failed: "
+                f"{type(e).__name__}: {e}. The checkpoint is committed and recorded and the chain is intact; "
+                "older checkpoints were kept and the next save retries."
+            )
+            log.warning("%s", message)
+            warnings.warn(message, CheckpointWarning, stacklevel=2)
 
     def _ledger_row(self, ckpt: CommittedCheckpoint | CheckpointInfo, *, recovered: bool) -> None:
         """Append the ledger row of a committed checkpoint (one found on disk, or one just saved).
@@ -359,20 +450,32 @@ class CheckpointManager:
         self.close()
 
     def _move_aside(self, path: Path, reason: str) -> str:
-        """Rank 0: move a checkpoint that failed verification aside and record it; returns the new path."""
+        """Rank 0: record, then move a checkpoint that failed verification aside (with its signature), and
+        repoint ``latest``; returns the new path (see the module note)."""
         step = step_of(path.name) or 0
         recorded = self.ledger.recorded_hash(path)
-        moved = move_aside(path)
+        target = aside_path(path)
         self.ledger.append(
             step=step,
             tag=None,
-            checkpoint=self._rel(moved),
+            checkpoint=self._rel(target),
             manifest_sha256=recorded or "",
             parent_manifest_sha256=None,
             world_size=0,
             event="quarantine",
-            detail={"checkpoint": self._rel(path), "moved_to": self._rel(moved), "reason": reason},
+            detail={"checkpoint": self._rel(path), "moved_to": self._rel(target), "reason": reason},
         )
+        crash_point("quarantine.recorded")
+        moved = move_aside(path, target)
+        crash_point("quarantine.moved")
+        signature = signature_path_for(path)
+        if signature.is_file():
+            os.rename(signature, signature_path_for(moved))
+            fsync_dir(path.parent)
+            crash_point("quarantine.signature_moved")
+        if self.latest() == path:
+            self._repoint_latest()
+            crash_point("quarantine.latest")
         if self._last_good == path:
             self._last_good = None
         log.warning(
@@ -409,6 +512,7 @@ class CheckpointManager:
         """
         if no_resume(resume):
             return None
+        self.wait()  # an async save in flight would otherwise overwrite the parent this load sets
         level = VerifyLevel.parse(verify)
         auto = is_auto_resume(resume)
         plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
@@ -433,7 +537,9 @@ class CheckpointManager:
                 self.moved_aside.append(Path(moved))
                 continue
             self.resumed_from = path
-            self.parent_manifest_hash = read_manifest(path)[1] if has_manifest(path) else None
+            self.parent_manifest_hash = coord.rank0_decides(  # one answer for every rank, or one error
+                lambda p=path: read_manifest(p)[1] if has_manifest(p) else None, self._group
+            )
             if level.opt_in:
                 coord.rank0_decides(lambda p=path: self._record_opt_in(p, level), self._group)
             return state

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno as errno_codes
 import json
 import platform
 from collections.abc import Mapping, Sequence
@@ -29,7 +30,7 @@ from shardline._version import __version__
 from shardline.checkpoint.canonical import HASH_ALGORITHM, canonical_json, manifest_hash, sha256_hex
 from shardline.checkpoint.hashing import FileDigest
 from shardline.engine import subtree_units
-from shardline.errors import CheckpointNotFoundError, IntegrityError
+from shardline.errors import CheckpointNotFoundError, CheckpointReadError, IntegrityError
 
 __all__ = [
     "DCP_METADATA",
@@ -42,6 +43,8 @@ __all__ = [
     "build_manifest",
     "describe_units",
     "manifest_files",
+    "read_checkpoint_file",
+    "read_error",
     "read_manifest",
     "render_manifest_hash_file",
     "render_sums",
@@ -178,7 +181,9 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], str]:
     Raises:
         CheckpointNotFoundError: ``path`` is not a directory or has no ``manifest.json``.
         IntegrityError: ``manifest.json`` is not canonical JSON of a shardline manifest, or its
-            hash differs from the one recorded in ``manifest.sha256``.
+            hash differs from the one recorded in ``manifest.sha256`` (or that file is missing).
+        CheckpointReadError: a file exists but cannot be read (``EIO``, ``ESTALE``, ``EACCES``...):
+            not damage, so callers must not treat the checkpoint as damaged.
     """
     path = Path(path)
     if not path.is_dir():
@@ -189,7 +194,7 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], str]:
             f"{path} has no {MANIFEST}: it is not a committed shardline checkpoint "
             f"(contents: {', '.join(sorted(p.name for p in path.iterdir())[:8]) or 'empty'})"
         )
-    raw = file.read_bytes()
+    raw = read_checkpoint_file(file)
     try:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -216,10 +221,36 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], str]:
     return manifest, digest
 
 
+def read_checkpoint_file(file: Path) -> bytes:
+    """The bytes of ``file``.
+
+    Raises:
+        FileNotFoundError: it does not exist (callers report it missing).
+        CheckpointReadError: it exists but cannot be read -- an error of the file system or of
+            permissions, which says nothing about the checkpoint's integrity.
+    """
+    try:
+        return file.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise read_error(file, e) from e
+
+
+def read_error(file: Path, error: OSError) -> CheckpointReadError:
+    """The error for a checkpoint file that exists but cannot be read: named, with its errno, and not damage."""
+    code = errno_codes.errorcode.get(error.errno or -1)
+    return CheckpointReadError(
+        f"cannot read {file}: {code + ' ' if code else ''}{error.strerror or error}. This is an I/O or permission "
+        "error, not damage: nothing was moved aside or changed. Fix the file system or the permissions (a network "
+        "mount that went stale, a disk error), then retry."
+    )
+
+
 def _recorded_manifest_hash(path: Path) -> str | None:
     try:
-        text = (path / MANIFEST_HASH_FILE).read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError):
+        text = read_checkpoint_file(path / MANIFEST_HASH_FILE).decode("ascii")
+    except (FileNotFoundError, UnicodeDecodeError):
         return None
     parts = text.split()
     if len(parts) != 2 or parts[1] != MANIFEST or len(parts[0]) != 64:

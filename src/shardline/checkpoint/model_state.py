@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardline.checkpoint import coord
 from shardline.engine import (
     ManagedParam,
     buffer_original_dtypes,
@@ -73,7 +74,15 @@ def model_state_dict(model: nn.Module, *, kind: StateDictKind = "sharded") -> di
     """
     check_kind(kind)
     if kind == "full":
-        return full_state_dict(model, rank0_only=True, cpu_offload=True)
+        held: dict[str, Any] = {}
+
+        def gather() -> None:
+            held["full"] = full_state_dict(model, rank0_only=True, cpu_offload=True)
+
+        # Host memory may run out on rank 0 alone; it raises after the last gather, and every rank learns it
+        # here, before anything else is gathered.
+        coord.all_agree(gather, None, what="gather the full model state dict")
+        return held["full"]
     index = param_index(model)
     original = buffer_original_dtypes(model)
     out: dict[str, Any] = {}

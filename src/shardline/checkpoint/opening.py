@@ -32,7 +32,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from shardline.checkpoint.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.dcp_io import MetadataReader, unpickle_metadata
 from shardline.checkpoint.fsutil import is_tmp_name
-from shardline.checkpoint.manifest import DCP_METADATA, FORMAT, MANIFEST, MANIFEST_HASH_FILE, manifest_files
+from shardline.checkpoint.manifest import (
+    DCP_METADATA,
+    FORMAT,
+    MANIFEST,
+    MANIFEST_HASH_FILE,
+    manifest_files,
+    read_checkpoint_file,
+)
 from shardline.checkpoint.verify import (
     FileProblem,
     VerifyLevel,
@@ -105,7 +112,7 @@ def _contents(path: Path) -> str:
 
 def _anchor(path: Path, expected: str | None) -> tuple[dict[str, Any], str, str]:
     file = path / MANIFEST
-    raw = file.read_bytes()
+    raw = read_checkpoint_file(file)
     digest = sha256_hex(raw)
     try:
         manifest = json.loads(raw.decode("utf-8"))
@@ -126,8 +133,8 @@ def _anchor(path: Path, expected: str | None) -> tuple[dict[str, Any], str, str]
             )
         return manifest, digest, "the trusted manifest hash"
     try:
-        parts = (path / MANIFEST_HASH_FILE).read_text(encoding="ascii").split()
-    except (OSError, UnicodeDecodeError):
+        parts = read_checkpoint_file(path / MANIFEST_HASH_FILE).decode("ascii").split()
+    except (FileNotFoundError, UnicodeDecodeError):
         parts = []
     recorded = parts[0] if len(parts) == 2 and parts[1] == MANIFEST else None
     if recorded is None:

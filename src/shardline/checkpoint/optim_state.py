@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from shardline.checkpoint import coord
 from shardline.checkpoint.model_state import StateDictKind, check_kind, param_index
-from shardline.engine import ManagedParam, gather_full_tensors, registered_state_dict
-from shardline.errors import CheckpointMismatchError, ConfigurationError
+from shardline.engine import HOST_OOM, ManagedParam, gather_full_tensors, host_copy, registered_state_dict
+from shardline.errors import CheckpointMismatchError, ConfigurationError, StateDictError
 
 __all__ = ["load_optimizer_state_dict", "optimizer_params", "optimizer_state_dict"]
 
@@ -113,7 +113,14 @@ def optimizer_state_dict(
     result = {"state": state, "param_groups": _groups(optimizer, fqn_of)}
     if kind != "full":
         return result
-    return _gather_full(params, result)
+    held: dict[str, Any] = {}
+
+    def gather() -> None:
+        held["full"] = _gather_full(params, result)
+
+    # A failure on one rank (host memory on rank 0) is raised there after the last gather; agree on it.
+    coord.all_agree(gather, None, what="gather the full optimizer state")
+    return held["full"]
 
 
 def _signature(params: list[tuple[torch.Tensor, str, Managed]], state: Mapping[str, Mapping[str, Any]]) -> list:
@@ -141,6 +148,7 @@ def _gather_full(params: list[tuple[torch.Tensor, str, Managed]], result: dict[s
         for fqn, entry in state.items()
     }
     managed = [(fqn, handle) for _, fqn, handle in params if handle is not None]
+    oom: tuple[str, BaseException] | None = None
     keys = sorted(
         {
             (name, value.dtype)
@@ -158,9 +166,21 @@ def _gather_full(params: list[tuple[torch.Tensor, str, Managed]], result: dict[s
             if isinstance(state.get(fqn, {}).get(name), torch.Tensor) and state[fqn][name].dtype == dtype
         ]
         fulls = gather_full_tensors([(handle, tensor) for _, handle, tensor in members], dtype=dtype)
-        for (fqn, _, _), full in zip(members, fulls, strict=True):
-            if full is not None:
-                full_state[fqn][name] = full.cpu()
+        if oom is not None:
+            continue  # keep joining the gathers (see full_state_dict's note), keep nothing
+        try:
+            for (fqn, _, _), full in zip(members, fulls, strict=True):
+                if full is not None:
+                    full_state[fqn][name] = host_copy(full)
+        except HOST_OOM as e:
+            oom = (name, e)
+            full_state.clear()
+    if oom is not None:
+        raise StateDictError(
+            f"gathering the full optimizer state ran out of host memory on this rank at state {oom[0]!r} "
+            f"({type(oom[1]).__name__}: {oom[1]}); the gathers were completed without keeping anything. Save with "
+            "kind='sharded' (no gather), or give this rank more host memory."
+        ) from oom[1]
     return {"state": full_state, "param_groups": result["param_groups"]} if rank0 else {}
 
 

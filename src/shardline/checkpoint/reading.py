@@ -38,9 +38,10 @@ from torch.futures import Future
 
 from shardline.checkpoint.dcp_io import MetadataReader
 from shardline.checkpoint.hashing import hasher_pool
+from shardline.checkpoint.manifest import read_error, read_manifest
 from shardline.checkpoint.tensor_record import decode_tensor
 from shardline.checkpoint.verify import FileProblem
-from shardline.errors import CheckpointError, IntegrityError
+from shardline.errors import CheckpointError, CheckpointReadError, IntegrityError
 
 __all__ = ["ASSIGNMENT_KEY", "VerifyingReader", "assign_hashing"]
 
@@ -139,12 +140,17 @@ class VerifyingReader(MetadataReader):
                     self._read_items(name, per_file[name], planner)
             except FileNotFoundError:
                 problems.append(FileProblem(name, "missing", "listed in the checkpoint but not present"))
-        if problems:
-            listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in problems)
+            except OSError as e:  # EIO, ESTALE, EACCES: the file system failed; that shows nothing about the bytes
+                raise read_error(Path(self.path) / name, e) from e
+        damage = [p for p in problems if p.kind != "unreadable"]
+        if damage:
+            listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in damage)
             raise IntegrityError(
                 f"checkpoint {self.path} does not match its manifest -- {listing}; it was not loaded. Run "
                 f"`shardline verify {self.path}` for a full report."
             )
+        if problems:
+            raise self._undecodable("; ".join(f"{p.path}: {p.detail}" for p in problems))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -170,10 +176,27 @@ class VerifyingReader(MetadataReader):
                 try:
                     self._load(group, data, planner)
                 except Exception as e:
-                    raise IntegrityError(
-                        f"checkpoint {self.path} does not match its manifest -- {name}: an item at byte {offset} "
-                        f"cannot be read ({type(e).__name__}: {_first_line(e)}); it was not loaded"
+                    raise self._undecodable(
+                        f"{name}: an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
                     ) from None
+
+    def _undecodable(self, what: str) -> CheckpointReadError:
+        """Bytes this process cannot decode, where no hash showed damage: a reader's problem, not the checkpoint's.
+
+        Names the torch that wrote the checkpoint (from its manifest) and the one reading it, since a
+        torch upgrade that changed the serialization is the usual cause.
+        """
+        try:
+            versions = read_manifest(self.path)[0].get("versions") or {}
+            wrote = str(versions.get("torch", "an unrecorded version"))
+        except CheckpointError:
+            wrote = "an unknown version (the manifest could not be read)"
+        return CheckpointReadError(
+            f"checkpoint {self.path} could not be decoded -- {what}; its files match their recorded hashes (or were "
+            f"not hashed), so this is not damage and nothing was moved aside. It was written with torch {wrote}; "
+            f"this process runs torch {torch.__version__}. Load it with the torch version that wrote it (or a "
+            "compatible one), or report the decoding error."
+        )
 
     def _read_hashing(
         self, name: str, items: list[ReadItem], planner: LoadPlanner, problems: list[FileProblem]

@@ -2,8 +2,10 @@
 
 Note: the order of a deletion, so that a crash anywhere leaves a chain that verifies.
 
-1. Only after a newer checkpoint has committed (the manager calls :func:`apply_retention` from its
-   publish step, after the new checkpoint's ledger row) are older ones considered.
+1. Only after a newer checkpoint has committed and been recorded, and every rank has agreed on
+   that (the manager calls :func:`apply_retention` on rank 0 after the save returned), are older
+   ones considered. A failure here is a warning: the chain and the next save's parent are not
+   affected.
 2. A **tombstone row** is appended first: the deleted checkpoint's step, directory and manifest
    hash, why it was deleted, what it held (file count, bytes), the SHA-256 of its provenance
    statement and a copy of the statement itself, and the SHA-256 of its signature file if it had
@@ -18,9 +20,13 @@ the tombstone follows it, and ``shardline lineage`` accepts a recorded checkpoin
 only when a tombstone (or a quarantine move) accounts for it.
 
 What is counted: regular checkpoints (``step-N``) in the manager's directory that the ledger
-records, ordered by creation time. Tagged ones (``step-N-on_exception``) are kept: they are
-records of something that went wrong, not periodic saves. The checkpoint just committed is never
-deleted.
+records, ordered by the ledger (never by a clock), with the live branch -- the checkpoint just
+committed and its ancestors, following parent manifest hashes -- counted as newer than every
+other branch. So after an explicit resume from step-300 while step-400 and step-500 exist, the
+branch point step-300 is one of the newest of the live branch and is kept, while the abandoned
+step-400/500 are the oldest and go first (each with its tombstone). Tagged ones
+(``step-N-on_exception``) are kept: they are records of something that went wrong, not
+periodic saves. The checkpoint just committed is never deleted.
 """
 
 from __future__ import annotations
@@ -35,17 +41,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardline.checkpoint.crashpoints import crash_point
 from shardline.checkpoint.directory import CommittedCheckpoint, scan
 from shardline.checkpoint.fsutil import fsync_dir, trash_dir_for
 from shardline.checkpoint.ledger import TOMBSTONE, Ledger, LedgerRow
+from shardline.checkpoint.lineage import live_branch, order
 from shardline.checkpoint.manifest import manifest_files, read_manifest
 from shardline.checkpoint.provenance import read_statement
-from shardline.errors import ConfigurationError, IntegrityError
+from shardline.errors import CheckpointError, ConfigurationError, IntegrityError
 
 __all__ = [
     "RetentionPolicy",
     "apply_retention",
     "record_deletions",
+    "retire",
     "signature_path_for",
     "tombstone_detail",
     "tombstones",
@@ -110,10 +119,13 @@ def _remove(ckpt: CommittedCheckpoint) -> None:
     trash = trash_dir_for(ckpt.path)
     os.rename(ckpt.path, trash)
     fsync_dir(ckpt.path.parent)
+    crash_point("retention.renamed")
     sig = signature_path_for(ckpt.path)
     if sig.is_file():
         sig.unlink()
+        crash_point("retention.signature_removed")
     shutil.rmtree(trash)
+    crash_point("retention.removed")
 
 
 def apply_retention(
@@ -134,7 +146,13 @@ def apply_retention(
     rows = ledger.rows() if ledger.path.is_file() else []
     recorded = {r.manifest_sha256 for r in rows if r.is_commit}
     buried = tombstones(rows)
-    regular = [c for c in scan(directory)[0] if c.tag is None]
+    committed = order(scan(directory)[0], rows)
+    newest_ckpt = next((c for c in committed if c.path == just_committed), None)
+    if newest_ckpt is None:
+        return []  # not on disk as a committed checkpoint: nothing to measure the branch from
+    branch = live_branch(newest_ckpt, committed, rows)
+    regular = [c for c in committed if c.tag is None]
+    regular = [c for c in regular if c.manifest_hash not in branch] + [c for c in regular if c.manifest_hash in branch]
     keep = {c.path for c in regular[-policy.keep_last_n :]} | {just_committed}
     appended: list[LedgerRow] = []
     newest = rel(just_committed)
@@ -163,6 +181,7 @@ def apply_retention(
                     detail=detail,
                 )
             )
+            crash_point("retention.tombstone")
         try:
             _remove(ckpt)
         except OSError as e:  # recorded already; the next pass retries, training goes on
@@ -172,6 +191,57 @@ def apply_retention(
             "retention: deleted %s (keep_last_n=%d); a tombstone row records it", ckpt.path.name, policy.keep_last_n
         )
     return appended
+
+
+def retire(path: Path, *, ledger: Ledger, reason: str) -> LedgerRow | None:
+    """Delete one committed checkpoint on purpose, the way retention does: its tombstone row first (what it
+    held, its statement), then the rename to a hidden name, its signature, the removal.
+
+    For callers that choose what to delete themselves (Lightning's ``ModelCheckpoint`` top-k pruning).
+    A checkpoint the ledger does not record is not deleted (the chain would lose it without a trace).
+    Returns the tombstone row (None when a crash had already written it and only the deletion is finished).
+
+    Raises:
+        CheckpointError: ``path`` is not a committed checkpoint the ledger records (named, with the fix).
+    """
+    path = Path(path).absolute()
+    try:
+        manifest, digest = read_manifest(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot delete {path} as a checkpoint: {e}") from e
+    rows = ledger.rows() if ledger.path.is_file() else []
+    name = os.path.relpath(path, ledger.path.parent)
+    if digest not in {r.manifest_sha256 for r in rows if r.is_commit}:
+        raise CheckpointError(
+            f"refusing to delete {path}: the ledger {ledger.path} does not record its manifest {digest[:12]}, so "
+            "its deletion could not be recorded against its commit. Record it first (open a CheckpointManager on "
+            "its directory), or delete it by hand and run `shardline lineage --record-deletions`."
+        )
+    ckpt = CommittedCheckpoint(
+        path=path,
+        step=int(manifest.get("step", 0)),
+        tag=manifest.get("tag"),
+        manifest_hash=digest,
+        created_unix_ns=int(manifest.get("created_unix_ns", 0)),
+        parent_manifest_hash=manifest.get("parent_manifest_sha256"),
+        world_size=int(manifest.get("world_size", 0)),
+    )
+    earlier = tombstones(rows).get(name)
+    row = None
+    if earlier is None or earlier.manifest_sha256 != digest:
+        row = ledger.append(
+            step=ckpt.step,
+            tag=ckpt.tag,
+            checkpoint=name,
+            manifest_sha256=digest,
+            parent_manifest_sha256=ckpt.parent_manifest_hash,
+            world_size=ckpt.world_size,
+            event=TOMBSTONE,
+            detail={"checkpoint": name, "reason": reason, **_what_it_held(ckpt)},
+        )
+        crash_point("retention.tombstone")
+    _remove(ckpt)
+    return row
 
 
 def record_deletions(ledger: Ledger) -> list[LedgerRow]:

@@ -18,6 +18,11 @@ the same exception class with the same message.
    parent. This is the commit point: a directory with a final name is always complete.
 6. **Publish** (rank 0, optional callback): the manager updates ``latest`` and the ledger.
 7. Rank 0 tells every rank the outcome; every rank returns the same :class:`CheckpointInfo` or raises.
+   A failure after the rename (the parent's fsync, or the publish) is :class:`~shardline.errors.PublishError`
+   on every rank, carrying the ``CheckpointInfo``: the checkpoint is committed, and the caller
+   chains the next save to it. The manager applies retention only after this step, on rank 0.
+
+Each change to a file or directory here is a named crash point (:mod:`.crashpoints`).
 
 A crash before step 5 leaves only a hidden temporary directory that nothing resumes from;
 the final name is never overwritten (step 1 refuses an existing one, and step 5 re-checks).
@@ -47,7 +52,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shardline.checkpoint import coord
 from shardline.checkpoint.canonical import canonical_json, sha256_hex
-from shardline.checkpoint.fsutil import fsync_dir, tmp_dir_for
+from shardline.checkpoint.crashpoints import crash_point
+from shardline.checkpoint.fsutil import fsync_dir, fsync_new_dirs, lock_tmp, release_tmp, tmp_dir_for
 from shardline.checkpoint.hashing import FileDigest, HashingWriter
 from shardline.checkpoint.manifest import (
     MANIFEST,
@@ -62,7 +68,7 @@ from shardline.checkpoint.provenance import STATEMENT_FILE, build_statement
 from shardline.checkpoint.staged_check import check_written
 from shardline.checkpoint.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
 from shardline.checkpoint.summary import human_bytes
-from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, error_chain
+from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, PublishError, error_chain
 
 __all__ = ["CheckpointInfo", "commit", "disk_full_cause", "preflight", "save", "stage_agreed", "write_and_commit"]
 
@@ -93,8 +99,13 @@ def _prepare(final: Path) -> Path:
             "step or path, or move the old one away first."
         )
     parent = final.parent
+    existed = parent
+    while not existed.exists() and existed.parent != existed:
+        existed = existed.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        if existed != parent:  # new directories: their names must survive a crash like the checkpoint's
+            fsync_new_dirs(parent, existed=existed)
     except OSError as e:
         raise CheckpointError(
             f"cannot create the checkpoint parent directory {parent}: {e.strerror or e}. Choose a writable location."
@@ -108,9 +119,12 @@ def _prepare(final: Path) -> Path:
         )
     tmp = tmp_dir_for(final)
     try:
+        lock_tmp(tmp)  # held until the save ends, so no other process takes the directory for a leftover
         tmp.mkdir()
     except OSError as e:
+        release_tmp(tmp)
         raise CheckpointError(f"cannot create {tmp}: {e.strerror or e}. Choose a writable location.") from None
+    crash_point("save.tmp_created")
     return tmp
 
 
@@ -137,7 +151,7 @@ def preflight(path: str | os.PathLike, *, process_group: dist.ProcessGroup | Non
         coord.all_agree(can_write, process_group, what="write the checkpoint directory")
     except CheckpointError:
         if coord.group_rank(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
         raise
     return tmp
 
@@ -170,10 +184,16 @@ def stage_agreed(
         sizes = coord.all_agree(stage_here, process_group, what=f"stage its part of checkpoint {path}")
     except Exception:
         if coord.group_rank(process_group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
         raise
     assert staged is not None  # all_agree returned, so this rank's step succeeded
     return replace(staged, total_bytes=sum(sizes))
+
+
+def _discard(tmp: Path) -> None:
+    """Rank 0, after a failed save: remove the temporary directory, then its lock."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    release_tmp(tmp)
 
 
 def disk_full_cause(error: BaseException) -> BaseException | None:
@@ -227,6 +247,8 @@ def write_and_commit(
     Raises:
         DiskFullError: a rank ran out of space (the message names the path, bytes needed vs
             free, and ``last_good``); nothing was committed.
+        PublishError: the checkpoint committed, but making the rename durable or
+            ``after_commit`` failed; its ``info`` is the committed checkpoint.
         CheckpointError: any other failure, named in the first line of the message.
     """
     final = staged.final.absolute()
@@ -249,36 +271,40 @@ def write_and_commit(
     if failure is not None:
 
         def clean_up() -> None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
             error = DiskFullError if disk_full_cause(failure) is not None else CheckpointError
             raise error(_failure_message(final, staged, failure, last_good))
 
         coord.rank0_decides(clean_up, process_group)
 
     def finalize() -> dict[str, Any]:
-        committed = False
+        done: dict[str, Any] = {}  # _finalize fills it once the rename happened
         try:
             digests = writer.file_digests or []
-            manifest_digest, committed, files, statement_digest = _finalize(staged, tmp, final, digests, observer)
-            info = _info(staged, final, manifest_digest, files, statement_digest)
-            if after_commit is not None:
-                after_commit(info)
-            return {
-                "hash": manifest_digest,
-                "files": info.files,
-                "bytes": info.total_bytes,
-                "provenance": statement_digest,
-            }
+            manifest_digest, files, statement_digest = _finalize(staged, tmp, final, digests, observer, done)
         except Exception as e:
-            if not committed:
-                shutil.rmtree(tmp, ignore_errors=True)
+            if not done:
+                _discard(tmp)
                 message = _failure_message(final, staged, e, last_good)
-            else:
-                message = f"checkpoint {final} committed, but publishing it failed ({_first_line(e)})"
-            raise (DiskFullError if disk_full_cause(e) is not None else CheckpointError)(message) from e
+                raise (DiskFullError if disk_full_cause(e) is not None else CheckpointError)(message) from e
+            # renamed, but the parent's fsync failed: the name may not survive a power loss, yet it is there now
+            manifest_digest, files, statement_digest = done["hash"], done["files"], done["provenance"]
+            info = _info(staged, final, manifest_digest, files, statement_digest)
+            return _outcome(info, f"making the commit durable failed ({_first_line(e)})")
+        info = _info(staged, final, manifest_digest, files, statement_digest)
+        problem = None
+        if after_commit is not None:
+            try:
+                after_commit(info)
+            except Exception as e:
+                problem = f"recording it failed ({_first_line(e)})"
+        return _outcome(info, problem)
 
-    outcome = coord.rank0_decides(finalize, process_group)
-    return CheckpointInfo(
+    try:
+        outcome = coord.rank0_decides(finalize, process_group)
+    finally:
+        release_tmp(tmp)  # renamed or removed by now (a no-op on ranks other than 0)
+    info = CheckpointInfo(
         path=final,
         step=staged.step,
         manifest_hash=outcome["hash"],
@@ -290,6 +316,25 @@ def write_and_commit(
         parent_manifest_hash=staged.parent_manifest_hash,
         provenance_sha256=outcome["provenance"],
     )
+    if outcome["problem"] is not None:
+        raise PublishError(
+            f"checkpoint {final} committed (manifest {info.manifest_hash[:12]}), but {outcome['problem']}; it is "
+            "complete and the next save chains to it. Fix the cause; the next CheckpointManager on "
+            f"{final.parent} records it in the ledger (marked recovered) if its row is missing.",
+            info=info,
+        )
+    return info
+
+
+def _outcome(info: CheckpointInfo, problem: str | None) -> dict[str, Any]:
+    """What rank 0 tells every rank about a committed checkpoint (plain data), and what went wrong after the commit."""
+    return {
+        "hash": info.manifest_hash,
+        "files": info.files,
+        "bytes": info.total_bytes,
+        "provenance": info.provenance_sha256,
+        "problem": problem,
+    }
 
 
 def _info(
@@ -317,12 +362,20 @@ def _write_durable(path: Path, data: bytes) -> None:
 
 
 def _finalize(
-    staged: StagedCheckpoint, tmp: Path, final: Path, digests: list[FileDigest], observer: SaveObserver
-) -> tuple[str, bool, list[FileDigest], str]:
+    staged: StagedCheckpoint,
+    tmp: Path,
+    final: Path,
+    digests: list[FileDigest],
+    observer: SaveObserver,
+    done: dict[str, Any],
+) -> tuple[str, list[FileDigest], str]:
     """Rank 0: provenance statement, manifest, hash files, fsync, rename.
 
-    Returns (manifest hash, committed, every listed file, the statement's sha256).
+    Returns (manifest hash, every listed file, the statement's sha256). Once the rename is done,
+    ``done`` holds the same under ``hash``, ``files``, ``provenance``, so a caller that sees an
+    error after it knows the checkpoint is committed.
     """
+    crash_point("save.shards_written")
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
     listed = {d.path for d in digests}
     present = {p.name for p in tmp.iterdir()}
@@ -348,6 +401,7 @@ def _finalize(
         )
     )
     _write_durable(tmp / STATEMENT_FILE, statement)
+    crash_point("save.statement_written")
     statement_digest = sha256_hex(statement)
     files = sorted([*digests, FileDigest(path=STATEMENT_FILE, rank=0, bytes=len(statement), sha256=statement_digest)])
     manifest = build_manifest(
@@ -367,16 +421,22 @@ def _finalize(
     data = canonical_json(manifest)
     digest = sha256_hex(data)
     _write_durable(tmp / MANIFEST, data)
+    crash_point("save.manifest_written")
     _write_durable(tmp / MANIFEST_HASH_FILE, render_manifest_hash_file(digest))
+    crash_point("save.hash_file_written")
     _write_durable(tmp / SUMS_FILE, render_sums(digest, [d.to_json() for d in files]))
     fsync_dir(tmp)
+    crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
     if final.exists() or final.is_symlink():
         raise CheckpointExistsError(f"{final} appeared while the checkpoint was being written; it was left untouched")
     os.rename(tmp, final)
+    done.update(hash=digest, files=files, provenance=statement_digest)
+    crash_point("save.renamed")
     fsync_dir(final.parent)
+    crash_point("save.committed")
     observer.on_phase(SavePhase.AFTER_RENAME, 0)
-    return digest, True, files, statement_digest
+    return digest, files, statement_digest
 
 
 def commit(

@@ -28,6 +28,7 @@ from shardline.checkpoint.manifest import (
     MANIFEST_HASH_FILE,
     SUMS_FILE,
     manifest_files,
+    read_error,
     render_manifest_hash_file,
     render_sums,
 )
@@ -155,18 +156,23 @@ def check_files(
     for entry in entries:
         name, size, digest = str(entry["path"]), int(entry["bytes"]), str(entry["sha256"])
         file = root / name
-        if not file.is_file():
+        try:
+            if not file.is_file():
+                problems.append(FileProblem(name, "missing", f"listed in the manifest ({size} bytes) but not present"))
+                continue
+            actual_size = file.stat().st_size
+            if actual_size != size:
+                problems.append(FileProblem(name, "altered", f"size {actual_size} bytes, manifest records {size}"))
+                continue
+            if level is VerifyLevel.FULL:
+                _, actual = sha256_file(file)
+                read += size
+                if actual != digest:
+                    problems.append(FileProblem(name, "altered", f"sha256 {actual}, manifest records {digest}"))
+        except FileNotFoundError:
             problems.append(FileProblem(name, "missing", f"listed in the manifest ({size} bytes) but not present"))
-            continue
-        actual_size = file.stat().st_size
-        if actual_size != size:
-            problems.append(FileProblem(name, "altered", f"size {actual_size} bytes, manifest records {size}"))
-            continue
-        if level is VerifyLevel.FULL:
-            _, actual = sha256_file(file)
-            read += size
-            if actual != digest:
-                problems.append(FileProblem(name, "altered", f"sha256 {actual}, manifest records {digest}"))
+        except OSError as e:  # EIO, ESTALE, EACCES: the file system failed, the checkpoint is not shown damaged
+            raise read_error(file, e) from e
     return problems, read
 
 
@@ -214,10 +220,13 @@ def derived_and_unexpected(
         file = root / name
         if name in named:
             continue
-        if not file.is_file():
+        try:
+            if file.read_bytes() != wanted:
+                problems.append(FileProblem(name, "altered", "does not match the hashes the manifest records"))
+        except (FileNotFoundError, IsADirectoryError):
             problems.append(FileProblem(name, "missing", "derived from the manifest; should be present"))
-        elif file.read_bytes() != wanted:
-            problems.append(FileProblem(name, "altered", "does not match the hashes the manifest records"))
+        except OSError as e:
+            raise read_error(file, e) from e
     expected = {str(e["path"]) for e in entries} | {MANIFEST, MANIFEST_HASH_FILE, SUMS_FILE}
     problems.extend(_unexpected(root, expected))
     return problems

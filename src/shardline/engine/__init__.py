@@ -30,10 +30,12 @@ from shardline.engine.mesh import hybrid_degrees, hybrid_mesh
 from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.registry import subtree_units
 from shardline.engine.state_dict import (
+    HOST_OOM,
     ManagedParam,
     buffer_original_dtypes,
     full_state_dict,
     gather_full_tensors,
+    host_copy,
     key_problems,
     load_full_state_dict,
     managed_parameters,
@@ -47,6 +49,7 @@ from shardline.engine.unit import Residency, ShardUnit
 from shardline.engine.wrapping import LayerPolicy, check_policy_matches, layer_policy, resolve_class, wrap
 
 __all__ = [
+    "HOST_OOM",
     "CollectiveKind",
     "CollectiveRecord",
     "Collectives",
@@ -74,6 +77,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "gather_full_tensors",
+    "host_copy",
     "hybrid_degrees",
     "hybrid_mesh",
     "is_checkpointed",

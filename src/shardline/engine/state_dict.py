@@ -32,10 +32,12 @@ from shardline.engine.unit import ShardUnit
 from shardline.errors import ShardingError, StateDictError
 
 __all__ = [
+    "HOST_OOM",
     "ManagedParam",
     "buffer_original_dtypes",
     "full_state_dict",
     "gather_full_tensors",
+    "host_copy",
     "install_state_dict_hooks",
     "key_problems",
     "load_full_state_dict",
@@ -303,6 +305,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
     Args:
         rank0_only: Only rank 0 keeps the tensors; other ranks return an empty dict.
         cpu_offload: Move every tensor to CPU (each unit right after it is gathered).
+
+    Raises:
+        StateDictError: host memory ran out on this rank; raised after every gather was joined,
+            so the peers are not left waiting in one.
     """
     index = managed_parameters(model)
     original = buffer_original_dtypes(model)
@@ -315,12 +321,22 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
 
     out: dict[str, torch.Tensor] = {}
     gathered: set[int] = set()
+    # Note: host memory can run out on the rank that keeps the tensors (rank 0 alone, with
+    # rank0_only). Raising there at once would leave its peers waiting in the next unit's
+    # all-gather until the timeout, so that rank drops what it holds, keeps joining the gathers,
+    # and raises after the last one; callers that need every rank to learn of it agree on the
+    # outcome (the checkpoint save does).
+    oom: tuple[str, BaseException] | None = None
     for key, value in local.items():
         found = index.get(id(value))
         if found is None:  # a buffer, or a parameter no unit manages
-            if keep:
-                tensor = value.detach().to(original.get(id(value), value.dtype), copy=True)
-                out[key] = tensor.cpu() if cpu_offload else tensor
+            if keep and oom is None:
+                try:
+                    tensor = value.detach().to(original.get(id(value), value.dtype), copy=True)
+                    out[key] = host_copy(tensor) if cpu_offload else tensor
+                except HOST_OOM as e:
+                    oom, keep = (key, e), False
+                    out.clear()
             continue
         unit = found._unit
         if id(unit) in gathered:
@@ -329,12 +345,34 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
         fulls = unit.gather_full()
         if not keep:
             continue
-        for sp, full in zip(unit.params, fulls, strict=True):
-            full = full.cpu() if cpu_offload else full
-            for tensor in (sp.sharded, sp.unsharded):
-                for k in keys_of.get(id(tensor), []) if tensor is not None else []:
-                    out[k] = full
+        try:
+            for sp, full in zip(unit.params, fulls, strict=True):
+                full = host_copy(full) if cpu_offload else full
+                for tensor in (sp.sharded, sp.unsharded):
+                    for k in keys_of.get(id(tensor), []) if tensor is not None else []:
+                        out[k] = full
+        except HOST_OOM as e:
+            oom, keep = (unit.name or "<root>", e), False
+            out.clear()
+    if oom is not None:
+        where, error = oom
+        raise StateDictError(
+            f"gathering the full state dict ran out of host memory on this rank at {where!r} ({type(error).__name__}: "
+            f"{error}); the gathers were completed without keeping anything. Save with kind='sharded' (no gather), "
+            "or give this rank more host memory."
+        ) from error
     return {key: out[key] for key in local if key in out}
+
+
+HOST_OOM: tuple[type[BaseException], ...] = (MemoryError,) + (
+    (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()
+)
+"""What running out of host memory raises: ``MemoryError``, or torch's allocator error."""
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory (the copy a full state dict keeps; may raise one of :data:`HOST_OOM`)."""
+    return tensor.cpu()
 
 
 def load_full_state_dict(

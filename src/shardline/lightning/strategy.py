@@ -42,15 +42,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import shardline
 import shardline.checkpoint as ckpt
+from shardline.checkpoint import coord
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind
+from shardline.checkpoint.retention import retire
 from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import MixedPrecision, ShardingStrategy
-from shardline.errors import CheckpointExistsError, ConfigurationError
+from shardline.errors import CheckpointError, CheckpointExistsError, ConfigurationError, PublishError
 from shardline.lightning.clipping import clip_globally, log_metric
 from shardline.lightning.state import plain_state
 
-__all__ = ["ShardlineStrategy"]
+__all__ = ["ShardlineStrategy", "record_commit"]
 
 log = logging.getLogger(__name__)
 
@@ -444,18 +446,8 @@ class ShardlineStrategy(ParallelStrategy):
                 f"{exc} With ModelCheckpoint, use save_last='link' (a link to the newest checkpoint) instead of "
                 "save_last=True, and file names that differ per save (the default includes epoch and step)."
             ) from None
-        self._parent_manifest_hash = info.manifest_hash
-        if self.is_global_zero:
-            ledger = Ledger(path.parent / LEDGER_NAME)
-            ledger.append(
-                step=info.step,
-                tag=None,
-                checkpoint=path.name,
-                manifest_sha256=info.manifest_hash,
-                parent_manifest_sha256=info.parent_manifest_hash,
-                world_size=info.world_size,
-            )
-        self.barrier()
+        self._parent_manifest_hash = info.manifest_hash  # committed: the next save chains to it in any case
+        record_commit(path, info)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify and load a shardline checkpoint into the sharded model (and optimizer, when fitting), any world size.
@@ -485,12 +477,54 @@ class ShardlineStrategy(ParallelStrategy):
         self._parent_manifest_hash = manifest[1] if manifest else None
         return state
 
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint ``ModelCheckpoint`` prunes (``save_top_k``), behind a tombstone row (a collective).
+
+        Rank 0 records the deletion in ``lineage.sqlite`` beside it first, as retention does, so the
+        chain still verifies; an error reaches every rank.
+        """
+        path = Path(self.broadcast(os.fspath(filepath))).absolute()
+
+        def retire_it() -> None:
+            retire(path, ledger=Ledger(path.parent / LEDGER_NAME), reason="pruned by ModelCheckpoint (save_top_k)")
+
+        coord.rank0_decides(retire_it, None)
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "shardline", cls, description="shardline: fully sharded data parallelism with verifiable checkpoints",
             override=True,
         )  # fmt: skip
+
+
+def record_commit(path: Path, info: ckpt.CheckpointInfo, group: dist.ProcessGroup | None = None) -> None:
+    """Append a committed checkpoint's row to ``lineage.sqlite`` beside it (a collective: rank 0 writes, and every
+    rank learns the outcome, so a failed append raises on every rank instead of leaving peers in a barrier).
+
+    Raises:
+        PublishError: the append failed; the checkpoint is committed and the next save chains to it.
+    """
+
+    def append() -> None:
+        Ledger(path.parent / LEDGER_NAME).append(
+            step=info.step,
+            tag=None,
+            checkpoint=path.name,
+            manifest_sha256=info.manifest_hash,
+            parent_manifest_sha256=info.parent_manifest_hash,
+            world_size=info.world_size,
+        )
+
+    try:
+        coord.rank0_decides(append, group)
+    except CheckpointError as e:
+        raise PublishError(
+            f"checkpoint {path} committed (manifest {info.manifest_hash[:12]}), but recording it in "
+            f"{path.parent / LEDGER_NAME} failed ({e}); the next save chains to it. Fix the cause, then run "
+            f"`shardline lineage {path.parent} --new-chain` if the ledger no longer verifies.",
+            info=info,
+        ) from e
 
 
 # Importing shardline.lightning makes Trainer(strategy="shardline") available.

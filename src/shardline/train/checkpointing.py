@@ -166,3 +166,15 @@ class TrainingCheckpoints:
     def close(self) -> None:
         """Wait for an async save in flight (raising its error)."""
         self.manager.close()
+
+    def finish_queued(self) -> None:
+        """After training raised: let an async save already queued finish instead of abandoning it.
+
+        Its collectives run on the manager's own group, so they progress while the training
+        collectives are stuck. Its error, if any, is logged, not raised: the training error stays
+        the one reported.
+        """
+        try:
+            self.manager.close()
+        except Exception as e:
+            log.error("the checkpoint save queued before training failed did not complete: %s", e)

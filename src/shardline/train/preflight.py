@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardline.checkpoint.dcp_io import MODEL_KEY, key_paths
 from shardline.checkpoint.directory import CHECKPOINTS_DIR, scan
+from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
+from shardline.checkpoint.lineage import order
 from shardline.checkpoint.manager import is_auto_resume, no_resume
 from shardline.checkpoint.opening import check_manifest, read_checked_metadata
 from shardline.checkpoint.staging import dtype_name
@@ -172,7 +174,12 @@ def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
             return
         if not committed:
             return  # only damaged ones: the workers move them aside and start over (or refuse, with records)
-        path, what = committed[-1].path, "trainer.resume=auto"
+        ledger = Ledger(run_dir / LEDGER_NAME)
+        try:
+            rows = ledger.rows() if ledger.path.is_file() else []
+        except CheckpointError:
+            rows = []  # a ledger that does not open: the workers refuse it, naming the problem
+        path, what = order(committed, rows)[-1].path, "trainer.resume=auto"
         try:
             stored = _stored_state(path, VerifyLevel.NONE)
         except CheckpointError:

@@ -352,6 +352,9 @@ class Trainer:
         except TrainingDiverged:
             self.checkpoints.on_divergence(self, done)
             raise
+        except BaseException:
+            self.checkpoints.finish_queued()  # a queued async save is completed, not abandoned
+            raise
         wall = time.perf_counter() - start
         summary = self._summary(wall)
         self._call("on_fit_end", summary)

@@ -1,0 +1,239 @@
+"""What the crash-point test runs: small runs of a ``CheckpointManager`` in one process, and the check after a crash.
+
+Each scenario starts from a prepared run directory (``prepare``) and does one thing -- a save
+with retention, a first save, a quarantine, a new chain, a fine-tune's first save -- which the
+test runs in a child process (``child``) either tracing every crash point it reaches or ending
+the process at one of them. ``recover`` is what the next run does, and checks what the product
+promises after any crash.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import shardline.checkpoint as ckpt
+from shardline import cli
+from shardline.checkpoint import crashpoints
+from shardline.checkpoint.directory import read_latest, scan
+from shardline.checkpoint.lineage import audit, start_new_chain
+from shardline.checkpoint.retention import signature_path_for
+from shardline.errors import LineageError
+
+KEEP = 2  # keep_last_n of every manager here: the save scenario deletes one checkpoint
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    before: int | None  # newest step the next resume may fall back to (None: nothing to resume)
+    saving: int  # the step the scenario saves
+    kept: tuple[int, ...]  # regular steps that must still be committed after any crash
+    source: str | None = None  # the fine-tune's source checkpoint, relative to the scenario root
+
+
+SCENARIOS = (
+    Scenario("first_save", before=None, saving=1, kept=()),
+    Scenario("save", before=2, saving=3, kept=(2,)),
+    Scenario("quarantine", before=1, saving=2, kept=(1,)),
+    Scenario("new_chain", before=2, saving=3, kept=(2,)),
+    Scenario("finetune", before=None, saving=3, kept=(), source="source/checkpoints/step-2"),
+)
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _save(manager: ckpt.CheckpointManager, model, opt, step: int) -> None:
+    _step(model, opt)
+    manager.save(ckpt.SaveRequest(step=step, model=model, optimizer=opt, state={"step": step}, config={"lr": 0.1}))
+
+
+def checkpoints(root: Path) -> Path:
+    return root / "run" / "checkpoints"
+
+
+def ledger_path(root: Path) -> Path:
+    return root / "run" / "lineage.sqlite"
+
+
+def manager(root: Path) -> ckpt.CheckpointManager:
+    return ckpt.CheckpointManager(checkpoints(root), ledger_path=ledger_path(root), keep_last_n=KEEP)
+
+
+def prepare(name: str, root: Path) -> None:
+    """The run directory a scenario starts from, under ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    if name == "first_save":
+        return
+    if name == "finetune":
+        source = ckpt.CheckpointManager(root / "source" / "checkpoints")
+        model, opt = _model()
+        for step in (1, 2):
+            _save(source, model, opt, step)
+        return
+    m = manager(root)
+    model, opt = _model()
+    for step in (1, 2):
+        _save(m, model, opt, step)
+    directory = checkpoints(root)
+    if name == "save":
+        signature_path_for(directory / "step-1").write_text("{}")  # retention deletes it with step-1
+    elif name == "quarantine":
+        data = directory / "step-2" / "__0_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        signature_path_for(directory / "step-2").write_text("{}")  # moves aside with step-2
+    elif name == "new_chain":
+        ckpt.Ledger(ledger_path(root)).head_path.unlink()  # the chain no longer verifies: a new one is due
+
+
+def act(name: str, root: Path) -> None:
+    """The scenario's action (what a crash interrupts)."""
+    scenario = BY_NAME[name]
+    if name == "new_chain":
+        ledger = ckpt.Ledger(ledger_path(root))
+        start_new_chain(ledger, problems=list(audit(ledger).problems))
+    m = manager(root)
+    model, opt = _model()
+    resume: str | os.PathLike = "auto" if scenario.source is None else root / scenario.source
+    m.load(resume, model=model, optimizer=opt)
+    _save(m, model, opt, scenario.saving)
+
+
+def child(name: str, root: str, point: str | None, hit: int, trace_file: str | None) -> None:
+    """Run in a child process: trace every crash point (``point`` None) or end the process at ``point``'s hit."""
+    if point is None:
+        crashpoints.trace()
+    else:
+        crashpoints.arm(point, hit=hit)
+    act(name, Path(root))
+    if trace_file is not None:
+        Path(trace_file).write_text(json.dumps(crashpoints.traced()))
+
+
+def recover(name: str, root: Path, *, may_redo_new_chain: bool) -> dict[str, object]:
+    """What the next run does after a crash, checking that nothing was lost or reported tampered.
+
+    Returns what it saw (for the test's messages). ``may_redo_new_chain``: the crash came before a
+    new chain's commit point, so the chain is still the broken one and ``--new-chain`` is run again.
+    """
+    scenario = BY_NAME[name]
+    directory = checkpoints(root)
+    ledger = ckpt.Ledger(ledger_path(root))
+    redone = False
+    try:
+        m = manager(root)
+    except LineageError as e:
+        if not may_redo_new_chain:
+            raise AssertionError(f"{name}: the next open failed: {e}") from e
+        start_new_chain(ledger, problems=list(audit(ledger).problems))
+        redone = True
+        m = manager(root)
+    model, opt = _model()
+    state = m.load("auto", model=model, optimizer=opt)
+    loaded = None if state is None else int(state["step"])
+    allowed = {scenario.before, scenario.saving}
+    assert loaded in allowed, f"{name}: resumed step {loaded}, expected one of {sorted(allowed, key=str)}"
+    quarantined = [p.name for p in m.moved_aside]
+    assert not quarantined or (name == "quarantine" and quarantined[0].startswith("step-2.damaged-")), quarantined
+    committed = {c.step for c in scan(directory)[0] if c.tag is None}
+    assert set(scenario.kept) <= committed, f"{name}: steps lost: {sorted(set(scenario.kept) - committed)}"
+    if (directory / f"step-{scenario.saving}").is_dir() and scenario.saving in committed:
+        assert loaded == scenario.saving, f"{name}: step-{scenario.saving} is committed but {loaded} was resumed"
+    if ledger.path.is_file():
+        report = audit(ledger)
+        assert report.ok, f"{name}: the chain does not verify: {report.problems}"
+        assert cli.main(["lineage", str(root / "run")]) == 0
+    else:  # a crash before the first row: nothing may be committed then
+        assert not committed, f"{name}: committed {sorted(committed)} but no ledger"
+    latest = read_latest(directory)
+    if committed:
+        assert latest is not None, f"{name}: no latest"
+        assert latest.is_dir(), f"{name}: latest names {latest}, which is not there"
+        assert ckpt.verify_checkpoint(latest).ok, f"{name}: latest ({latest}) does not verify"
+        assert latest == m.committed()[-1].path or m.committed()[-1].tag is not None
+    parent = m.parent_manifest_hash
+    _save(m, model, opt, scenario.saving + 10)  # training goes on, chained to what it resumed
+    newest = next(r for r in reversed(ledger.rows()) if r.is_commit)
+    assert newest.step == scenario.saving + 10
+    assert newest.parent_manifest_sha256 == parent
+    report = audit(ledger)
+    assert report.ok, f"{name}: the chain does not verify after the next save: {report.problems}"
+    leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
+    assert not leftovers, f"{name}: leftovers after the next open and save: {leftovers}"
+    return {"loaded": loaded, "redone": redone}
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The forkserver the children fork from: it imports torch and shardline once, so a child costs a fork.
+
+    ``torch._dynamo`` too: the optimizer imports it lazily, which would cost each child a second.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["torch", "torch._dynamo", "torch.distributed.checkpoint", "shardline.checkpoint", __name__]
+    )
+    return ctx
+
+
+def run_child(name: str, root: Path, point: str | None, hit: int = 1, trace_file: Path | None = None) -> int:
+    """Run :func:`child` in a forked process; its exit code (a hang past 60 s fails)."""
+    proc = context().Process(
+        target=child, args=(name, str(root), point, hit, str(trace_file) if trace_file else None), daemon=True
+    )
+    proc.start()
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"{name}: the child crashed at {point} (hit {hit}) hung for 60 s")
+    return proc.exitcode
+
+
+def copy_base(base: Path, root: Path) -> None:
+    shutil.copytree(base, root, symlinks=True)
+
+
+def hold_a_save(directory: str, ready_file: str) -> None:
+    """Run in a child process: start a save (its temporary directory exists) and stay inside it until killed."""
+    import time
+
+    from shardline.checkpoint.save import preflight
+
+    tmp = preflight(Path(directory) / "step-5")
+    ready = Path(ready_file)
+    ready.with_suffix(".part").write_text(str(tmp))
+    ready.with_suffix(".part").rename(ready)
+    time.sleep(120)
+
+
+def start_holding_a_save(directory: Path, ready_file: Path) -> multiprocessing.process.BaseProcess:
+    """:func:`hold_a_save` in a forked process; returns once its temporary directory exists."""
+    import time
+
+    proc = context().Process(target=hold_a_save, args=(str(directory), str(ready_file)), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while not ready_file.exists():
+        assert proc.is_alive(), f"the saving process ended with {proc.exitcode} before its save started"
+        assert time.monotonic() < deadline, "the saving process did not start its save within 60 s"
+        time.sleep(0.05)
+    return proc
