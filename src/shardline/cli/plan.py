@@ -74,8 +74,9 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         else:
             cal = load_calibration(args.calibration)
         print(
-            f"this machine: matmul {cal.matmul_gflops:.1f} GFLOP/s, gloo all-reduce {cal.all_reduce_gbps:.2f} Gb/s, "
-            f"all-gather {cal.all_gather_gbps:.2f} Gb/s, AdamW {cal.optimizer_gbps:.2f} Gb/s per rank",
+            f"this machine: matmul {cal.matmul_gflops:.1f} GFLOP/s; gloo bus bandwidth: all-reduce "
+            f"{cal.all_reduce_gbps:.2f}, all-gather {cal.all_gather_gbps:.2f}, reduce-scatter "
+            f"{cal.reduce_scatter_gbps:.2f} Gb/s; AdamW {cal.optimizer_gbps:.2f} Gb/s per rank",
             file=sys.stderr,
         )
         device, gpus_per_node = cal.device(), cal.ranks

@@ -17,7 +17,8 @@ gradient accumulation without ``no_sync``):
   all-reduce) at the group's bus bandwidth: the intra-node link when the group is inside one
   node, else ``min(intra, k * inter)`` for ``k`` group members per node (the node's NICs carry one
   copy of the data in and out, NVLink spreads it), times the ``link`` efficiency. On gloo (CPU)
-  shardline issues all-gathers and reduce-scatters as all-reduces of the same buffer;
+  shardline issues all-gathers and reduce-scatters as all-reduces of the same buffer, and
+  ``--calibrate`` measures each kind through shardline's own collectives, copies included;
 * overlap (GPU: comm streams): forward takes ``first + max(compute, comm - first)``, where
   ``first`` is the gather of the root unit and the first block, which nothing hides; backward takes
   ``max(compute + recompute, comm - last) + last``, where ``last`` is the reduction of the root
@@ -259,8 +260,12 @@ def _seconds(coll: _Collective, cluster: Cluster) -> float:
     n = coll.group
     if n <= 1:
         return 0.0
-    as_all_reduce = cluster.device.device_class is DeviceClass.CPU  # gloo: every collective is an all-reduce
-    factor = 2.0 if coll.kind == "all_reduce" or as_all_reduce else 1.0
+    factor = 2.0 if coll.kind == "all_reduce" else 1.0
+    measured = dict(cluster.device.measured_bus_gbps)
+    if coll.kind in measured:  # calibrated through shardline's own collectives: their path included
+        return factor * coll.nbytes * (n - 1) / n / (measured[coll.kind] * 1e9 / 8)
+    if cluster.device.device_class is DeviceClass.CPU:  # gloo: shardline issues every collective as an all-reduce
+        factor = 2.0
     return factor * coll.nbytes * (n - 1) / n / cluster.bus_bytes_per_s(n, coll.stride)
 
 

@@ -106,6 +106,9 @@ class Device:
         inter_node_gbps: Default network bandwidth per device across nodes, Gb/s.
         device_class: Whose efficiency constants apply.
         note: The part and where its numbers come from.
+        measured_bus_gbps: Bus bandwidth per collective kind (``all_gather``, ``reduce_scatter``,
+            ``all_reduce``), Gb/s, measured through shardline's own collectives by ``--calibrate``;
+            where given it replaces the link model for that kind.
     """
 
     name: str
@@ -116,6 +119,7 @@ class Device:
     inter_node_gbps: float
     device_class: DeviceClass
     note: str = ""
+    measured_bus_gbps: tuple[tuple[str, float], ...] = ()
 
     @property
     def efficiency(self) -> Efficiency:
