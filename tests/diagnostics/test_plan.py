@@ -221,8 +221,10 @@ def test_cli_table_from_the_train_configs_gpt(capsys: pytest.CaptureFixture[str]
           "--strategy", "no_shard", "--ac", "none"], "--micro-batch 3 does not divide the 2 sequences per rank"),
         (["--hf-config", str(LLAMA_8B), "--peak-tflops", "100", "--seq-len", "8"],
          "--peak-tflops and --memory-gib go together"),
+        (["--hf-config", str(LLAMA_8B), "--gpu", "L4", "--seq-len", "8", "--shard-size", "4"],
+         "--shard-size and --reshard-after-forward describe one configuration"),
     ],
-    ids=["device", "not-a-decoder", "batch", "nothing-fits", "micro-batch", "half-a-device"],
+    ids=["device", "not-a-decoder", "batch", "nothing-fits", "micro-batch", "half-a-device", "search-with-shard"],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_fix(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]

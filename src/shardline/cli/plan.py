@@ -135,6 +135,11 @@ def run(args: argparse.Namespace) -> tuple[list[Prediction], Cluster, str]:
         candidate = Candidate(strategy=strategy, micro_batch=args.micro_batch, ac=ac, shard_size=args.shard_size,
                               reshard_after_forward=args.reshard_after_forward)  # fmt: skip
         return [predict(arch, cluster=cluster, training=training, candidate=candidate)], cluster, title
+    if args.shard_size is not None or args.reshard_after_forward is not None:
+        raise ConfigurationError(
+            "--shard-size and --reshard-after-forward describe one configuration: give them with --strategy, "
+            "--micro-batch and --ac (the search tries hybrid shard sizes and resharding itself)"
+        )
     found = search(
         arch,
         cluster=cluster,
