@@ -44,7 +44,7 @@ from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 
 __all__ = ["ADAMW_BYTES_PER_PARAM", "USABLE_MEMORY_FRACTION", "Candidate", "Cluster", "Prediction", "Training",
-           "predict", "step_volume"]  # fmt: skip
+           "accumulation_steps", "predict", "step_volume"]  # fmt: skip
 
 ADAMW_BYTES_PER_PARAM = 28  # fp32 parameter, gradient, two moments read; parameter and moments written
 USABLE_MEMORY_FRACTION = 0.95  # of the device's memory: the rest is the CUDA context, NCCL and fragmentation

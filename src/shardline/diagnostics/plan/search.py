@@ -15,7 +15,15 @@ from __future__ import annotations
 import dataclasses
 
 from shardline.diagnostics.plan.architecture import ActivationCheckpointing, Architecture
-from shardline.diagnostics.plan.cost import USABLE_MEMORY_FRACTION, Candidate, Cluster, Prediction, Training, predict
+from shardline.diagnostics.plan.cost import (
+    USABLE_MEMORY_FRACTION,
+    Candidate,
+    Cluster,
+    Prediction,
+    Training,
+    accumulation_steps,
+    predict,
+)
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 
@@ -44,14 +52,7 @@ def _sharding(cluster: Cluster) -> list[tuple[ShardingStrategy, int | None, bool
 
 def candidates(cluster: Cluster, training: Training, *, micro_batches: tuple[int, ...] = ()) -> list[Candidate]:
     """Every configuration the search tries (``micro_batches``: only these; default every divisor)."""
-    world = cluster.world_size
-    if training.global_batch % world:
-        up = -(-training.global_batch // world) * world
-        raise ConfigurationError(
-            f"--global-batch {training.global_batch} is not divisible by the world size {world} "
-            f"({cluster.nodes} nodes x {cluster.gpus_per_node}); use a multiple of {world}, e.g. {up}"
-        )
-    local = training.global_batch // world
+    local = accumulation_steps(cluster, training, 1)  # one line when the world size does not divide the batch
     sizes = micro_batches or tuple(m for m in range(1, local + 1) if local % m == 0)
     return [
         Candidate(strategy=s, shard_size=shard, reshard_after_forward=raf, micro_batch=m, ac=ac)
