@@ -29,8 +29,8 @@ examples:
   shardline plan --hf-config llama3-8b/config.json --gpu H100-SXM --nodes 2 --seq-len 8192 --global-batch 32
   shardline plan --hf-config config.json --gpu A100-80GB --nodes 16 --seq-len 2048 --global-batch 256 \\
       --strategy full_shard --micro-batch 2 --ac full --json
-  shardline plan model.dim=1024 model.n_layers=8 model.n_heads=16 --calibrate --save-calibration cal.json \\
-      --precision fp32 --reduce-dtype fp32 --global-batch 4
+  shardline plan model.dim=1024 model.n_layers=8 model.n_heads=16 --seq-len 128 --calibrate \\
+      --save-calibration cal.json --precision fp32 --global-batch 4
 """
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
