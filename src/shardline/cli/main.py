@@ -22,12 +22,12 @@ import sys
 from collections.abc import Sequence
 
 from shardline._version import __version__
-from shardline.cli import bench, checkpoint, env, estimate, report, sign, train
+from shardline.cli import bench, checkpoint, env, estimate, plan, report, sign, train
 
 __all__ = ["build_parser", "main"]
 
 # In the order ``shardline --help`` lists them.
-_COMMANDS = (train, estimate, bench, checkpoint, sign, report, env)
+_COMMANDS = (train, estimate, plan, bench, checkpoint, sign, report, env)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,7 +41,7 @@ SIZES: dict[str, ModelSize] = {
     "101m": ModelSize(name="101m", dim=1024, n_layers=8, n_heads=16, seq_len=128),
 }
 
-# The runs, by configuration key (``shardline.diagnostics.bench.CONFIGS`` defines each key).
+# The runs, by configuration key (``shardline.diagnostics.bench.run.CONFIGS`` defines each key).
 MAIN_RUN: tuple[str, ...] = (
     "shardline_full_shard",
     "shardline_shard_grad_op",

@@ -42,8 +42,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
 
 import shardline
-from shardline.diagnostics import bench_render, bench_report
-from shardline.diagnostics.bench_report import (
+from shardline.diagnostics.bench import render as bench_render
+from shardline.diagnostics.bench import report as bench_report
+from shardline.diagnostics.bench.report import (
     PHASES,
     BenchResult,
     CommVolume,
@@ -51,44 +52,21 @@ from shardline.diagnostics.bench_report import (
     RankMemory,
     RunResult,
     Spread,
-    Target,
     evaluate_targets,
 )
-from shardline.diagnostics.bench_settings import (
+from shardline.diagnostics.bench.settings import (
     HYBRID_MESH,
     HYBRID_RUN,
     MAIN_RUN,
-    SIZES,
     W1_RUN,
     BenchSettings,
     ModelSize,
 )
-from shardline.diagnostics.bench_theory import fsdp2_theory, issued_on_gloo, shardline_theory
+from shardline.diagnostics.bench.theory import fsdp2_theory, issued_on_gloo, shardline_theory
 from shardline.models.gpt import GPT, Block
 from shardline.testing import run_distributed
 
-__all__ = [
-    "CONFIGS",
-    "HYBRID_MESH",
-    "HYBRID_RUN",
-    "MAIN_RUN",
-    "SIZES",
-    "BenchResult",
-    "BenchSettings",
-    "CommVolume",
-    "ConfigResult",
-    "Configuration",
-    "ModelSize",
-    "RankMemory",
-    "RunResult",
-    "Spread",
-    "Target",
-    "evaluate_targets",
-    "fsdp2_theory",
-    "issued_on_gloo",
-    "run_benchmark",
-    "shardline_theory",
-]
+__all__ = ["CONFIGS", "Configuration", "run_benchmark"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,7 +99,7 @@ CONFIGS: dict[str, Configuration] = {
     )
 }
 if set(CONFIGS) != {*MAIN_RUN, *HYBRID_RUN, *W1_RUN} or any(CONFIGS[k].hybrid for k in MAIN_RUN):
-    raise AssertionError("bench: CONFIGS and the runs named in bench_settings disagree")  # a bug, caught at import
+    raise AssertionError("bench: CONFIGS and the runs named in bench.settings disagree")  # a bug, caught at import
 
 
 # ---------------------------------------------------------------------------- what one rank runs

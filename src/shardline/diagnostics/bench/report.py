@@ -1,7 +1,7 @@
 """The engine benchmark's results: records, the targets verdict and JSON.
 
-The measuring lives in :mod:`shardline.diagnostics.bench`, the Markdown tables and the chart in
-:mod:`shardline.diagnostics.bench_render`; this module only holds what was measured.
+The measuring lives in :mod:`shardline.diagnostics.bench.run`, the Markdown tables and the chart in
+:mod:`shardline.diagnostics.bench.render`; this module only holds what was measured.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardline._version import __version__
-from shardline.diagnostics.bench_settings import BenchSettings, ModelSize
+from shardline.diagnostics.bench.settings import BenchSettings, ModelSize
 from shardline.errors import ConfigurationError
 
 __all__ = [
