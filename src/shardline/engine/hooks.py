@@ -64,8 +64,11 @@ def install_hooks(unit: ShardUnit) -> None:
     """Attach the forward hooks that drive ``unit`` to its module."""
     module = unit.module
     unit.grad_ready_callback = _on_grad_ready
-    module.register_forward_pre_hook(_PreForward(unit), prepend=True, with_kwargs=True)
-    module.register_forward_hook(_PostForward(unit), always_call=True)
+    # Eager around compiled code (see the note on torch.compile above).
+    pre_forward = _torch_compat.eager_only(_PreForward(unit), reason="shardline pre-forward hook")
+    post_forward = _torch_compat.eager_only(_PostForward(unit), reason="shardline post-forward hook")
+    module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(post_forward, always_call=True)
     set_unit(module, unit)
 
 
