@@ -12,6 +12,7 @@ cases, and inductor's cache makes the later compiles cheap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -200,10 +201,41 @@ def _faulty_first_step(rank: int, fault: GradientFault) -> dict[str, float]:
     return {k: max_rel_err(actual[k], expected[k]) for k in expected}
 
 
+def _refusals(rank: int) -> dict[str, str]:
+    """What the unsupported combinations raise: the error's type and text ("" when nothing was raised)."""
+    out = {}
+    blocks = Case("fullgraph blocks")
+    torch._dynamo.reset()
+    model = _build(blocks, compiled=False)
+    for block in model.blocks:
+        block.compile(fullgraph=True)  # a block holds no unit: one graph
+    out["fullgraph_blocks"] = _raised(lambda: _step(model, 0, rank))
+    torch._dynamo.reset()
+    model = _build(blocks, compiled=False)
+    model.compile(fullgraph=True)
+    out["fullgraph_model"] = _raised(lambda: _step(model, 0, rank))
+    torch._dynamo.reset()
+    model = _build(blocks, compiled=True)
+    tokens, targets = batch(0)
+    loss = loss_fn(model(local_slice(tokens, rank, WORLD)), local_slice(targets, rank, WORLD))
+    with torch._dynamo.compiled_autograd._enable(torch.compile):
+        out["compiled_autograd"] = _raised(loss.backward)
+    return out
+
+
+def _raised(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except Exception as e:  # the test reads what was raised
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
 def _grid(rank: int, world_size: int) -> dict:
     out: dict = {case.name: _train(rank, case) for case in CASES}
     for fault in GradientFault:
         out[fault.value] = _faulty_first_step(rank, fault)
+    out["refusals"] = _refusals(rank)
     return out
 
 
@@ -249,3 +281,12 @@ def test_no_graph_break_in_blocks_and_no_recompile(results: dict, case: Case) ->
 def test_comparison_sees_a_broken_reduction(results: dict) -> None:
     for fault in GradientFault:
         assert_caught(results[fault.value], GRADS, f"compiled blocks with {fault.value}")
+
+
+def test_unsupported_combinations_are_refused_naming_the_fix(results: dict) -> None:
+    refusals = results["refusals"]
+    assert refusals["fullgraph_blocks"] == "", "fullgraph=True on each block must work"
+    assert "compile each sharded unit" in refusals["fullgraph_model"], refusals["fullgraph_model"]
+    error = refusals["compiled_autograd"]
+    assert error.startswith("ConfigurationError: compiled autograd is capturing a backward pass"), error
+    assert "Run backward outside torch._dynamo.compiled_autograd" in error, error

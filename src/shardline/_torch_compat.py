@@ -17,6 +17,7 @@ import torch.distributed as dist
 __all__ = [
     "DCP_METADATA_CLASSES",
     "all_gather_into",
+    "compiled_autograd_active",
     "eager_only",
     "elastic_launch_config",
     "fake_tensor_mode",
@@ -65,6 +66,13 @@ def eager_only(fn: Callable[..., Any], *, reason: str) -> Callable[..., Any]:
     that contains it), the call is a graph break.
     """
     return torch._dynamo.disable(fn, recursive=True, reason=reason)
+
+
+def compiled_autograd_active() -> bool:
+    """Whether compiled autograd (``torch._dynamo.compiled_autograd``) is capturing this backward pass."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region)
 
 
 def in_backward() -> bool:
