@@ -67,7 +67,8 @@ class Case:
         compile: ``"blocks"`` (each block) or ``"model"`` (the whole model).
         order: ``"shard_first"`` (``module.compile()`` after sharding), ``"compile_first"``
             (``module.compile()`` before), ``"wrapper_first"`` (``torch.compile(module)`` before,
-            sharding the wrapped modules).
+            sharding the wrapped modules), ``"shard_wrapper"`` (``torch.compile(block)`` before,
+            then ``fully_shard`` of each wrapper and of the model: torchtitan's order).
         strategy: The sharding strategy of every unit.
         checkpoint: Activation checkpointing of every block.
         bf16: Mixed precision: bf16 compute, fp32 gradient reduction and master weights.
@@ -87,6 +88,7 @@ CASES = [
     Case(
         "shard_grad_op, torch.compile(block) sharded, checkpointing", "blocks", "wrapper_first", "shard_grad_op", True
     ),
+    Case("full_shard, fully_shard(torch.compile(block))", order="shard_wrapper"),
     Case("full_shard, whole model compiled after sharding", compile="model"),
     Case("no_shard, torch.compile(model) sharded", compile="model", order="wrapper_first", strategy="no_shard"),
     Case("shard_opt", strategy="shard_opt"),
@@ -107,7 +109,13 @@ def _build(case: Case, *, compiled: bool) -> nn.Module:
         _compile(model, case)
     mesh = shardline.hybrid_mesh(replicate_size=WORLD, shard_size=1) if case.strategy == "hybrid_shard" else None
     mp = shardline.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
-    shardline.wrap(model, shardline.layer_policy(Block), strategy=case.strategy, mesh=mesh, mixed_precision=mp)
+    kwargs = {"strategy": case.strategy, "mesh": mesh, "mixed_precision": mp}
+    if case.order == "shard_wrapper":  # the units are the compiled wrappers themselves
+        for block in model.blocks:
+            shardline.fully_shard(block, **kwargs)
+        shardline.fully_shard(model, **kwargs)
+    else:
+        shardline.wrap(model, shardline.layer_policy(Block), **kwargs)
     if compiled and case.order == "shard_first":
         _compile(model, case)
     return model
@@ -119,7 +127,7 @@ def _compile(model: nn.Module, case: Case) -> None:
         return
     blocks = model.blocks
     for i, block in enumerate(blocks):
-        if case.order == "wrapper_first":
+        if case.order in ("wrapper_first", "shard_wrapper"):
             blocks[i] = torch.compile(block)
         else:
             block.compile()

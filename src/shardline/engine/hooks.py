@@ -70,9 +70,9 @@ from shardline.engine.registry import set_unit, subtree_units
 from shardline.engine.unit import Residency, ShardUnit
 from shardline.errors import ConfigurationError
 
-__all__ = ["COMPILED_AUTOGRAD_UNSUPPORTED", "install_hooks"]
+__all__ = ["install_hooks"]
 
-COMPILED_AUTOGRAD_UNSUPPORTED = (
+_COMPILED_AUTOGRAD_UNSUPPORTED = (
     "compiled autograd is capturing a backward pass through unit {name!r} of a model sharded by shardline, which "
     "it does not support: the engine's backward hooks gather and free parameters and start gradient reductions "
     "in the middle of backward and finish them in an end-of-backward callback, and those cannot be traced into one "
@@ -197,7 +197,7 @@ class _PreBackward:
     def __call__(self, _grad: torch.Tensor) -> None:
         unit = self.unit
         if _torch_compat.compiled_autograd_active():
-            raise ConfigurationError(COMPILED_AUTOGRAD_UNSUPPORTED.format(name=unit.display_name))
+            raise ConfigurationError(_COMPILED_AUTOGRAD_UNSUPPORTED.format(name=unit.display_name))
         ctx = unit.ctx
         ctx.ensure_final_callback(_finalize_backward)
         ctx.touch(unit)
