@@ -91,6 +91,12 @@ CASES = [
     Case("full_shard, fully_shard(torch.compile(block))", order="shard_wrapper"),
     Case("full_shard, whole model compiled after sharding", compile="model"),
     Case("no_shard, torch.compile(model) sharded", compile="model", order="wrapper_first", strategy="no_shard"),
+    Case(
+        "hybrid_shard_zero2, model.compile() before sharding",
+        compile="model",
+        order="compile_first",
+        strategy="hybrid_shard_zero2",
+    ),
     Case("shard_opt", strategy="shard_opt"),
     Case("hybrid_shard", strategy="hybrid_shard"),
     Case("full_shard, bf16 mixed precision, checkpointing", checkpoint=True, bf16=True),
@@ -107,7 +113,7 @@ def _build(case: Case, *, compiled: bool) -> nn.Module:
         model = torch.compile(model)
     elif compile_now:
         _compile(model, case)
-    mesh = shardline.hybrid_mesh(replicate_size=WORLD, shard_size=1) if case.strategy == "hybrid_shard" else None
+    mesh = shardline.hybrid_mesh(replicate_size=WORLD, shard_size=1) if case.strategy.startswith("hybrid") else None
     mp = shardline.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
     kwargs = {"strategy": case.strategy, "mesh": mesh, "mixed_precision": mp}
     if case.order == "shard_wrapper":  # the units are the compiled wrappers themselves
