@@ -10,7 +10,7 @@ __all__ = ["compile_units"]
 
 
 def compile_units(model: nn.Module) -> list[nn.Module]:
-    """Compile (``module.compile()``, in place) the module of every unit below the root; returns them.
+    """Compile (``module.compile()``, in place) the outermost units below the root; returns their modules.
 
     Each unit's forward becomes one graph over its gathered parameters, and the engine's hooks run
     eagerly around it (see the note on torch.compile in ``shardline/engine/hooks.py``). The root
@@ -19,7 +19,8 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
     (one device), is compiled whole.
     """
     units = [u.module for u in subtree_units(model) if u.module is not model]
-    targets = units or [model]
+    inner = {id(m) for unit in units for m in unit.modules() if m is not unit}
+    targets = [m for m in units if id(m) not in inner] or [model]  # a unit inside a compiled unit is compiled with it
     for module in targets:
         module.compile()
     return targets
