@@ -17,6 +17,8 @@ import torch.distributed as dist
 __all__ = [
     "DCP_METADATA_CLASSES",
     "all_gather_into",
+    "compiled_autograd_active",
+    "eager_only",
     "elastic_launch_config",
     "fake_tensor_mode",
     "group_timeout",
@@ -52,6 +54,25 @@ def reduce_scatter_into(
 ) -> Any:
     """Reduce ``input`` (rank-major) over ``group`` and keep this rank's slice in ``output``."""
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def eager_only(fn: Callable[..., Any], *, reason: str) -> Callable[..., Any]:
+    """``fn`` as a callable that ``torch.compile`` never traces: it runs eagerly, between compiled graphs.
+
+    Dynamo compiles the frames a compiled module's ``__call__`` runs, forward hooks included,
+    unless the hook is marked as skipped (``torch._dynamo.disable``): the hook then runs in
+    eager mode, and a compiled ``forward`` is its own graph. torch's FSDP2 marks its hooks the
+    same way. Inside a graph that inlines a call to such a module (``torch.compile`` of a model
+    that contains it), the call is a graph break.
+    """
+    return torch._dynamo.disable(fn, recursive=True, reason=reason)
+
+
+def compiled_autograd_active() -> bool:
+    """Whether compiled autograd (``torch._dynamo.compiled_autograd``) is capturing this backward pass."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region)
 
 
 def in_backward() -> bool:

@@ -39,6 +39,18 @@ by the earlier call's pre-backward hook; its gradients are reduced once, when al
 been accumulated. Forward that runs *inside* backward (activation-checkpoint recomputation)
 only makes sure parameters are gathered: nothing is freed and no hook is registered, because
 the backward that triggered it is about to use them.
+
+Note: torch.compile. A compiled module's ``__call__`` hands every Python frame it runs to
+dynamo, the forward hooks' included; traced, the pre-forward hook put the all-gather into the
+graph (on gloo, a bitwise-OR all-reduce of the buffer viewed as int32, which inductor cannot
+lower). So the forward hooks are marked for dynamo to skip (``_torch_compat.eager_only``, as
+torch's FSDP2 marks its own): they run eagerly, and the unit's ``forward`` is one graph whose
+inputs are the gathered parameters, registered on the modules before it starts -- the same
+tensor objects every step, so nothing recompiles. Compiling a module that *contains* units (the
+whole model) breaks the graph at each unit's hooks, and each unit's forward is compiled as its
+own frame. The backward hooks need no marking: a compiled forward's backward is one autograd
+node, and the hooks on its outputs, inputs and parameters run around it in eager autograd.
+Compiled autograd (one graph for the whole backward) cannot trace them and is refused.
 """
 
 from __future__ import annotations
@@ -56,16 +68,35 @@ from shardline.engine.context import RootContext
 from shardline.engine.guards import check_not_inside_ddp
 from shardline.engine.registry import set_unit, subtree_units
 from shardline.engine.unit import Residency, ShardUnit
+from shardline.errors import ConfigurationError
 
 __all__ = ["install_hooks"]
+
+_COMPILED_AUTOGRAD_UNSUPPORTED = (
+    "compiled autograd is capturing a backward pass through unit {name!r} of a model sharded by shardline, which "
+    "it does not support: the engine's backward hooks gather and free parameters and start gradient reductions "
+    "in the middle of backward and finish them in an end-of-backward callback, and those cannot be traced into one "
+    "graph. Run backward outside torch._dynamo.compiled_autograd (compiled blocks keep their compiled backward "
+    "without it)."
+)
+
+# What dynamo says when a graph breaks at a unit's hook; with fullgraph=True this is the error's text.
+_EAGER_HOOK = (
+    "shardline's {hook} hook runs eagerly, between compiled graphs: a graph breaks where a sharded unit's "
+    "forward begins and ends. With fullgraph=True, compile each sharded unit (torch.compile(block) or "
+    "block.compile()) instead of a module that contains units"
+)
 
 
 def install_hooks(unit: ShardUnit) -> None:
     """Attach the forward hooks that drive ``unit`` to its module."""
     module = unit.module
     unit.grad_ready_callback = _on_grad_ready
-    module.register_forward_pre_hook(_PreForward(unit), prepend=True, with_kwargs=True)
-    module.register_forward_hook(_PostForward(unit), always_call=True)
+    # Eager around compiled code (see the note on torch.compile above).
+    pre_forward = _torch_compat.eager_only(_PreForward(unit), reason=_EAGER_HOOK.format(hook="pre-forward"))
+    post_forward = _torch_compat.eager_only(_PostForward(unit), reason=_EAGER_HOOK.format(hook="post-forward"))
+    module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(post_forward, always_call=True)
     set_unit(module, unit)
 
 
@@ -165,6 +196,8 @@ class _PreBackward:
 
     def __call__(self, _grad: torch.Tensor) -> None:
         unit = self.unit
+        if _torch_compat.compiled_autograd_active():
+            raise ConfigurationError(_COMPILED_AUTOGRAD_UNSUPPORTED.format(name=unit.display_name))
         ctx = unit.ctx
         ctx.ensure_final_callback(_finalize_backward)
         ctx.touch(unit)

@@ -144,6 +144,9 @@ class TrainerConfig:
     """Seed for model initialization, data order and dropout."""
     init_device: str = "cpu"
     """cpu: build the model on CPU; meta: build on the meta device and materialize only local shards."""
+    compile: bool = False
+    """torch.compile each sharded unit (each wrapped block; the whole model when it is one unit or not sharded).
+    Equal to eager within rounding; the first step is slower while it compiles."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait before the job fails instead of hanging."""
     run_root: str = "runs"

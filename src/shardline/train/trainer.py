@@ -23,6 +23,7 @@ from shardline.distributed import DistInfo
 from shardline.engine import apply_activation_checkpointing, subtree_units
 from shardline.train.build import Policies, build_model
 from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
+from shardline.train.compiling import compile_units
 from shardline.train.config import shard_degrees
 from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
 from shardline.train.precision import autocast
@@ -226,6 +227,8 @@ class Trainer:
         if init_on_meta:
             torch.manual_seed(cfg.trainer.seed)  # the same draws a CPU build would make
             shardline.materialize(model, device=self.device)
+        if cfg.trainer.compile:
+            log.info("torch.compile on %d modules", len(compile_units(model)))
         return model
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
