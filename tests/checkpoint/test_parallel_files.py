@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardline.checkpoint as ckpt
+from shardline.checkpoint import verify as verify_module
 from shardline.checkpoint.parallelism import files_for_share, resolve_files_per_rank
 from shardline.errors import ConfigurationError
 from shardline.testing import run_distributed
@@ -100,3 +103,26 @@ def test_three_files_per_rank_reshard_verify_and_export(tmp_path: Path) -> None:
     for key, value in exported.items():
         assert torch.equal(value, full[key].reshape(value.shape)), key
     assert set(exported) <= set(full)
+
+
+def test_offline_check_hashes_large_files_on_threads_and_reports_in_order(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(verify_module, "available_cores", lambda: 4)
+    seen_threads: set[str] = set()
+    plain = verify_module.sha256_file
+
+    def spy(path: Path) -> tuple[int, str]:
+        seen_threads.add(threading.current_thread().name)
+        return plain(path)
+
+    monkeypatch.setattr(verify_module, "sha256_file", spy)
+    entries = []
+    for n in range(4):  # 4 x 6 MiB: over the 16 MiB below which one thread does it all
+        data = bytes([n]) * (6 << 20)
+        (tmp_path / f"__0_{n}.distcp").write_bytes(data)
+        entries.append({"path": f"__0_{n}.distcp", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    _flip(tmp_path / "__0_3.distcp")
+    _flip(tmp_path / "__0_1.distcp")
+    problems, read = verify_module.check_files(tmp_path, entries, "full")
+    assert [(p.path, p.kind) for p in problems] == [("__0_1.distcp", "altered"), ("__0_3.distcp", "altered")]
+    assert read == 4 * (6 << 20)
+    assert all(name.startswith("shardline-verify") for name in seen_threads), seen_threads

@@ -33,7 +33,7 @@ from shardline.checkpoint.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
-from shardline.checkpoint.parallelism import available_cores
+from shardline.checkpoint.parallelism import MIN_AUTO_FILE_BYTES, available_cores
 from shardline.errors import ConfigurationError
 
 __all__ = [
@@ -153,8 +153,9 @@ def check_files(
 ) -> tuple[list[FileProblem], int]:
     """Problems of the listed files under ``root`` (size; and SHA-256 at level ``full``), and bytes read.
 
-    Files are hashed on one thread per core this process may use, so a checkpoint written as
-    several files per rank is checked on several cores at once; problems come in listing order.
+    Files are hashed on one thread per core this process may use (when they hold 16 MiB or more),
+    so a checkpoint written as several files per rank is checked on several cores at once;
+    problems come in listing order.
     """
     level = VerifyLevel.parse(level)
 
@@ -180,7 +181,7 @@ def check_files(
         return None, size
 
     threads = min(len(entries), available_cores())
-    if threads > 1:
+    if threads > 1 and sum(int(e["bytes"]) for e in entries) >= MIN_AUTO_FILE_BYTES:  # small: threads cost more
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardline-verify") as pool:
             futures = [pool.submit(check, entry) for entry in entries]
         outcomes = [f.result() for f in futures]
