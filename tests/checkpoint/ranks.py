@@ -99,12 +99,12 @@ def load_into(rank: int, world: int, path: str, strategy: str, verify: str) -> t
 
 
 def run_with_manager(
-    rank: int, world: int, directory: str, steps: int, save_at: list[int], async_save: bool
+    rank: int, world: int, directory: str, steps: int, save_at: list[int], async_save: bool, files_per_rank: int = 0
 ) -> list[float]:
     """Train ``steps`` steps from scratch, saving through a manager at the listed steps; return the losses."""
     model, optimizer = build()
     losses = []
-    with ckpt.CheckpointManager(directory, async_save=async_save) as manager:
+    with ckpt.CheckpointManager(directory, async_save=async_save, files_per_rank=files_per_rank) as manager:
         for step in range(steps):
             losses.append(train_step(model, optimizer, step, rank, world))
             if step + 1 in save_at:

@@ -105,6 +105,24 @@ def test_three_files_per_rank_reshard_verify_and_export(tmp_path: Path) -> None:
     assert set(exported) <= set(full)
 
 
+def test_async_saves_with_several_files_check_every_file_against_the_staged_bytes(tmp_path: Path) -> None:
+    # the staged-bytes check reads each tensor back from whichever of the rank's files holds it
+    directory = tmp_path / "checkpoints"
+    run_distributed(ranks.run_with_manager, 1, args=(str(directory), 4, [2, 4], True, 3), timeout=60)
+    for step in ("step-2", "step-4"):
+        manifest, _ = ckpt.read_manifest(directory / step)
+        assert sorted(f["path"] for f in manifest["files"] if f["path"].endswith(".distcp")) == [
+            "__0_0.distcp",
+            "__0_1.distcp",
+            "__0_2.distcp",
+        ]
+        assert ckpt.verify_checkpoint(directory / step).ok
+    assert (
+        ckpt.read_manifest(directory / "step-4")[0]["parent_manifest_sha256"]
+        == ckpt.read_manifest(directory / "step-2")[1]
+    )
+
+
 def test_offline_check_hashes_large_files_on_threads_and_reports_in_order(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(verify_module, "available_cores", lambda: 4)
     seen_threads: set[str] = set()
