@@ -65,12 +65,31 @@ def trainer_state(step: int) -> dict[str, Any]:
     return {"step": step, "data": {"epoch": 0, "position": step * 12}, "per_rank": {"rng": capture_rng_state()}}
 
 
-def save_trained(rank: int, world: int, path: str, strategy: str, mixed: bool, kind: str) -> tuple[str, bytes]:
+def save_trained(
+    rank: int, world: int, path: str, strategy: str, mixed: bool, kind: str, files_per_rank: int = 0
+) -> tuple[str, bytes]:
     model, optimizer = build(strategy, mixed=mixed)
     for step in range(2):
         train_step(model, optimizer, step, rank, world)
-    info = ckpt.save(path, model=model, optimizer=optimizer, state=trainer_state(2), step=2, config=CONFIG, kind=kind)
+    info = ckpt.save(
+        path,
+        model=model,
+        optimizer=optimizer,
+        state=trainer_state(2),
+        step=2,
+        config=CONFIG,
+        kind=kind,
+        files_per_rank=files_per_rank,
+    )
     return info.manifest_hash, snapshot(model, optimizer)
+
+
+def load_good_and_damaged(rank: int, world: int, good: str, damaged: str) -> tuple[bytes, tuple[str, str]]:
+    """Load ``good`` (its snapshot), then try ``damaged`` (the error type and message)."""
+    model, optimizer = build(seed=123)
+    ckpt.load(good, model=model, optimizer=optimizer)
+    taken = snapshot(model, optimizer)
+    return taken, catch(ckpt.load, damaged, model=model, optimizer=optimizer)
 
 
 def load_into(rank: int, world: int, path: str, strategy: str, verify: str) -> tuple[bytes, bytes]:
@@ -80,12 +99,12 @@ def load_into(rank: int, world: int, path: str, strategy: str, verify: str) -> t
 
 
 def run_with_manager(
-    rank: int, world: int, directory: str, steps: int, save_at: list[int], async_save: bool
+    rank: int, world: int, directory: str, steps: int, save_at: list[int], async_save: bool, files_per_rank: int = 0
 ) -> list[float]:
     """Train ``steps`` steps from scratch, saving through a manager at the listed steps; return the losses."""
     model, optimizer = build()
     losses = []
-    with ckpt.CheckpointManager(directory, async_save=async_save) as manager:
+    with ckpt.CheckpointManager(directory, async_save=async_save, files_per_rank=files_per_rank) as manager:
         for step in range(steps):
             losses.append(train_step(model, optimizer, step, rank, world))
             if step + 1 in save_at:

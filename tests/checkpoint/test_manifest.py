@@ -46,17 +46,18 @@ def test_manifest_records_what_the_issue_lists(saved_run: Path) -> None:
     assert step2[0]["parent_manifest_sha256"] is None
     assert m["hash"]["algorithm"] == "sha256"
     assert "file" in m["hash"]["covers"]
-    names = sorted(f["path"] for f in m["files"])
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "provenance.intoto.json"]
     for f in m["files"]:
         data = (saved_run / "step-4" / f["path"]).read_bytes()
         assert f["bytes"] == len(data)
         assert f["sha256"] == hashlib.sha256(data).hexdigest()
-    assert {f["path"]: f["rank"] for f in m["files"]} == {
+    # each rank writes one file per core it has (the automatic count, at least 1): __{rank}_{n}.distcp
+    ranks_of = {f["path"]: f["rank"] for f in m["files"]}
+    per_rank = sum(1 for name in ranks_of if name.startswith("__0_"))
+    assert per_rank >= 1
+    assert ranks_of == {
         ".metadata": 0,
-        "__0_0.distcp": 0,
-        "__1_0.distcp": 1,
         "provenance.intoto.json": 0,
+        **{f"__{r}_{n}.distcp": r for r in (0, 1) for n in range(per_rank)},
     }
     assert m["model"]["tied"] == [["emb.weight", "head.weight"]]
 
@@ -76,7 +77,11 @@ def test_documented_procedure_matches(saved_run: Path) -> None:
     assert out[0] == (step / "manifest.sha256").read_text().split()[0]
     sums = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=step, capture_output=True, text=True)
     assert sums.returncode == 0, sums.stdout + sums.stderr
-    assert sums.stdout.count(": OK") == 5  # .metadata, two shard files, the provenance statement, manifest.json
+    shards = len(list(step.glob("*.distcp")))
+    assert shards >= 2
+    assert (
+        sums.stdout.count(": OK") == 3 + shards
+    )  # .metadata, the shard files, the provenance statement, manifest.json
 
 
 def test_canonical_json_rules() -> None:

@@ -70,6 +70,7 @@ def test_the_no_sharding_sentinel_has_one_meaning() -> None:
             r"must be true, false, null or a positive int dividing the shard group's size, got 'maybe'",
         ),
         ("checkpoint.verify=bogus", r"checkpoint.verify='bogus': unknown verification level 'bogus'"),
+        ("checkpoint.files_per_rank=-2", r"^checkpoint.files_per_rank=-2 is not a file count; use a positive integer"),
         ("data.name=csv", r"unknown data source data.name='csv'; available: stdlib, text, jsonl, tokens"),
     ],
 )

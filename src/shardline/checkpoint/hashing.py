@@ -7,6 +7,11 @@ Note: how it plugs into torch.distributed.checkpoint.
   :class:`HashingFileSystem` whose write streams feed each buffer to a SHA-256 hasher on its way
   to the file, so no file is ever read back. DCP only writes sequentially (it asks ``tell()``
   for offsets, never seeks); a seek raises, since the digest would no longer describe the file.
+* DCP writes a rank's items into ``thread_count`` files, one writer thread each
+  (:mod:`.parallelism` picks the count); each thread's stream hashes its own file. DCP's extra
+  threads end silently on an error, so the streams keep every ``OSError`` they raise and
+  ``write_data`` raises the first one (and checks that every planned item was written): a full
+  disk is named as such even where torch.save's C++ writer would report only "unexpected pos".
 * ``write_data`` returns DCP's ``WriteResult`` list, which DCP already gathers to the
   coordinator for ``finish``. We append one extra ``WriteResult`` per file written, whose
   index is ``__shardline_file_digest__/<file name>`` and whose ``storage_data`` is a plain dict
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -34,12 +40,13 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shardline import _torch_compat
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.parallelism import AUTO, available_cores, files_for_share, resolve_files_per_rank
 from shardline.errors import CheckpointError, IntegrityError
 
 __all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "hasher_pool", "sha256_file"]
@@ -79,11 +86,15 @@ _POOL_LOCK = threading.Lock()
 
 
 def hasher_pool() -> ThreadPoolExecutor:
-    """The process's two SHA-256 helper threads (shared by saves and verified loads)."""
+    """The process's SHA-256 helper threads (shared by saves and verified loads).
+
+    One per core this process may use, at least two: each of a rank's writer or reader threads
+    hands its large buffers to them, so several files are hashed at once (threads start lazily).
+    """
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shardline-sha256")
+            _POOL = ThreadPoolExecutor(max_workers=max(2, available_cores()), thread_name_prefix="shardline-sha256")
         return _POOL
 
 
@@ -97,12 +108,15 @@ class _HashingStream(io.RawIOBase):
     returning, so the caller may reuse its buffer and digest updates stay in file order.
     """
 
-    def __init__(self, raw: Any, on_close: Any, hasher_pool: ThreadPoolExecutor, before_write: Any) -> None:
+    def __init__(
+        self, raw: Any, on_close: Any, hasher_pool: ThreadPoolExecutor, before_write: Any, on_error: Any
+    ) -> None:
         super().__init__()
         self._raw = raw
         self._on_close = on_close
         self._pool = hasher_pool
         self._before_write = before_write
+        self._on_error = on_error
         self._hash = hashlib.sha256()
         self._size = 0
 
@@ -114,7 +128,11 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._before_write(len(view))
+        try:
+            self._before_write(len(view))
+        except OSError as e:
+            self._on_error(e)
+            raise
         pending = self._pool.submit(self._hash.update, view) if len(view) >= _OVERLAP_MIN else None
         try:
             written = 0
@@ -123,6 +141,11 @@ class _HashingStream(io.RawIOBase):
                 if n is None or n <= 0:  # a non-blocking raw file would do this; ours never is
                     raise OSError(f"short write to checkpoint file ({written} of {len(view)} bytes)")
                 written += n
+        except OSError as e:
+            # torch.save reaches this stream through C++, which swallows the exception and reports only
+            # "unexpected pos": the error is kept here so the writer can raise the real cause (a full disk).
+            self._on_error(e)
+            raise
         finally:
             if pending is not None:
                 pending.result()
@@ -139,19 +162,30 @@ class _HashingStream(io.RawIOBase):
 
     def fileno(self) -> int:
         # Callers ask for the descriptor to fsync it: Python's buffer must reach the OS first.
-        self._raw.flush()
+        self._flush_raw()
         return self._raw.fileno()
 
     def flush(self) -> None:
         if not self._raw.closed:
+            self._flush_raw()
+
+    def _flush_raw(self) -> None:
+        try:
             self._raw.flush()
+        except OSError as e:
+            self._on_error(e)
+            raise
 
     def close(self) -> None:
         if self.closed:
             return
         try:
-            self._raw.flush()
-            self._raw.close()
+            self._flush_raw()
+            try:
+                self._raw.close()
+            except OSError as e:
+                self._on_error(e)
+                raise
             self._on_close(self._size, self._hash.hexdigest())
         finally:
             super().close()
@@ -168,6 +202,10 @@ class HashingFileSystem(FileSystem):
         super().__init__()
         self._lock = threading.Lock()
         self._digests: dict[str, tuple[int, str]] = {}
+        self._errors: list[OSError] = []
+        self._open = threading.Condition(self._lock)
+        self._active = 0  # write streams open now
+        self._abandoned = False
         self.observer = observer
         self.rank = 0
 
@@ -186,12 +224,51 @@ class HashingFileSystem(FileSystem):
         def before_write(nbytes: int) -> None:
             self.observer.before_write(key, nbytes, self.rank)
 
-        with open(key, "wb") as raw:
-            stream = _HashingStream(raw, record, hasher_pool(), before_write)
+        def failed(error: OSError) -> None:
+            if error.filename is None:
+                error.filename = key
+            with self._lock:
+                self._errors.append(error)
+
+        with self._open:
+            if self._abandoned:
+                raise CheckpointError(f"not writing {key}: another writer thread of this save failed")
+            self._active += 1
+        try:
+            try:
+                raw = open(key, "wb")  # noqa: SIM115 -- closed by the stream, whose close may itself fail
+            except OSError as e:
+                failed(e)
+                raise
+            stream = _HashingStream(raw, record, hasher_pool(), before_write, failed)
             try:
                 yield stream
             finally:
-                stream.close()
+                try:
+                    stream.close()
+                finally:
+                    raw.close()  # a no-op once the stream closed it; after a failed flush it frees the descriptor
+        finally:
+            with self._open:
+                self._active -= 1
+                self._open.notify_all()
+
+    def start(self) -> None:
+        """Before a write: accept new files again, forget earlier errors and digests."""
+        with self._open:
+            self._abandoned = False
+            self._errors = []
+            self._digests = {}
+
+    def abandon(self, timeout: float = 300.0) -> None:
+        """After a failed write: refuse new files and wait until every open one is closed.
+
+        DCP raises the first writer thread's error without joining the others; the save removes
+        the temporary directory only once nothing writes into it any more.
+        """
+        with self._open:
+            self._abandoned = True
+            self._open.wait_for(lambda: self._active == 0, timeout=timeout)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -210,13 +287,29 @@ class HashingFileSystem(FileSystem):
             out, self._digests = self._digests, {}
         return out
 
+    def take_errors(self) -> list[OSError]:
+        """The OS errors raised by writes since the last call (first first), and forget them."""
+        with self._lock:
+            out, self._errors = self._errors, []
+        return out
+
+
+def _nbytes(item: WriteItem) -> int:
+    """The bytes of a tensor item (a bytes item, the trainer state or the config, counts as none)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
 
 def _is_digest(result: WriteResult) -> bool:
     return result.index.fqn.startswith(DIGEST_INDEX_PREFIX)
 
 
 class HashingWriter(FileSystemWriter):
-    """``FileSystemWriter`` (one file per rank, fsynced) that reports each file's SHA-256 to the coordinator.
+    """``FileSystemWriter`` (``files_per_rank`` files per rank, fsynced) that reports each file's SHA-256 to rank 0.
+
+    Each of a rank's files (``__{rank}_{n}.distcp``) is written by its own DCP writer thread,
+    which hashes it on the way (:mod:`.parallelism`).
 
     After ``torch.distributed.checkpoint.save`` returns, :attr:`file_digests` holds, on the
     coordinator only, every file of the checkpoint (``.metadata`` included), sorted by path.
@@ -226,9 +319,14 @@ class HashingWriter(FileSystemWriter):
         final_path: Where the directory will be renamed to; recorded as the checkpoint id in
             ``.metadata``'s storage metadata instead of the temporary path.
         observer: Told of every write and of the ``after_shards`` phase (tests inject faults here).
-        check_written: Called on each rank after its file is written, with (directory, plan, planner,
+        check_written: Called on each rank after its files are written, with (directory, plan, planner,
             write results); returns problems, and any fails the save. An async save passes the check
             that the bytes written are the bytes staged (:mod:`.staged_check`).
+        files_per_rank: Files each rank writes (0: automatic, from the cores each rank has and the
+            size of its share); never more than the rank has items.
+
+    Raises:
+        ConfigurationError: ``files_per_rank`` is not a count.
     """
 
     def __init__(
@@ -238,7 +336,10 @@ class HashingWriter(FileSystemWriter):
         final_path: str | os.PathLike | None = None,
         observer: SaveObserver = NO_OBSERVER,
         check_written: Callable[[Path, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
+        files_per_rank: int = AUTO,
     ) -> None:
+        resolve_files_per_rank(files_per_rank)
+        self.files_per_rank = files_per_rank
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
         self._hfs = HashingFileSystem(observer)
         self._observer = observer
@@ -255,9 +356,29 @@ class HashingWriter(FileSystemWriter):
         self._hfs.rank = self.rank or 0
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self._hfs.take()
-        results = list(super().write_data(plan, planner).wait())
+        self._hfs.start()
         rank = self.rank or 0
+        # One file per writer thread (DCP's thread_count), as parallelism.py decides for this rank's share.
+        share = sum(_nbytes(item) for item in plan.items)
+        self.thread_count = files_for_share(self.files_per_rank, share_bytes=share, items=len(plan.items))
+        try:
+            results = list(super().write_data(plan, planner).wait())
+        except Exception:
+            self._hfs.abandon()
+            errors = self._hfs.take_errors()
+            if errors:  # the OS error behind DCP's (or torch.save's) own, e.g. "unexpected pos ..." for a full disk
+                raise errors[0] from None
+            raise
+        errors = self._hfs.take_errors()
+        if errors:  # DCP's extra writer threads end silently on an error: their files are incomplete
+            raise errors[0]
+        missing = {item.index for item in plan.items} - {r.index for r in results}
+        if missing:
+            first = min(missing, key=lambda index: index.fqn).fqn
+            raise CheckpointError(
+                f"rank {rank} wrote {len(plan.items) - len(missing)} of its {len(plan.items)} checkpoint items "
+                f"({first!r} among those missing): a writer thread failed, so this checkpoint is not committed"
+            )
         written = self._hfs.take()
         if self._check_written is not None:
             problems = self._check_written(Path(self.path), plan, planner, results)

@@ -65,6 +65,7 @@ from shardline.checkpoint.lineage import order, unrecorded
 from shardline.checkpoint.load import load as load_checkpoint
 from shardline.checkpoint.manifest import DCP_METADATA, read_manifest
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.provenance import STATEMENT_FILE, read_statement
 from shardline.checkpoint.retention import RetentionPolicy, apply_retention, signature_path_for, tombstone_detail
 from shardline.checkpoint.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
@@ -106,8 +107,11 @@ class CheckpointManager:
         keep_last_n: Keep only the newest N regular checkpoints (0, the default, keeps all). Older
             ones are deleted only after a newer one has committed, each recorded by a ``tombstone``
             row in the ledger first (:mod:`.retention`), so the chain still verifies without them.
+        files_per_rank: Files each rank writes per checkpoint, each hashed by its own writer thread
+            (0, the default: the cores each rank has on its node, at most 8; :mod:`.parallelism`).
 
     Raises:
+        ConfigurationError: ``keep_last_n`` or ``files_per_rank`` is negative.
         LineageError: the ledger's chain does not verify, or committed checkpoints on disk are
             missing from it (on every rank; the message says how to continue).
     """
@@ -121,8 +125,11 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         observer: SaveObserver | None = None,
         keep_last_n: int = 0,
+        files_per_rank: int = AUTO,
     ) -> None:
         self.retention = RetentionPolicy(keep_last_n=keep_last_n)
+        resolve_files_per_rank(files_per_rank)
+        self.files_per_rank = files_per_rank
         self.directory = Path(directory).absolute()
         self.ledger = Ledger(Path(ledger_path).absolute() if ledger_path else self.directory / LEDGER_NAME)
         self.async_save = bool(async_save)
@@ -346,6 +353,7 @@ class CheckpointManager:
                 observer=self.observer,
                 after_commit=self._publish,
                 last_good=self._last_good,
+                files_per_rank=self.files_per_rank,
             )
         except PublishError as e:  # committed: the next save chains to it even though recording it failed
             if isinstance(e.info, CheckpointInfo):

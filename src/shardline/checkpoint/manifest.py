@@ -3,7 +3,7 @@
 Layout of a committed checkpoint directory (e.g. ``checkpoints/step-100/``)::
 
     .metadata            DCP metadata (pickled by torch; plain ``torch.distributed.checkpoint`` reads it)
-    __0_0.distcp ...     DCP data, one file per rank
+    __0_0.distcp ...     DCP data, __{rank}_{n}.distcp (files_per_rank files per rank)
     manifest.json        this module's record, in canonical JSON (see ``canonical.py``)
     manifest.sha256      "<manifest hash>  manifest.json" (``sha256sum -c`` format)
     SHA256SUMS           every other file's hash (``sha256sum -c SHA256SUMS``)

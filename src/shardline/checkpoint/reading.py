@@ -6,7 +6,8 @@ Note: how a verified load reads every byte once and hashes it once.
   file to exactly one rank to hash -- the rank that reads the most of it (at the same world
   size and layout, rank r hashes the file rank r wrote, which it reads whole anyway), ties
   going to the rank with the least to hash -- so the ranks hash disjoint shares covering every
-  file, including files no rank reads anything from. The assignment rides to each rank in its
+  file, including files no rank reads anything from (a rank that wrote several files hashes all of them,
+  each on its own thread). The assignment rides to each rank in its
   ``LoadPlan.storage_data``; DCP scatters the plans already, so this costs no collective.
 * ``read_data`` reads a file it must hash from start to end in one sequential pass: each item's
   bytes are read once into memory, fed to SHA-256 (on a helper thread, overlapping the
@@ -27,7 +28,9 @@ import dataclasses
 import hashlib
 import io
 import os
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ from torch.futures import Future
 from shardline.checkpoint.dcp_io import MetadataReader
 from shardline.checkpoint.hashing import hasher_pool
 from shardline.checkpoint.manifest import read_error, read_manifest
+from shardline.checkpoint.parallelism import cores_per_rank
 from shardline.checkpoint.tensor_record import decode_tensor
 from shardline.checkpoint.verify import FileProblem
 from shardline.errors import CheckpointError, CheckpointReadError, IntegrityError
@@ -98,6 +102,8 @@ class VerifyingReader(MetadataReader):
         super().__init__(path, metadata)
         self._to_hash = {str(e["path"]): e for e in to_hash}
         self.hashed: dict[str, str] = {}
+        # The planner fills nested containers of the state dict; files read on several threads take turns in it.
+        self._planner_lock = threading.Lock()
 
     # ------------------------------------------------------------------ planning (coordinator)
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -132,7 +138,8 @@ class VerifyingReader(MetadataReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         problems: list[FileProblem] = []
-        for name in sorted(set(per_file) | mine):
+
+        def read_file(name: str) -> None:
             try:
                 if name in mine:
                     self._read_hashing(name, per_file.get(name, []), planner, problems)
@@ -142,6 +149,20 @@ class VerifyingReader(MetadataReader):
                 problems.append(FileProblem(name, "missing", "listed in the checkpoint but not present"))
             except OSError as e:  # EIO, ESTALE, EACCES: the file system failed; that shows nothing about the bytes
                 raise read_error(Path(self.path) / name, e) from e
+
+        names = sorted(set(per_file) | mine)
+        threads = min(len(names), cores_per_rank())
+        if threads > 1:
+            # Note: one thread per file (a rank written as several files is verified on several cores at
+            # once). Every file is waited for before the first error is raised, so nothing reads on after it.
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardline-read") as pool:
+                futures = [pool.submit(read_file, name) for name in names]
+            for done in futures:
+                done.result()
+        else:
+            for name in names:
+                read_file(name)
+        problems.sort(key=lambda p: (p.path, p.kind))
         damage = [p for p in problems if p.kind != "unreadable"]
         if damage:
             listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in damage)
@@ -276,7 +297,9 @@ class VerifyingReader(MetadataReader):
             if descriptors:  # DCP extensions (e.g. compression); shardline writes none
                 stream = self.transforms.transform_load_stream(item, descriptors, stream)
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(stream.read(-1)))
+                value = io.BytesIO(stream.read(-1))
+                with self._planner_lock:
+                    planner.load_bytes(item, value)
                 continue
             if not tried and not descriptors:
                 decoded, tried = decode_tensor(data), True
@@ -287,11 +310,13 @@ class VerifyingReader(MetadataReader):
                     stream = io.BytesIO(stream.read(-1))
                 stored = torch.load(stream, map_location="cpu", weights_only=True)
             tensor = _narrow(stored, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
+            with self._planner_lock:
+                target = planner.resolve_tensor(item).detach()
             if target.size() != tensor.size():
                 raise IntegrityError(
                     f"checkpoint {self.path}: item {item.storage_index.fqn} has shape {tuple(tensor.size())} where its "
                     f"metadata promises {tuple(target.size())}"
                 )
-            target.copy_(tensor)
-            planner.commit_tensor(item, target)
+            target.copy_(tensor)  # items never overlap in their target, so files on other threads copy alongside
+            with self._planner_lock:
+                planner.commit_tensor(item, target)

@@ -10,7 +10,7 @@ the same exception class with the same message.
    (all agree), so an unwritable or unshared path fails on every rank before any data is written.
 2. **Stage** (all agree): each rank builds its state dict (:mod:`.staging`).
 3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing.HashingWriter`:
-   each rank writes and fsyncs its ``.distcp`` file, hashing it in the same pass; digests
+   each rank writes and fsyncs its ``.distcp`` files (one per writer thread), hashing each in the same pass; digests
    reach rank 0 inside the write results DCP gathers; rank 0 writes ``.metadata``.
 4. **Manifest** (rank 0): ``manifest.json`` (canonical JSON, so its file hash is the manifest
    hash), ``manifest.sha256`` and ``SHA256SUMS``, each fsynced, then the directory is fsynced.
@@ -64,6 +64,7 @@ from shardline.checkpoint.manifest import (
     render_sums,
 )
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.provenance import STATEMENT_FILE, build_statement
 from shardline.checkpoint.staged_check import check_written
 from shardline.checkpoint.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
@@ -241,8 +242,11 @@ def write_and_commit(
     observer: SaveObserver = NO_OBSERVER,
     after_commit: Callable[[CheckpointInfo], None] | None = None,
     last_good: Path | None = None,
+    files_per_rank: int = AUTO,
 ) -> CheckpointInfo:
     """Steps 3-7 of the protocol (a collective): write ``staged`` into ``tmp`` and commit it.
+
+    Each rank writes ``files_per_rank`` files (0: automatic, :mod:`.parallelism`).
 
     Raises:
         DiskFullError: a rank ran out of space (the message names the path, bytes needed vs
@@ -255,7 +259,7 @@ def write_and_commit(
     check = None
     if staged.staged_digests is not None:
         check = functools.partial(check_written, staged=staged.staged_digests)
-    writer = HashingWriter(tmp, final_path=final, observer=observer, check_written=check)
+    writer = HashingWriter(tmp, final_path=final, observer=observer, check_written=check, files_per_rank=files_per_rank)
     failure: BaseException | None = None
     try:
         with warnings.catch_warnings():
@@ -446,13 +450,15 @@ def commit(
     parent_manifest_hash: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     observer: SaveObserver = NO_OBSERVER,
+    files_per_rank: int = AUTO,
 ) -> CheckpointInfo:
     """Save ``request`` into the new directory ``path`` and commit it atomically (a collective; see :func:`save`)."""
+    resolve_files_per_rank(files_per_rank)  # a bad count fails before anything is created
     tmp = preflight(path, process_group=process_group)
     staged = stage_agreed(
         request, path=path, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
     )
-    return write_and_commit(staged, tmp, process_group=process_group, observer=observer)
+    return write_and_commit(staged, tmp, process_group=process_group, observer=observer, files_per_rank=files_per_rank)
 
 
 def save(
@@ -469,17 +475,20 @@ def save(
     tag: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     observer: SaveObserver | None = None,
+    files_per_rank: int = AUTO,
 ) -> CheckpointInfo:
     """Save a checkpoint into the new directory ``path`` and commit it atomically (a collective).
 
-    The keyword arguments other than ``path``, ``parent_manifest_hash``, ``process_group`` and
-    ``observer`` make a :class:`~.staging.SaveRequest` (see it for their meaning).
+    The keyword arguments other than ``path``, ``parent_manifest_hash``, ``process_group``,
+    ``observer`` and ``files_per_rank`` make a :class:`~.staging.SaveRequest` (see it for their meaning).
 
     Args:
         path: The final checkpoint directory (e.g. ``run/checkpoints/step-100``); must not exist.
         parent_manifest_hash: Manifest hash of the checkpoint this training state descends from.
         process_group: Group the save runs over (default: the world).
         observer: Told of each phase and write (tests inject faults with one; default: none).
+        files_per_rank: Files each rank writes, each hashed by its own writer thread and verified on
+            its own reader thread (0, the default: the cores each rank has on its node, at most 8).
 
     Returns:
         The committed checkpoint's :class:`CheckpointInfo`, identical on every rank.
@@ -488,6 +497,7 @@ def save(
         CheckpointExistsError: ``path`` exists (nothing is written).
         DiskFullError: the file system filled up (nothing is committed; the message says how much was needed).
         CheckpointError: unwritable path, or the write failed (nothing is committed).
+        ConfigurationError: ``files_per_rank`` is not a count (nothing is written).
     """
     request = SaveRequest(
         model=model,
@@ -505,4 +515,5 @@ def save(
         parent_manifest_hash=parent_manifest_hash,
         process_group=process_group,
         observer=observer or NO_OBSERVER,
+        files_per_rank=files_per_rank,
     )

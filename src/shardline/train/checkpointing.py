@@ -61,6 +61,7 @@ class TrainingCheckpoints:
             ledger_path=run_dir / LEDGER_NAME,
             async_save=self.cfg.async_save,
             keep_last_n=int(self.cfg.keep_last_n),
+            files_per_rank=int(self.cfg.files_per_rank),
         )
         self.last_saved_step: int | None = None
 

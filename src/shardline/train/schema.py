@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args
 from hydra.core.config_store import ConfigStore
 
 from shardline.checkpoint.model_state import SAVE_KINDS
+from shardline.checkpoint.parallelism import resolve_files_per_rank
 from shardline.checkpoint.verify import VerifyLevel
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
@@ -233,12 +234,19 @@ class CheckpointConfig:
     verify: str = VerifyLevel.FULL.value
     """On resume: full (every byte hashed against the manifest), or the opt-ins sizes (file sizes only) and none;
     an opt-in is printed and recorded in the ledger."""
+    files_per_rank: int = 0
+    """Files each rank writes per checkpoint, each hashed by its own writer thread and verified on its own reader
+    thread (0: the cores each rank has on its node, at most 8)."""
 
     def __post_init__(self) -> None:
         try:
             VerifyLevel.parse(self.verify)
         except ConfigurationError as exc:
             raise ConfigurationError(f"checkpoint.verify={self.verify!r}: {exc}") from None
+        try:
+            resolve_files_per_rank(self.files_per_rank)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"checkpoint.{exc}") from None
 
 
 @dataclass
