@@ -51,11 +51,11 @@ def _clip(
         )
         tokens, targets = batch(0)
         loss_fn(reference(tokens), targets).backward()
-        with through(model, transport, fault), counted(model, out["comm"]):
+        with through(model, transport, fault), counted(model, into=out["comm"]):
             loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size)).backward()
         max_norm = 0.5
         want = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
-        with shardline.count_collectives(model) as counter, through(model, transport), counted(model, out["comm"]):
+        with shardline.count_collectives(model) as counter, through(model, transport), counted(model, into=out["comm"]):
             got = model.clip_grad_norm_(max_norm, norm_type)
         assert [r.kind.value for r in counter.records] == ["all_reduce"]
         grads = full_grads(model)

@@ -10,8 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardline
-from shardline.engine import use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.testing import GradientFault, run_distributed
 from tests.models import (
     SEQ,
     Block,
@@ -31,6 +30,7 @@ from tests.numerics import (
     assert_trajectory,
     trajectory_ratio,
 )
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -46,8 +46,10 @@ def _train(
     micro: int,
     clip: bool,
     fault: GradientFault | None = None,
+    transport: str = "all_reduce",
 ) -> dict:
-    """Train both models; with ``fault``, only the first step, through collectives with that bug."""
+    """Train both models, the collectives through ``transport`` (``tests/transports.py``); with
+    ``fault``, only the first step, through collectives with that bug."""
     mesh = shardline.hybrid_mesh(replicate_size=shape[0], shard_size=shape[1])
     torch.manual_seed(0)
     reference = ParityModel()
@@ -56,6 +58,7 @@ def _train(
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, steps = [], []
+    comm = new_count()
     for step in range(3):
         tokens, targets = batch(step, GLOBAL_BATCH)
         ref_loss = loss_fn(reference(tokens), targets)
@@ -71,13 +74,14 @@ def _train(
         for i, (t, y) in enumerate(pieces):
             deferring = i < micro - 1
             sync = model.no_sync(reduce_scatter=True) if deferring else torch.enable_grad()
-            broken = use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad()
-            with shardline.count_collectives(model) as counter, sync, broken:
+            broken = through(model, transport, fault)
+            with shardline.count_collectives(model) as counter, sync, broken, counted(model, into=comm):
                 loss = loss_fn(model(t), y) / micro
                 loss.backward()
             records.append([(r.kind.value, r.unit, r.bytes, r.group_size) for r in counter.records])
             total += loss.detach()
-        norm = model.clip_grad_norm_(0.05) if clip else None
+        with through(model, transport), counted(model, into=comm):
+            norm = model.clip_grad_norm_(0.05) if clip else None
         if step == 0:  # the same parameters on both sides: the gradients differ by reordering alone
             first_grad_err = grad_errors(model, reference)
             if clip:  # clipping divides a uniform gradient scale out of the gradients; the norm keeps it
@@ -101,6 +105,7 @@ def _train(
         "records": steps[-1],
         "placements": {tuple(v.placements) for v in pieces.values()},
         "mesh_shape": {tuple(v.device_mesh.shape) for v in pieces.values()},
+        "comm": comm,
     }
 
 
@@ -133,26 +138,33 @@ def _unit_sizes(shard: int) -> dict[str, tuple[int, int]]:
 
 
 def _with_faults(rank: int, world_size: int, *args: object) -> dict:
-    """The case as it is, then its first step with each gradient fault injected."""
-    out = {"ok": _train(rank, world_size, *args)}
-    for fault in GradientFault:
-        out[fault.value] = _train(rank, world_size, *args, fault)
+    """Per transport: the case as it is, then its first step with each gradient fault injected."""
+    out = {}
+    for transport in TRANSPORTS:
+        out[("ok", transport)] = _train(rank, world_size, *args, None, transport)
+        for fault in GradientFault:
+            out[(fault.value, transport)] = _train(rank, world_size, *args, fault, transport)
     return out
 
 
 @pytest.mark.parametrize(("world_size", "strategy", "shape", "micro", "clip"), CASES)
 def test_hybrid_matches_one_process(world_size: int, strategy: str, shape: tuple, micro: int, clip: bool) -> None:
     results = run_distributed(_with_faults, world_size, args=(strategy, shape, micro, clip), timeout=100)
-    res = results[0]["ok"]
     numel = sum(p.numel() for p in ParityModel().parameters())
     terms = chain_terms(forward=parity_forward_terms(), tokens=GLOBAL_BATCH * SEQ, world_size=world_size, micro=micro)
     rule = Reorder(terms + (numel if clip else 0))  # clipping scales by the norm: a sum over every element
-    where = f"{strategy} {shape} micro={micro} clip={clip}"
-    assert_reordered(res["grad_err"], rule, f"{where}: first step's gradients")
-    assert_trajectories([got for got, _ in res["losses"]], [want for _, want in res["losses"]], where)
-    assert_trajectory(res["param_ratio"], f"{where}: parameters after 3 AdamW steps")
-    for fault in GradientFault:
-        assert_caught(results[0][fault.value]["grad_err"], rule, f"{where} with {fault.value}")
+    for transport in TRANSPORTS:
+        res = results[0][("ok", transport)]
+        where = f"{strategy} {shape} micro={micro} clip={clip}, {transport} transport"
+        assert_reordered(res["grad_err"], rule, f"{where}: first step's gradients")
+        assert_trajectories([got for got, _ in res["losses"]], [want for _, want in res["losses"]], where)
+        assert_trajectory(res["param_ratio"], f"{where}: parameters after 3 AdamW steps")
+        for fault in GradientFault:
+            assert_caught(results[0][(fault.value, transport)]["grad_err"], rule, f"{where} with {fault.value}")
+    for r in results:  # the same collectives and bytes either way; each transport's wire bytes
+        seen = {t: r[("ok", t)]["comm"] for t in TRANSPORTS}
+        check_transports(seen, f"{strategy} {shape} micro={micro}", native_expected=shape[1] > 1)
+    res = results[0][("ok", "native")]  # the counts below hold for both: check_transports compared them
     # State-dict pieces are placed on the 2-D mesh: replicated across groups, Shard(0) inside.
     assert res["placements"] == {(Replicate(), Shard(0))}
     assert res["mesh_shape"] == {shape}

@@ -47,10 +47,15 @@ def _accumulate(
     mine_t, mine_y = local_slice(tokens, rank, world_size), local_slice(targets, rank, world_size)
     micro_t, micro_y = mine_t.chunk(MICRO), mine_y.chunk(MICRO)
     comm = new_count()
-    with shardline.count_collectives(model) as inside, model.no_sync(), through(model, transport), counted(model, comm):
+    with (
+        shardline.count_collectives(model) as inside,
+        model.no_sync(),
+        through(model, transport),
+        counted(model, into=comm),
+    ):
         for t, y in zip(micro_t[:-1], micro_y[:-1], strict=True):
             (loss_fn(model(t), y) / MICRO).backward()
-    with shardline.count_collectives(model) as synced, through(model, transport, fault), counted(model, comm):
+    with shardline.count_collectives(model) as synced, through(model, transport, fault), counted(model, into=comm):
         (loss_fn(model(micro_t[-1]), micro_y[-1]) / MICRO).backward()
 
     # Every sharded gradient equals the reference's rows for this rank.

@@ -72,7 +72,7 @@ def _train(
         ref_loss = loss_fn(reference(tokens), targets)
         ref_loss.backward()
 
-        with through(model, transport, fault), counted(model, comm):
+        with through(model, transport, fault), counted(model, into=comm):
             loss = loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size))
             loss.backward()
         if step == 0:  # the same parameters on both sides: the gradients differ by reordering alone

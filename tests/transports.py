@@ -78,14 +78,14 @@ def new_count() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def counted(model: nn.Module, into: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Add both views of the collectives ``model`` issues inside the block to ``into``.
+def counted(*models: nn.Module, into: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Add both views of the collectives ``models`` issue inside the block to ``into``.
 
     ``into["records"]``: shardline's records (kind, bytes, wire bytes, group size);
     ``into["torch"]``: the calls torch received (:func:`torch_calls`). Keep collectives of other
     code (a loss all-reduce) out of the block: torch's count would include them.
     """
-    with shardline.count_collectives(model) as counter, torch_calls() as calls:
+    with shardline.count_collectives(*models) as counter, torch_calls() as calls:
         yield into
     into["records"].extend((r.kind.value, r.bytes, r.wire_bytes, r.group_size) for r in counter.records)
     for key, value in calls.items():
