@@ -29,13 +29,16 @@ class HangOnRank:
 
 
 class PoisonWeights:
-    """Overwrite every local shard with NaN after a step, on every rank: the next loss diverges everywhere."""
+    """Overwrite every local shard with NaN after a step, on every rank: the next loss diverges everywhere.
+
+    ``on_train_batch_end`` runs right after each step (``on_step_end`` only at the next read).
+    """
 
     def __init__(self, step: int = 2) -> None:
         self.step = step
 
-    def on_step_end(self, trainer: Any, metrics: Any) -> None:
-        if metrics.step == self.step:
+    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+        if step == self.step:
             import torch
 
             with torch.no_grad():
