@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardline
-from shardline.testing import GradientFault, run_distributed
+from shardline.engine import TorchCollectives, use_collectives
+from shardline.testing import DelayedCollectives, GradientFault, run_distributed
 from tests.models import (
     SEQ,
     Block,
@@ -196,6 +198,61 @@ def test_hybrid_matches_one_process(world_size: int, strategy: str, shape: tuple
         assert {(u, b) for u, b, _ in gathers} <= {(u, shard * a * FP32) for u, (a, _) in sizes.items()}
 
 
+class _LoggedWork:
+    def __init__(self, work: Any, log: list, event: tuple) -> None:
+        self.work, self.log, self.event = work, log, event
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.log.append(("wait", *self.event))
+        return self.work.wait() if self.work is not None else True
+
+
+class _Logged(TorchCollectives):
+    """Logs when each gradient reduction is issued and when it is waited for."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+        self.issued: dict[str, int] = {}
+
+    def _issue(self, kind: str, work: Any) -> Any:
+        event = (kind, self.issued.setdefault(kind, 0))
+        self.issued[kind] += 1
+        self.log.append(("issue", *event))
+        return _LoggedWork(work, self.log, event)
+
+    def reduce_scatter(self, output: Any, input: Any, group: Any, *, op: Any, async_op: bool) -> Any:
+        return self._issue("reduce_scatter", super().reduce_scatter(output, input, group, op=op, async_op=async_op))
+
+    def all_reduce(self, tensor: Any, group: Any, *, op: Any, async_op: bool) -> Any:
+        return self._issue("all_reduce", super().all_reduce(tensor, group, op=op, async_op=async_op))
+
+
+def _overlap(rank: int, world_size: int) -> dict:
+    """When the first reduce-scatter is waited for, relative to the next unit's backward; late collectives."""
+    mesh = shardline.hybrid_mesh(shard_size=2)
+    torch.manual_seed(0)
+    model = shardline.wrap(ParityModel(), shardline.layer_policy(Block), strategy="hsdp", mesh=mesh)
+    log: list = []
+
+    # The gradient of blocks.0's output arrives when blocks.0's backward starts: compute after blocks.1's.
+    def mark(_module: Any, _args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda _grad: log.append(("blocks.0",)))
+
+    model.blocks[0].register_forward_hook(mark)
+    tokens, targets = batch(0, GLOBAL_BATCH)
+    x, y = local_slice(tokens, rank, world_size), local_slice(targets, rank, world_size)
+    with use_collectives(model, _Logged(log)):
+        loss_fn(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    # Every collective lands late (NaN until waited): the chained all-reduce must wait for its reduce-scatter.
+    with use_collectives(model, DelayedCollectives(0.002)):
+        loss_fn(model(x), y).backward()
+    late = [p.grad for p in model.parameters() if p.grad is not None]
+    return {"log": log, "late_equal": all(torch.equal(a, b) for a, b in zip(grads, late, strict=True))}
+
+
 def _checkpoint_roundtrip(rank: int, world_size: int) -> bool:
     """A hybrid model's state dict loads back into a hybrid model of another seed, exactly."""
     mesh = shardline.hybrid_mesh(shard_size=2)
@@ -208,5 +265,26 @@ def _checkpoint_roundtrip(rank: int, world_size: int) -> bool:
     return all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
-def test_hybrid_state_dict_loads_into_hybrid() -> None:
-    assert all(run_distributed(_checkpoint_roundtrip, 4))
+def _roundtrip_and_overlap(rank: int, world_size: int) -> tuple[bool, dict]:
+    return _checkpoint_roundtrip(rank, world_size), _overlap(rank, world_size)
+
+
+def test_hybrid_state_dict_loads_into_hybrid_and_reductions_overlap_compute() -> None:
+    results = run_distributed(_roundtrip_and_overlap, 4)
+    assert all(loaded for loaded, _ in results)
+    for _, res in results:
+        log = res["log"]
+        # blocks.1 reduce-scatters first; its all-reduce across replicas waits for it, blocks.0's backward does not.
+        first_rs, rs_wait, first_ar = (
+            ("issue", "reduce_scatter", 0),
+            ("wait", "reduce_scatter", 0),
+            ("issue", "all_reduce", 0),
+        )
+        assert log.index(first_rs) < log.index(("blocks.0",)) < log.index(rs_wait) < log.index(first_ar), log
+        # Every reduce-scatter is waited for before its all-reduce is issued, and every collective is waited for.
+        n = sum(1 for e in log if e[:2] == ("issue", "reduce_scatter"))
+        assert n == 3
+        for i in range(n):
+            assert log.index(("wait", "reduce_scatter", i)) < log.index(("issue", "all_reduce", i)), log
+            assert ("wait", "all_reduce", i) in log, log
+        assert res["late_equal"], "late collectives changed the gradients"
