@@ -275,9 +275,15 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def _loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(self.precision, self.device.type):
-            out = self.model(tokens.to(self.device))
+            out = self.model(self._to_device(tokens))
             logits = out.logits if hasattr(out, "logits") else out
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+            return F.cross_entropy(logits.flatten(0, 1).float(), self._to_device(targets).flatten())
+
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """``batch`` on the training device; to CUDA from pinned memory, without blocking the host."""
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
 
     def _global_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the ranks, as a float32 device tensor (no host read)."""
