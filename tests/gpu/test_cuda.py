@@ -162,7 +162,6 @@ def _no_sync(rank: int, world_size: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(tmp, rank)
-        trainer._skip = torch.zeros((), device=trainer.device)
         for step in range(2):
             torch.cuda.set_sync_debug_mode("error")
             try:

@@ -185,6 +185,7 @@ class Trainer:
         self.accumulate = cfg.trainer.accumulate_grad_batches
         self.global_batch = cfg.trainer.micro_batch_size * self.accumulate * info.world_size
         self.tokens_per_step = self.global_batch * cfg.data.seq_len
+        self._skip = torch.zeros((), device=self.device)  # 1 once a step was not finite: no update after it
 
         torch.manual_seed(cfg.trainer.seed)
         self.corpus: Corpus = load_corpus(cfg.data)
@@ -402,7 +403,6 @@ class Trainer:
         start = time.perf_counter()
         done = self.start_step
         every_read = max(1, cfg.log_every_n_steps)
-        self._skip = torch.zeros((), device=self.device)
         pending: list[_PendingStep] = []
         interval_start = time.perf_counter()
         try:
