@@ -1,6 +1,6 @@
 """Callbacks injected through the config (+callbacks.NAME._target_=...) to make a worker misbehave.
 
-They act in ``on_train_batch_end``, right after the step; ``on_step_end`` (with the step's read
+Most act in ``on_train_batch_end``, right after the step; ``on_step_end`` (with the step's read
 metrics) only runs at the end of the read interval.
 """
 
@@ -80,13 +80,14 @@ class DiskFullAt:
 
 
 class EmptyErrorFileThenExit:
-    """Leave torch's elastic error file empty (as on a full disk) and die without a word."""
+    """Leave torch's elastic error file empty (as on a full disk) and die without a word, once the
+    step's metrics row is written (``on_step_end``, at the read)."""
 
     def __init__(self, rank: int = 1, step: int = 2) -> None:
         self.rank, self.step = rank, step
 
-    def on_train_batch_end(self, trainer: Any, step: int) -> None:
-        if trainer.info.rank == self.rank and step == self.step:
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if trainer.info.rank == self.rank and metrics.step == self.step:
             import os
 
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w"):
