@@ -41,7 +41,7 @@ from tests.numerics import (
     assert_trajectory,
     trajectory_ratio,
 )
-from tests.transports import TRANSPORTS, check_transports, counted, new_count, through
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through, transports_for
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -180,7 +180,7 @@ def _run(
 
 def _grid(rank: int, world_size: int) -> dict:
     out: dict = {"ok": {}, "faults": {}}
-    for transport in TRANSPORTS:
+    for transport in transports_for(world_size):
         for strategy in STRATEGIES:
             for dtype in (torch.float32, torch.bfloat16):
                 out["ok"][(strategy, str(dtype), transport)] = _run(rank, world_size, strategy, dtype, None, transport)

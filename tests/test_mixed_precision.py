@@ -21,7 +21,7 @@ from tests.numerics import (
     condition,
     scale_ratio,
 )
-from tests.transports import TRANSPORTS, check_transports, counted, new_count, through
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through, transports_for
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -164,7 +164,7 @@ def _padded_grad_numel(reference: torch.nn.Module, world: int) -> dict[str, int]
 
 def _grid(rank: int, world_size: int) -> dict:
     out = {}
-    for transport in TRANSPORTS:
+    for transport in transports_for(world_size):
         out[("full_shard", "fp32", transport)] = _run(rank, world_size, "full_shard", FP32, None, transport)
         out[("full_shard", "bf16", transport)] = _run(rank, world_size, "full_shard", None, None, transport)
         if world_size == 2:

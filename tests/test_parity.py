@@ -30,7 +30,7 @@ from tests.numerics import (
     assert_trajectory,
     trajectory_ratio,
 )
-from tests.transports import TRANSPORTS, check_transports, counted, new_count, through
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through, transports_for
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -113,7 +113,7 @@ def _train(
 
 def _grid(rank: int, world_size: int) -> dict:
     out = {}
-    for transport in TRANSPORTS:
+    for transport in transports_for(world_size):
         for name, blocks, root in CONFIGS:
             out[(name, transport)] = _train(rank, world_size, blocks, root, transport=transport)
             if world_size > 1:  # the same checks must see a broken gradient reduction, on every strategy
@@ -127,7 +127,7 @@ def test_sharded_training_matches_one_process(world_size: int) -> None:
     results = run_distributed(_grid, world_size, timeout=100)
     total = sum(p.numel() for p in ParityModel().parameters())
     grads = Reorder(chain_terms(forward=parity_forward_terms(), tokens=BATCH * SEQ, world_size=world_size))
-    for (name, *_), transport in itertools.product(CONFIGS, TRANSPORTS):
+    for (name, *_), transport in itertools.product(CONFIGS, transports_for(world_size)):
         per_rank = [r[(name, transport)] for r in results]
         res = per_rank[0]
         where = f"{name}, W={world_size}, {transport} transport"

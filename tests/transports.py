@@ -32,6 +32,12 @@ from shardline.testing import FaultyCollectives, GradientFault
 
 TRANSPORTS = ("all_reduce", "native")  # gloo's emulation (the CPU default) and NCCL's calls
 
+
+def transports_for(world_size: int) -> tuple[str, ...]:
+    """The transports worth running at ``world_size``: one rank issues no collective, so one suffices."""
+    return TRANSPORTS if world_size > 1 else TRANSPORTS[:1]
+
+
 Record = tuple[str, int, int, int]  # kind, logical bytes, wire bytes, group size
 
 
