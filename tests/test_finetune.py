@@ -12,6 +12,8 @@ failed test (ranks are child processes).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -110,6 +112,33 @@ def _reference_step(
     return total
 
 
+_REFERENCES: dict[tuple[int, torch.dtype], dict] = {}
+
+
+def _reference(world_size: int, base_dtype: torch.dtype) -> dict:
+    """One process on the global batches, trained once per launch and base dtype.
+
+    It does not depend on the strategy or the transport, so every case of the grid compares with
+    the same run: ``first`` (a copy after the first backward: its gradients), ``losses`` and ``final``.
+    """
+    key = (world_size, base_dtype)
+    if key not in _REFERENCES:
+        reference, teacher = _make(0, base_dtype), _make(7, base_dtype).requires_grad_(False)
+        ref_opt = _optimizer(reference, base_dtype)
+        losses, first = [], None
+        for step in range(STEPS):
+            tokens, targets = batch(step)
+            losses.append(_reference_step(reference, teacher, tokens, targets, world_size, base_dtype))
+            if step == 0:
+                first = copy.deepcopy(reference)
+                for kept, p in zip(first.parameters(), reference.parameters(), strict=True):
+                    kept.grad = None if p.grad is None else p.grad.clone()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        _REFERENCES[key] = {"first": first, "losses": losses, "final": reference}
+    return _REFERENCES[key]
+
+
 def _run(
     rank: int,
     world_size: int,
@@ -120,20 +149,17 @@ def _run(
 ) -> dict:
     """Train both models, the collectives through ``transport`` (``tests/transports.py``); with
     ``fault``, only the first step, through collectives with that bug."""
-    reference, teacher_ref = _make(0, base_dtype), _make(7, base_dtype).requires_grad_(False)
+    ref = _reference(world_size, base_dtype)
     model, teacher = _shard(_make(0, base_dtype), strategy), _shard(_make(7, base_dtype), strategy)
     teacher.requires_grad_(False)
-    ref_opt = _optimizer(reference, base_dtype)
     opt = _optimizer(model, base_dtype)
-    reached = [p for name, p in reference.named_parameters() if p.requires_grad and not name.startswith("aux.")]
+    reached = [p for name, p in ref["first"].named_parameters() if p.requires_grad and not name.startswith("aux.")]
     grad_world = 1 if strategy == "no_shard" else world_size
 
-    losses, ref_losses, grad_bytes = [], [], []
+    losses, grad_bytes = [], []
     comm = new_count()
     for step in range(STEPS):
         tokens, targets = batch(step)
-        ref_losses.append(_reference_step(reference, teacher_ref, tokens, targets, world_size, base_dtype))
-
         x, y = rows(tokens, rank, world_size), rows(targets, rank, world_size)
         broken = through(model, transport, fault)
         with (
@@ -151,11 +177,9 @@ def _run(
         assert all(p.grad is None for p in model.aux.parameters()), "backward never reached aux"
         grad_bytes.append(counter.nbytes("reduce_scatter") + counter.nbytes("all_reduce", phase="backward"))
         if step == 0:  # the same parameters on both sides: the gradients differ by reordering alone
-            first_grad_err = grad_errors(model, reference)
+            first_grad_err = grad_errors(model, ref["first"])
             if fault:
                 return {"grad_err": first_grad_err}
-        ref_opt.step()
-        ref_opt.zero_grad()
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -163,11 +187,11 @@ def _run(
         losses.append(total.item())
 
     full = shardline.full_state_dict(model)
-    expected = reference.state_dict()
-    frozen = {name for name, p in reference.named_parameters() if not p.requires_grad}
+    expected = ref["final"].state_dict()
+    frozen = {name for name, p in ref["final"].named_parameters() if not p.requires_grad}
     return {
         "losses": losses,
-        "ref_losses": ref_losses,
+        "ref_losses": ref["losses"],
         "grad_err": first_grad_err,
         "trainable_ratio": trajectory_ratio(full, expected, skip=sorted(frozen)),
         "frozen_unchanged": all(torch.equal(full[k], expected[k]) for k in frozen),
