@@ -204,7 +204,9 @@ def _run(
 
 def _grid(rank: int, world_size: int) -> dict:
     out: dict = {"ok": {}, "faults": {}}
-    for transport in transports_for(world_size):
+    # The native transport at W=2 and 3: W=3 already has uneven shards and a rank whose shard of a
+    # 2-row parameter is empty; W=4, the costliest launch on two cores, adds no new layout to it.
+    for transport in transports_for(world_size) if world_size < 4 else TRANSPORTS[:1]:
         for strategy in STRATEGIES:
             for dtype in (torch.float32, torch.bfloat16):
                 out["ok"][(strategy, str(dtype), transport)] = _run(rank, world_size, strategy, dtype, None, transport)
