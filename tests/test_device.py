@@ -111,7 +111,11 @@ def _train_on_cpu(rank: int, world_size: int) -> dict:
     with shardline.count_collectives(model) as counter:
         norm = model.clip_grad_norm_(1.0)
     hybrid(torch.randn(3, 4)).sum().backward()
+    explicit = shardline.fully_shard(nn.Linear(2, 2), device="cpu").shard_unit.device
+    with pytest.raises(ConfigurationError, match=r"fully_shard\(device=meta\) but parameter 'weight' is on cpu"):
+        shardline.fully_shard(nn.Linear(2, 2), device="meta")
     return {
+        "explicit": str(explicit),
         "backend": str(dist.get_backend()),
         "devices": {str(u.device) for u in subtree_units(model) + subtree_units(hybrid)},
         "norm_device": str(norm.device),
@@ -133,6 +137,7 @@ def test_every_cpu_backend_string_shards_a_cpu_model(backend: str | None) -> Non
         assert res["norm_device"] == "cpu"
         assert res["clip"] == [("all_reduce", 4)]  # one fp32 scalar over the group
         assert res["dtensor_devices"] == {"cpu"}
+        assert res["explicit"] == "cpu"
     if backend is None:
         assert res["backend"] == "undefined"  # what torch registers: the device map decides, not the name
 
