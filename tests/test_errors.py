@@ -118,10 +118,10 @@ def _misuse(rank: int, world_size: int) -> None:
         shardline.fully_shard(nn.Linear(2, 2), strategy="hybrid_shard_zero2", mesh=mesh2d["shard"])
     shardline.fully_shard(nn.Linear(2, 2), strategy="hybrid_shard", mesh=mesh2d)
 
-    # The backend decides which devices a unit may live on.
+    # The group's device map decides which devices a unit may live on (tests/test_device.py: every case).
     unit = shardline.fully_shard(nn.Linear(2, 2)).shard_unit
-    with pytest.raises(ConfigurationError, match=r"parameter 'w' is on cuda:0, but the mesh's backend 'gloo'"):
-        unit.mesh.check_device(torch.device("cuda", 0), "parameter 'w'")
+    with pytest.raises(ConfigurationError, match=r"parameter 'w' is on xpu:0, but the process group's backend 'gloo'"):
+        unit.mesh.check_device(torch.device("xpu", 0), "parameter 'w'")
 
     # A shard replaced behind the engine's back is caught at the next gather.
     model = shardline.fully_shard(nn.Linear(4, 4))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardline
-from shardline.engine import use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.engine import TorchCollectives, use_collectives
+from shardline.testing import DelayedCollectives, GradientFault, run_distributed
 from tests.models import (
     SEQ,
     Block,
@@ -31,6 +32,7 @@ from tests.numerics import (
     assert_trajectory,
     trajectory_ratio,
 )
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -46,8 +48,10 @@ def _train(
     micro: int,
     clip: bool,
     fault: GradientFault | None = None,
+    transport: str = "all_reduce",
 ) -> dict:
-    """Train both models; with ``fault``, only the first step, through collectives with that bug."""
+    """Train both models, the collectives through ``transport`` (``tests/transports.py``); with
+    ``fault``, only the first step, through collectives with that bug."""
     mesh = shardline.hybrid_mesh(replicate_size=shape[0], shard_size=shape[1])
     torch.manual_seed(0)
     reference = ParityModel()
@@ -56,6 +60,7 @@ def _train(
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, steps = [], []
+    comm = new_count()
     for step in range(3):
         tokens, targets = batch(step, GLOBAL_BATCH)
         ref_loss = loss_fn(reference(tokens), targets)
@@ -71,13 +76,14 @@ def _train(
         for i, (t, y) in enumerate(pieces):
             deferring = i < micro - 1
             sync = model.no_sync(reduce_scatter=True) if deferring else torch.enable_grad()
-            broken = use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad()
-            with shardline.count_collectives(model) as counter, sync, broken:
+            broken = through(model, transport, fault)
+            with shardline.count_collectives(model) as counter, sync, broken, counted(model, into=comm):
                 loss = loss_fn(model(t), y) / micro
                 loss.backward()
             records.append([(r.kind.value, r.unit, r.bytes, r.group_size) for r in counter.records])
             total += loss.detach()
-        norm = model.clip_grad_norm_(0.05) if clip else None
+        with through(model, transport), counted(model, into=comm):
+            norm = model.clip_grad_norm_(0.05) if clip else None
         if step == 0:  # the same parameters on both sides: the gradients differ by reordering alone
             first_grad_err = grad_errors(model, reference)
             if clip:  # clipping divides a uniform gradient scale out of the gradients; the norm keeps it
@@ -101,6 +107,7 @@ def _train(
         "records": steps[-1],
         "placements": {tuple(v.placements) for v in pieces.values()},
         "mesh_shape": {tuple(v.device_mesh.shape) for v in pieces.values()},
+        "comm": comm,
     }
 
 
@@ -133,26 +140,33 @@ def _unit_sizes(shard: int) -> dict[str, tuple[int, int]]:
 
 
 def _with_faults(rank: int, world_size: int, *args: object) -> dict:
-    """The case as it is, then its first step with each gradient fault injected."""
-    out = {"ok": _train(rank, world_size, *args)}
-    for fault in GradientFault:
-        out[fault.value] = _train(rank, world_size, *args, fault)
+    """Per transport: the case as it is, then its first step with each gradient fault injected."""
+    out = {}
+    for transport in TRANSPORTS:
+        out[("ok", transport)] = _train(rank, world_size, *args, None, transport)
+        for fault in GradientFault:
+            out[(fault.value, transport)] = _train(rank, world_size, *args, fault, transport)
     return out
 
 
 @pytest.mark.parametrize(("world_size", "strategy", "shape", "micro", "clip"), CASES)
 def test_hybrid_matches_one_process(world_size: int, strategy: str, shape: tuple, micro: int, clip: bool) -> None:
     results = run_distributed(_with_faults, world_size, args=(strategy, shape, micro, clip), timeout=100)
-    res = results[0]["ok"]
     numel = sum(p.numel() for p in ParityModel().parameters())
     terms = chain_terms(forward=parity_forward_terms(), tokens=GLOBAL_BATCH * SEQ, world_size=world_size, micro=micro)
     rule = Reorder(terms + (numel if clip else 0))  # clipping scales by the norm: a sum over every element
-    where = f"{strategy} {shape} micro={micro} clip={clip}"
-    assert_reordered(res["grad_err"], rule, f"{where}: first step's gradients")
-    assert_trajectories([got for got, _ in res["losses"]], [want for _, want in res["losses"]], where)
-    assert_trajectory(res["param_ratio"], f"{where}: parameters after 3 AdamW steps")
-    for fault in GradientFault:
-        assert_caught(results[0][fault.value]["grad_err"], rule, f"{where} with {fault.value}")
+    for transport in TRANSPORTS:
+        res = results[0][("ok", transport)]
+        where = f"{strategy} {shape} micro={micro} clip={clip}, {transport} transport"
+        assert_reordered(res["grad_err"], rule, f"{where}: first step's gradients")
+        assert_trajectories([got for got, _ in res["losses"]], [want for _, want in res["losses"]], where)
+        assert_trajectory(res["param_ratio"], f"{where}: parameters after 3 AdamW steps")
+        for fault in GradientFault:
+            assert_caught(results[0][(fault.value, transport)]["grad_err"], rule, f"{where} with {fault.value}")
+    for r in results:  # the same collectives and bytes either way; each transport's wire bytes
+        seen = {t: r[("ok", t)]["comm"] for t in TRANSPORTS}
+        check_transports(seen, f"{strategy} {shape} micro={micro}", native_expected=shape[1] > 1)
+    res = results[0][("ok", "native")]  # the counts below hold for both: check_transports compared them
     # State-dict pieces are placed on the 2-D mesh: replicated across groups, Shard(0) inside.
     assert res["placements"] == {(Replicate(), Shard(0))}
     assert res["mesh_shape"] == {shape}
@@ -184,6 +198,61 @@ def test_hybrid_matches_one_process(world_size: int, strategy: str, shape: tuple
         assert {(u, b) for u, b, _ in gathers} <= {(u, shard * a * FP32) for u, (a, _) in sizes.items()}
 
 
+class _LoggedWork:
+    def __init__(self, work: Any, log: list, event: tuple) -> None:
+        self.work, self.log, self.event = work, log, event
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.log.append(("wait", *self.event))
+        return self.work.wait() if self.work is not None else True
+
+
+class _Logged(TorchCollectives):
+    """Logs when each gradient reduction is issued and when it is waited for."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+        self.issued: dict[str, int] = {}
+
+    def _issue(self, kind: str, work: Any) -> Any:
+        event = (kind, self.issued.setdefault(kind, 0))
+        self.issued[kind] += 1
+        self.log.append(("issue", *event))
+        return _LoggedWork(work, self.log, event)
+
+    def reduce_scatter(self, output: Any, input: Any, group: Any, *, op: Any, async_op: bool) -> Any:
+        return self._issue("reduce_scatter", super().reduce_scatter(output, input, group, op=op, async_op=async_op))
+
+    def all_reduce(self, tensor: Any, group: Any, *, op: Any, async_op: bool) -> Any:
+        return self._issue("all_reduce", super().all_reduce(tensor, group, op=op, async_op=async_op))
+
+
+def _overlap(rank: int, world_size: int) -> dict:
+    """When the first reduce-scatter is waited for, relative to the next unit's backward; late collectives."""
+    mesh = shardline.hybrid_mesh(shard_size=2)
+    torch.manual_seed(0)
+    model = shardline.wrap(ParityModel(), shardline.layer_policy(Block), strategy="hsdp", mesh=mesh)
+    log: list = []
+
+    # The gradient of blocks.0's output arrives when blocks.0's backward starts: compute after blocks.1's.
+    def mark(_module: Any, _args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda _grad: log.append(("blocks.0",)))
+
+    model.blocks[0].register_forward_hook(mark)
+    tokens, targets = batch(0, GLOBAL_BATCH)
+    x, y = local_slice(tokens, rank, world_size), local_slice(targets, rank, world_size)
+    with use_collectives(model, _Logged(log)):
+        loss_fn(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    # Every collective lands late (NaN until waited): the chained all-reduce must wait for its reduce-scatter.
+    with use_collectives(model, DelayedCollectives(0.002)):
+        loss_fn(model(x), y).backward()
+    late = [p.grad for p in model.parameters() if p.grad is not None]
+    return {"log": log, "late_equal": all(torch.equal(a, b) for a, b in zip(grads, late, strict=True))}
+
+
 def _checkpoint_roundtrip(rank: int, world_size: int) -> bool:
     """A hybrid model's state dict loads back into a hybrid model of another seed, exactly."""
     mesh = shardline.hybrid_mesh(shard_size=2)
@@ -196,5 +265,26 @@ def _checkpoint_roundtrip(rank: int, world_size: int) -> bool:
     return all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
-def test_hybrid_state_dict_loads_into_hybrid() -> None:
-    assert all(run_distributed(_checkpoint_roundtrip, 4))
+def _roundtrip_and_overlap(rank: int, world_size: int) -> tuple[bool, dict]:
+    return _checkpoint_roundtrip(rank, world_size), _overlap(rank, world_size)
+
+
+def test_hybrid_state_dict_loads_into_hybrid_and_reductions_overlap_compute() -> None:
+    results = run_distributed(_roundtrip_and_overlap, 4)
+    assert all(loaded for loaded, _ in results)
+    for _, res in results:
+        log = res["log"]
+        # blocks.1 reduce-scatters first; its all-reduce across replicas waits for it, blocks.0's backward does not.
+        first_rs, rs_wait, first_ar = (
+            ("issue", "reduce_scatter", 0),
+            ("wait", "reduce_scatter", 0),
+            ("issue", "all_reduce", 0),
+        )
+        assert log.index(first_rs) < log.index(("blocks.0",)) < log.index(rs_wait) < log.index(first_ar), log
+        # Every reduce-scatter is waited for before its all-reduce is issued, and every collective is waited for.
+        n = sum(1 for e in log if e[:2] == ("issue", "reduce_scatter"))
+        assert n == 3
+        for i in range(n):
+            assert log.index(("wait", "reduce_scatter", i)) < log.index(("issue", "all_reduce", i)), log
+            assert ("wait", "all_reduce", i) in log, log
+        assert res["late_equal"], "late collectives changed the gradients"

@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardline
-from shardline.engine import use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.testing import GradientFault, run_distributed
 from tests.models import Block, ParityModel, batch, grad_errors, local_slice, loss_fn
 from tests.numerics import (
     Reorder,
@@ -22,6 +21,7 @@ from tests.numerics import (
     condition,
     scale_ratio,
 )
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through, transports_for
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -81,9 +81,15 @@ def _optimizer(model: torch.nn.Module, reduce_dtype: torch.dtype | None) -> torc
 
 
 def _run(
-    rank: int, world_size: int, strategy: str, reduce_dtype: torch.dtype | None, fault: GradientFault | None = None
+    rank: int,
+    world_size: int,
+    strategy: str,
+    reduce_dtype: torch.dtype | None,
+    fault: GradientFault | None = None,
+    transport: str = "all_reduce",
 ) -> dict:
-    """Train both models; with ``fault``, only the first step, through collectives with that bug."""
+    """Train both models, the collectives through ``transport`` (``tests/transports.py``); with
+    ``fault``, only the first step, through collectives with that bug."""
     torch.manual_seed(0)
     master = ParityModel()
     torch.manual_seed(0)
@@ -98,12 +104,12 @@ def _run(
     assert model.pos_scale.dtype == BF16, "buffer_dtype must apply to buffers"
 
     losses, ref_losses = [], []
+    comm = new_count()
     for step in range(STEPS):
         tokens, targets = batch(step)
         ref_loss, conditions = _reference_step(master, tokens, targets, world_size)
         ref_losses.append(ref_loss)
-        broken = use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad()
-        with shardline.count_collectives(model) as counter, broken:
+        with shardline.count_collectives(model) as counter, through(model, transport, fault), counted(model, into=comm):
             loss = loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size))
             loss.backward()
         assert all(p.dtype == FP32 for p in model.parameters()), "master shards must stay fp32"
@@ -135,6 +141,7 @@ def _run(
         "seen": {k: str(v) for k, v in seen.items()},
         "records": [(r.kind.value, str(r.dtype), r.bytes, r.unit) for r in counter.records],
         "grad_numel": _padded_grad_numel(master, world_size if strategy != "no_shard" else 1),
+        "comm": comm,
     }
 
 
@@ -156,15 +163,16 @@ def _padded_grad_numel(reference: torch.nn.Module, world: int) -> dict[str, int]
 
 
 def _grid(rank: int, world_size: int) -> dict:
-    out = {
-        ("full_shard", "fp32"): _run(rank, world_size, "full_shard", FP32),
-        ("full_shard", "bf16"): _run(rank, world_size, "full_shard", None),
-    }
-    if world_size == 2:
-        out[("no_shard", "fp32")] = _run(rank, world_size, "no_shard", FP32)
-        for fault in GradientFault:  # the same check must see a broken gradient reduction
-            out[("full_shard", "fp32", fault.value)] = _run(rank, world_size, "full_shard", FP32, fault)
-            out[("full_shard", "bf16", fault.value)] = _run(rank, world_size, "full_shard", None, fault)
+    out = {}
+    for transport in transports_for(world_size):
+        out[("full_shard", "fp32", transport)] = _run(rank, world_size, "full_shard", FP32, None, transport)
+        out[("full_shard", "bf16", transport)] = _run(rank, world_size, "full_shard", None, None, transport)
+        if world_size == 2:
+            out[("no_shard", "fp32", transport)] = _run(rank, world_size, "no_shard", FP32, None, transport)
+            for fault in GradientFault:  # the same check must see a broken gradient reduction
+                for reduce, dtype in (("fp32", FP32), ("bf16", None)):
+                    key = ("full_shard", reduce, transport, fault.value)
+                    out[key] = _run(rank, world_size, "full_shard", dtype, fault, transport)
     return out
 
 
@@ -183,12 +191,17 @@ def test_bf16_matches_reference_with_same_casts() -> None:
     for world_size in (1, 2):
         results = run_distributed(_grid, world_size)
         for key in list(results[0]):
-            if len(key) == 3:
-                strategy, reduce, fault = key
+            if len(key) == 4:
+                strategy, reduce, transport, fault = key
                 rule = _rule(world_size, reduce)
-                assert_caught(results[0].pop(key)["grad_err"], rule, f"{strategy}/{reduce} with {fault}")
-        for (strategy, reduce), res in results[0].items():
-            where = f"{strategy}/{reduce} W={world_size}"
+                where = f"{strategy}/{reduce}, {transport} transport, with {fault}"
+                assert_caught(results[0].pop(key)["grad_err"], rule, where)
+        for (strategy, reduce, transport), res in results[0].items():
+            where = f"{strategy}/{reduce} W={world_size}, {transport} transport"
+            if transport == "native":  # bf16 gathers of odd sizes travel natively on gloo too
+                for r in results:
+                    seen = {t: r[(strategy, reduce, t)]["comm"] for t in TRANSPORTS}
+                    check_transports(seen, where, native_expected=world_size > 1 and strategy != "no_shard")
             rule = _rule(world_size, reduce)
             assert_reordered(res["grad_err"], rule, f"{where}: first step's gradients", conditions=res["conditions"])
             losses = {

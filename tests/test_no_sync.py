@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import shardline
-from shardline.engine import use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.testing import GradientFault, run_distributed
 from tests.models import (
     BATCH,
     SEQ,
@@ -20,6 +19,7 @@ from tests.models import (
     parity_forward_terms,
 )
 from tests.numerics import Reorder, assert_caught, assert_reordered, max_rel_err
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -28,9 +28,14 @@ STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 
 
 def _accumulate(
-    rank: int, world_size: int, strategy: str, reduce_dtype: torch.dtype | None, fault: GradientFault | None = None
+    rank: int,
+    world_size: int,
+    strategy: str,
+    reduce_dtype: torch.dtype | None,
+    fault: GradientFault | None = None,
+    transport: str = "all_reduce",
 ) -> dict:
-
+    """Accumulate two micro-batches, the collectives through ``transport`` (``tests/transports.py``)."""
     torch.manual_seed(0)
     reference = ParityModel()
     torch.manual_seed(0)
@@ -41,13 +46,16 @@ def _accumulate(
 
     mine_t, mine_y = local_slice(tokens, rank, world_size), local_slice(targets, rank, world_size)
     micro_t, micro_y = mine_t.chunk(MICRO), mine_y.chunk(MICRO)
-    with shardline.count_collectives(model) as inside, model.no_sync():
+    comm = new_count()
+    with (
+        shardline.count_collectives(model) as inside,
+        model.no_sync(),
+        through(model, transport),
+        counted(model, into=comm),
+    ):
         for t, y in zip(micro_t[:-1], micro_y[:-1], strict=True):
             (loss_fn(model(t), y) / MICRO).backward()
-    with (
-        shardline.count_collectives(model) as synced,
-        use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad(),
-    ):
+    with shardline.count_collectives(model) as synced, through(model, transport, fault), counted(model, into=comm):
         (loss_fn(model(micro_t[-1]), micro_y[-1]) / MICRO).backward()
 
     # Every sharded gradient equals the reference's rows for this rank.
@@ -65,13 +73,18 @@ def _accumulate(
         "errors": errors,
         "inside": [(r.kind.value, r.phase) for r in inside.records],
         "synced": [(r.kind.value, r.phase) for r in synced.records],
+        "comm": comm,
     }
 
 
 def _grid(rank: int, world_size: int) -> dict:
-    out = {(s, str(rd)): _accumulate(rank, world_size, s, rd) for s in STRATEGIES for rd in (None, torch.float64)}
-    for fault in GradientFault:  # the same check must see a broken gradient reduction
-        out.update({(s, fault.value): _accumulate(rank, world_size, s, None, fault) for s in STRATEGIES})
+    out: dict = {"faults": {}, "ok": {}}
+    for transport in TRANSPORTS:
+        for s in STRATEGIES:
+            for rd in (None, torch.float64):
+                out["ok"][(s, str(rd), transport)] = _accumulate(rank, world_size, s, rd, None, transport)
+            for fault in GradientFault:  # the same check must see a broken gradient reduction
+                out["faults"][(s, fault.value, transport)] = _accumulate(rank, world_size, s, None, fault, transport)
     return out
 
 
@@ -79,11 +92,15 @@ def _grid(rank: int, world_size: int) -> dict:
 def test_no_sync_accumulation_equals_one_big_batch(world_size: int) -> None:
     results = run_distributed(_grid, world_size)
     rule = Reorder(chain_terms(forward=parity_forward_terms(), tokens=BATCH * SEQ, world_size=world_size, micro=MICRO))
-    for fault in GradientFault:
-        for strategy in STRATEGIES:
-            assert_caught(results[0].pop((strategy, fault.value))["errors"], rule, f"{strategy}, {fault.value}")
-    for (strategy, reduce_dtype), res in results[0].items():
-        assert_reordered(res["errors"], rule, f"{strategy}/{reduce_dtype} W={world_size}: accumulated gradients")
+    for (strategy, fault, transport), res in results[0]["faults"].items():
+        assert_caught(res["errors"], rule, f"{strategy}, {fault}, {transport} transport")
+    for (strategy, reduce_dtype, transport), res in results[0]["ok"].items():
+        where = f"{strategy}/{reduce_dtype} W={world_size}, {transport} transport"
+        assert_reordered(res["errors"], rule, f"{where}: accumulated gradients")
+        if transport == "native":
+            for rank_results in results:
+                seen = {t: rank_results["ok"][(strategy, reduce_dtype, t)]["comm"] for t in TRANSPORTS}
+                check_transports(seen, where, native_expected=strategy != "no_shard")
         kinds_inside = {kind for kind, _ in res["inside"]}
         # No gradient collective inside no_sync, for any strategy.
         assert not kinds_inside & {"reduce_scatter", "all_reduce"}, (strategy, res["inside"])

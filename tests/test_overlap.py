@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import shardline
 from shardline.engine import use_collectives
 from shardline.testing import DelayedCollectives, run_distributed
 from tests.models import Block, ParityModel, batch, local_slice, loss_fn
+from tests.transports import TRANSPORTS
+from tests.transports import backend as transport_backend
 
 PREFETCH = {
     "none": {"forward_prefetch": False, "backward_prefetch": None},
@@ -42,17 +46,21 @@ def _grid(rank: int, world_size: int) -> dict:
     out = {}
     for strategy in ("full_shard", "shard_grad_op", "no_shard"):
         ref_losses, ref_state = _train(rank, world_size, strategy, PREFETCH["none"], None)
-        for name, prefetch in PREFETCH.items():
-            backend = DelayedCollectives(0.005)
+        for (name, prefetch), transport in itertools.product(PREFETCH.items(), TRANSPORTS):
+            # gloo's all-reduce emulation and the native calls (NCCL's path) are bit-identical on gloo.
+            backend = DelayedCollectives(0.005, inner=transport_backend(transport))
             losses, state = _train(rank, world_size, strategy, prefetch, backend)
             same = losses == ref_losses and all(torch.equal(state[k], ref_state[k]) for k in ref_state)
-            out[(strategy, name)] = (same, backend.delayed)
+            out[(strategy, name, transport)] = (same, backend.delayed)
     return out
 
 
 def test_prefetch_and_late_collectives_are_bit_identical() -> None:
-    for (strategy, prefetch), (same, delayed) in run_distributed(_grid, 2, timeout=110)[0].items():
-        assert same, f"{strategy} with {prefetch} prefetching and delayed collectives changed the numbers"
+    results = run_distributed(_grid, 2, timeout=110)[0]
+    assert len(results) == 3 * len(PREFETCH) * len(TRANSPORTS)
+    for (strategy, prefetch, transport), (same, delayed) in results.items():
+        where = f"{strategy} with {prefetch} prefetching, {transport} transport"
+        assert same, f"{where} and delayed collectives changed the numbers"
         assert delayed > 0, "the delay was actually exercised"
 
 

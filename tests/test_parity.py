@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import shardline
-from shardline.engine import use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.testing import GradientFault, run_distributed
 from tests.models import (
     BATCH,
     SEQ,
@@ -29,6 +30,7 @@ from tests.numerics import (
     assert_trajectory,
     trajectory_ratio,
 )
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through, transports_for
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -46,9 +48,15 @@ CONFIGS = [
 
 
 def _train(
-    rank: int, world_size: int, blocks_kwargs: dict, root_kwargs: dict, fault: GradientFault | None = None
+    rank: int,
+    world_size: int,
+    blocks_kwargs: dict,
+    root_kwargs: dict,
+    fault: GradientFault | None = None,
+    transport: str = "all_reduce",
 ) -> dict:
-    """Train both models; with ``fault``, only the first step, through collectives with that bug."""
+    """Train both models, the collectives through ``transport`` (``tests/transports.py``); with
+    ``fault``, only the first step, through collectives with that bug."""
     torch.manual_seed(0)
     reference = ParityModel()
     torch.manual_seed(0)
@@ -58,12 +66,13 @@ def _train(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
     ref_losses, losses = [], []
+    comm = new_count()
     for step in range(STEPS):
         tokens, targets = batch(step)
         ref_loss = loss_fn(reference(tokens), targets)
         ref_loss.backward()
 
-        with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+        with through(model, transport, fault), counted(model, into=comm):
             loss = loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size))
             loss.backward()
         if step == 0:  # the same parameters on both sides: the gradients differ by reordering alone
@@ -98,15 +107,18 @@ def _train(
         "param_ratio": param_ratio,
         "bitwise": bitwise,
         "local_numel": local_numel,
+        "comm": comm,
     }
 
 
 def _grid(rank: int, world_size: int) -> dict:
-    out = {name: _train(rank, world_size, blocks, root) for name, blocks, root in CONFIGS}
-    if world_size > 1:  # the same checks must see a broken gradient reduction, on every strategy
-        for fault in GradientFault:
-            for name, blocks, root in CONFIGS:
-                out[(name, fault.value)] = _train(rank, world_size, blocks, root, fault)
+    out = {}
+    for transport in transports_for(world_size):
+        for name, blocks, root in CONFIGS:
+            out[(name, transport)] = _train(rank, world_size, blocks, root, transport=transport)
+            if world_size > 1:  # the same checks must see a broken gradient reduction, on every strategy
+                for fault in GradientFault:
+                    out[(name, transport, fault.value)] = _train(rank, world_size, blocks, root, fault, transport)
     return out
 
 
@@ -115,16 +127,21 @@ def test_sharded_training_matches_one_process(world_size: int) -> None:
     results = run_distributed(_grid, world_size, timeout=100)
     total = sum(p.numel() for p in ParityModel().parameters())
     grads = Reorder(chain_terms(forward=parity_forward_terms(), tokens=BATCH * SEQ, world_size=world_size))
-    for name, *_ in CONFIGS:
-        per_rank = [r[name] for r in results]
+    for (name, *_), transport in itertools.product(CONFIGS, transports_for(world_size)):
+        per_rank = [r[(name, transport)] for r in results]
         res = per_rank[0]
-        where = f"{name}, W={world_size}"
+        where = f"{name}, W={world_size}, {transport} transport"
         assert_reordered(res["grad_err"], grads, f"{where}: first step's gradients")
         assert_trajectories(res["losses"], res["ref_losses"], where)
         assert_trajectory(res["param_ratio"], f"{where}: parameters after {STEPS} AdamW steps")
         if world_size > 1:
             for fault in GradientFault:
-                assert_caught(results[0][(name, fault.value)]["grad_err"], grads, f"{where} with {fault.value}")
+                caught = results[0][(name, transport, fault.value)]["grad_err"]
+                assert_caught(caught, grads, f"{where} with {fault.value}")
+        if transport == "native":  # same collectives and bytes either way; each transport's wire bytes
+            for rank_results in results:
+                seen = {t: rank_results[(name, t)]["comm"] for t in TRANSPORTS}
+                check_transports(seen, where, native_expected=world_size > 1 and name != "no_shard")
         if world_size == 1:
             assert res["losses"] == res["ref_losses"], f"{name}: W=1 losses not bitwise equal"
             assert res["bitwise"], f"{name}: W=1 parameters not bitwise equal to the plain model"

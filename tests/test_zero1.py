@@ -9,7 +9,7 @@ from torch import nn
 
 import shardline
 from shardline.engine import TorchCollectives, use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.testing import GradientFault, run_distributed
 from tests.models import (
     SEQ,
     Block,
@@ -29,6 +29,7 @@ from tests.numerics import (
     assert_trajectory,
     trajectory_ratio,
 )
+from tests.transports import TRANSPORTS, check_transports, counted, new_count, through, transports_for
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -37,8 +38,16 @@ FP32 = 4
 GLOBAL_BATCH = 24
 
 
-def _parity(rank: int, world_size: int, micro: int, clip: bool, fault: GradientFault | None = None) -> dict:
-    """Train both models; with ``fault``, only the first step, through collectives with that bug."""
+def _parity(
+    rank: int,
+    world_size: int,
+    micro: int,
+    clip: bool,
+    fault: GradientFault | None = None,
+    transport: str = "all_reduce",
+) -> dict:
+    """Train both models, the collectives through ``transport`` (``tests/transports.py``); with
+    ``fault``, only the first step, through collectives with that bug."""
     torch.manual_seed(0)
     reference = ParityModel()
     torch.manual_seed(0)
@@ -46,6 +55,7 @@ def _parity(rank: int, world_size: int, micro: int, clip: bool, fault: GradientF
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
+    comm = new_count()
     for step in range(4):
         tokens, targets = batch(step, GLOBAL_BATCH)
         ref_loss = loss_fn(reference(tokens), targets)
@@ -58,8 +68,8 @@ def _parity(rank: int, world_size: int, micro: int, clip: bool, fault: GradientF
         )
         total = torch.zeros(())
         for i, (t, y) in enumerate(pieces):
-            broken = use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad()
-            with model.no_sync() if i < micro - 1 else torch.enable_grad(), broken:
+            broken = through(model, transport, fault)
+            with model.no_sync() if i < micro - 1 else torch.enable_grad(), broken, counted(model, into=comm):
                 loss = loss_fn(model(t), y) / micro
                 loss.backward()
             total += loss.detach()
@@ -86,34 +96,41 @@ def _parity(rank: int, world_size: int, micro: int, clip: bool, fault: GradientF
         "param_ratio": trajectory_ratio(full, expected),
         "bitwise": all(torch.equal(full[k], expected[k]) for k in expected),
         "local": local,
+        "comm": comm,
     }
 
 
 def _with_faults(rank: int, world_size: int, micro: int, clip: bool) -> dict:
-    """The case as it is, then (with several ranks) its first step with each gradient fault injected."""
-    out = {"ok": _parity(rank, world_size, micro, clip)}
-    if world_size > 1:
-        out.update({fault.value: _parity(rank, world_size, micro, clip, fault) for fault in GradientFault})
+    """Per transport: the case as it is, then (with several ranks) its first step with each fault injected."""
+    out = {}
+    for transport in transports_for(world_size):
+        out[("ok", transport)] = _parity(rank, world_size, micro, clip, None, transport)
+        for fault in GradientFault if world_size > 1 else ():
+            out[(fault.value, transport)] = _parity(rank, world_size, micro, clip, fault, transport)
     return out
 
 
 @pytest.mark.parametrize(("world_size", "micro", "clip"), [(1, 1, False), (2, 2, True), (3, 1, True)])
 def test_shard_opt_matches_one_process(world_size: int, micro: int, clip: bool) -> None:
     raw = run_distributed(_with_faults, world_size, args=(micro, clip), timeout=100)
-    results = [r["ok"] for r in raw]
-    res = results[0]
     numel = sum(p.numel() for p in ParityModel().parameters())
     terms = chain_terms(forward=parity_forward_terms(), tokens=GLOBAL_BATCH * SEQ, world_size=world_size, micro=micro)
     rule = Reorder(terms + (numel if clip else 0))  # clipping scales by the norm: a sum over every element
-    where = f"W={world_size} micro={micro} clip={clip}"
-    assert_reordered(res["grad_err"], rule, f"{where}: first step's gradients")
-    assert_trajectories([got for got, _ in res["losses"]], [want for _, want in res["losses"]], where)
-    assert_trajectory(res["param_ratio"], f"{where}: parameters after 4 AdamW steps")
-    for fault in GradientFault if world_size > 1 else ():
-        assert_caught(raw[0][fault.value]["grad_err"], rule, f"{where} with {fault.value}")
-    if world_size == 1:
-        assert res["bitwise"], "W=1 SHARD_OPT must equal the plain model bit for bit"
-    assert sum(r["local"] for r in results) == numel  # the optimizer's parameters are a partition
+    for transport in transports_for(world_size):
+        results = [r[("ok", transport)] for r in raw]
+        res = results[0]
+        where = f"W={world_size} micro={micro} clip={clip}, {transport} transport"
+        assert_reordered(res["grad_err"], rule, f"{where}: first step's gradients")
+        assert_trajectories([got for got, _ in res["losses"]], [want for _, want in res["losses"]], where)
+        assert_trajectory(res["param_ratio"], f"{where}: parameters after 4 AdamW steps")
+        for fault in GradientFault if world_size > 1 else ():
+            assert_caught(raw[0][(fault.value, transport)]["grad_err"], rule, f"{where} with {fault.value}")
+        if world_size == 1:
+            assert res["bitwise"], "W=1 SHARD_OPT must equal the plain model bit for bit"
+        assert sum(r["local"] for r in results) == numel  # the optimizer's parameters are a partition
+    for r in raw if world_size > 1 else ():  # ZeRO-1's all-reduces and row all-gathers: the same either way
+        seen = {t: r[("ok", t)]["comm"] for t in TRANSPORTS}
+        check_transports(seen, f"W={world_size} micro={micro} clip={clip}", native_expected=world_size > 1)
 
 
 class Divisible(nn.Module):

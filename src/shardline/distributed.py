@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardline.engine.device import backend_device_map
+
 __all__ = ["DistInfo", "free_port", "init_distributed"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -40,13 +42,19 @@ def init_distributed(*, backend: str | None = None, timeout: datetime.timedelta 
     creates a one-rank group so the same script runs as a single process. ``backend`` defaults
     to NCCL when CUDA is available, else gloo. ``timeout`` (seconds or timedelta) bounds every
     collective, so a dead peer produces an error instead of a hang.
+
+    ``device`` is ``cuda:LOCAL_RANK`` whenever the backend communicates CUDA tensors through NCCL
+    (``"nccl"``, ``"cpu:gloo,cuda:nccl"``) and CUDA is available -- selected before the group is
+    created -- else the CPU.
     """
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    cuda_backend = backend_device_map(backend).get("cuda")
+    nccl = cuda_backend == "nccl" and torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if nccl else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -1,4 +1,8 @@
-"""Callbacks injected through the config (+callbacks.NAME._target_=...) to make a worker misbehave."""
+"""Callbacks injected through the config (+callbacks.NAME._target_=...) to make a worker misbehave.
+
+Most act in ``on_train_batch_end``, right after the step; ``on_step_end`` (with the step's read
+metrics) only runs at the end of the read interval.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ class CrashOnRank:
     def __init__(self, rank: int = 1, step: int = 2) -> None:
         self.rank, self.step = rank, step
 
-    def on_step_end(self, trainer: Any, metrics: Any) -> None:
-        if trainer.info.rank == self.rank and metrics.step == self.step:
+    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+        if trainer.info.rank == self.rank and step == self.step:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
 
 
@@ -23,19 +27,22 @@ class HangOnRank:
     def __init__(self, rank: int = 1, step: int = 2) -> None:
         self.rank, self.step = rank, step
 
-    def on_step_end(self, trainer: Any, metrics: Any) -> None:
-        if trainer.info.rank == self.rank and metrics.step == self.step:
+    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+        if trainer.info.rank == self.rank and step == self.step:
             time.sleep(3600)
 
 
 class PoisonWeights:
-    """Overwrite every local shard with NaN after a step, on every rank: the next loss diverges everywhere."""
+    """Overwrite every local shard with NaN after a step, on every rank: the next loss diverges everywhere.
+
+    ``on_train_batch_end`` runs right after each step (``on_step_end`` only at the next read).
+    """
 
     def __init__(self, step: int = 2) -> None:
         self.step = step
 
-    def on_step_end(self, trainer: Any, metrics: Any) -> None:
-        if metrics.step == self.step:
+    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+        if step == self.step:
             import torch
 
             with torch.no_grad():
@@ -49,8 +56,8 @@ class StopOnRank:
     def __init__(self, rank: int = 1, step: int = 2, record: str = "") -> None:
         self.rank, self.step, self.record = rank, step, record
 
-    def on_step_end(self, trainer: Any, metrics: Any) -> None:
-        if trainer.info.rank == self.rank and metrics.step == self.step:
+    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+        if trainer.info.rank == self.rank and step == self.step:
             import os
             import signal
 
@@ -65,15 +72,16 @@ class DiskFullAt:
     def __init__(self, rank: int = 1, step: int = 3) -> None:
         self.rank, self.step = rank, step
 
-    def on_step_end(self, trainer: Any, metrics: Any) -> None:
-        if metrics.step == self.step:
+    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+        if step == self.step:
             from shardline.checkpoint.fault import FailWrites
 
             trainer.checkpoints.manager.observer = FailWrites(ranks={self.rank}, after_bytes=1000)
 
 
 class EmptyErrorFileThenExit:
-    """Leave torch's elastic error file empty (as on a full disk) and die without a word."""
+    """Leave torch's elastic error file empty (as on a full disk) and die without a word, once the
+    step's metrics row is written (``on_step_end``, at the read)."""
 
     def __init__(self, rank: int = 1, step: int = 2) -> None:
         self.rank, self.step = rank, step

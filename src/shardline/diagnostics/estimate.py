@@ -22,7 +22,10 @@ gathered parameters    root + largest unit          0, or every unit's   0, or e
                        (ZeRO-2); in param dtype
 communication          max(one all-gather, one      one all-reduce       one all-reduce
                        all-gather (ZeRO-3 only) +   output (gathers      output
-                       one reduction)               land in place)
+                       one reduction; hybrid: +     land in place)
+                       the previous unit's reduced
+                       shard, its all-reduce in
+                       flight)
 activations            what autograd saves for one micro-batch, measured by running forward and
                        the loss on fake tensors -- except the model's own parameters and
                        buffers, which backward reads where the engine keeps them (counted
@@ -363,7 +366,11 @@ def _estimate(
     largest_gather = max(all_gather(u) for u in units)
     largest_reduction = max(reduction(u) for u in units)
     regather = frees and any(not u.is_root for u in units)
-    comm_buffers = max(largest_gather, (largest_gather if regather else 0) + largest_reduction)
+    # Hybrid sharding chains each reduce-scatter's all-reduce across replicas behind it: the previous
+    # unit's reduced shard stays in flight while the next unit packs and reduce-scatters (engine/pending.py).
+    chained = knobs.hybrid and shard_world > 1 and world_size // shard > 1
+    in_flight = max(u.grad_shard_numel * reduce_bytes for u in units) if chained else 0
+    comm_buffers = max(largest_gather, (largest_gather if regather else 0) + largest_reduction + in_flight)
 
     device = next(iter(model.parameters())).device
     tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=device)

@@ -7,9 +7,11 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardline.engine.context import RootContext
+from shardline.engine.device import resolve_device
 from shardline.engine.grad import clip_grad_norm_
 from shardline.engine.guards import ddp_ignored_names, install_optimizer_guard
 from shardline.engine.hooks import install_hooks
@@ -19,7 +21,7 @@ from shardline.engine.param import OWNER_ATTR, REPLACED_ATTR
 from shardline.engine.registry import get_unit, subtree_units
 from shardline.engine.state_dict import install_state_dict_hooks
 from shardline.engine.strategy import ShardingStrategy
-from shardline.engine.unit import ShardUnit, check_single_device
+from shardline.engine.unit import ShardUnit
 from shardline.errors import ConfigurationError, ShardingError
 
 __all__ = ["ShardedModule", "fully_shard"]
@@ -165,6 +167,7 @@ def fully_shard(
     sync_module_states: bool = False,
     forward_prefetch: bool = True,
     backward_prefetch: str | None = "backward_pre",
+    device: torch.device | str | None = None,
 ) -> M:
     """Shard ``module``'s parameters across data-parallel ranks; returns the same module.
 
@@ -205,11 +208,16 @@ def fully_shard(
             gathered at a time), ``"backward_post"`` (when this unit's gradients are reduced;
             less memory) or ``None``. Prefetching never changes numerics; at most one gather
             per direction is in flight.
+        device: The unit's device. Default: its parameters' device; for a module without
+            parameters (a root over sharded blocks) the units' below it, else its buffers'.
+            Given, it must agree with the parameters. The process group must communicate it
+            (see ``shardline/engine/device.py``).
 
     Raises:
         DistributedNotInitializedError: No process group is initialized.
         ConfigurationError: Unknown strategy, a mesh of the wrong shape for the strategy or not
-            ours, ``reshard_after_forward`` not dividing the shard group, wrong types.
+            ours, ``reshard_after_forward`` not dividing the shard group, wrong types, ``device=``
+            disagreeing with the parameters, a device the process group cannot communicate.
         ShardingError: Sharded twice, applied top-down, a parameter shared with another unit,
             parameters on several devices or of a non-floating-point dtype.
     """
@@ -238,7 +246,7 @@ def fully_shard(
     _check_reshard_after_forward(reshard_after_forward, strategy, shard_mesh)
 
     owned, buffers, sub_units = _collect(module, original_class(module).__name__)
-    device = _common_device(owned, shard_mesh)
+    device = _unit_device(owned, buffers, sub_units, shard_mesh, device)
     ctx = RootContext()
     if sync_module_states:
         _broadcast_from_rank0(module, [p for _, p, _ in owned], [b for _, _, b in buffers], shard_mesh, ctx)
@@ -368,24 +376,31 @@ def _sharded_of(unit: ShardUnit, fqn: str) -> nn.Parameter | None:
     return None
 
 
-def _common_device(owned: list[tuple[str, nn.Parameter, Any]], mesh: ShardMesh) -> torch.device:
-    if not owned:
-        return _default_device(mesh)
-    check_single_device(owned)
+def _unit_device(
+    owned: list[tuple[str, nn.Parameter, Any]],
+    buffers: list[tuple[nn.Module, str, torch.Tensor]],
+    sub_units: list[tuple[str, ShardUnit]],
+    mesh: ShardMesh,
+    explicit: torch.device | str | None,
+) -> torch.device:
+    """The unit's device: its parameters', else ``device=``, its sub-units', its buffers' (see ``engine/device.py``)."""
     for fqn, p, _ in owned:
-        mesh.check_device(p.device, f"parameter '{fqn}'")
         if not p.dtype.is_floating_point:
             raise ShardingError(
                 f"parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters can be sharded. Register "
                 "integer state as a buffer (module.register_buffer) instead."
             )
-    return owned[0][1].device
-
-
-def _default_device(mesh: ShardMesh) -> torch.device:
-    if "cuda" in mesh.device_types and "cpu" not in mesh.device_types and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    return resolve_device(
+        params=[(fqn, p.device) for fqn, p, _ in owned],
+        device_map=mesh.device_map,
+        backend=str(dist.get_backend(mesh.dp_group)),
+        explicit=torch.device(explicit) if explicit is not None else None,
+        sub_units=[(name, sub.device) for name, sub in sub_units],
+        buffers=[(f"{type(m).__name__}.{name}", b.device) for m, name, b in buffers],
+        cuda_available=cuda,
+        current_cuda=torch.cuda.current_device() if cuda else 0,
+    )
 
 
 @torch.no_grad()

@@ -41,7 +41,8 @@ class RootContext:
         order: Units in pre-forward order during the current root forward.
         prefetched: Units with a gather in flight.
         touched: Units forwarded or backwarded since the last end of backward.
-        pending: Gradient reductions in flight (at most one: starting one lands the previous).
+        pending: Gradient reductions in flight (at most one, plus the all-reduce of a chained
+            hybrid one: starting one lands or advances the previous).
         callback_queued: The end-of-backward callback is queued on the autograd engine.
     """
 
@@ -91,9 +92,25 @@ class RootContext:
             _torch_compat.queue_backward_callback(lambda: callback(self))
 
     def land_pending(self) -> None:
+        """Land every reduction in flight (end of backward)."""
         pending, self.pending = self.pending, []
         for reduction in pending:
             reduction.finish()
+
+    def advance_pending(self) -> None:
+        """Make room for a new reduction: land those in flight, but only *advance* chained ones.
+
+        A chained (hybrid) reduction whose reduce-scatter is in flight waits for it and issues
+        its all-reduce, which stays in flight; everything else lands. So at most one
+        reduce-scatter and one all-reduce are in flight (``engine/pending.py``).
+        """
+        pending, self.pending = self.pending, []
+        for reduction in pending:
+            if reduction.chained:
+                reduction.advance()
+                self.pending.append(reduction)
+            else:
+                reduction.finish()
 
     def recover_from_interrupted_backward(self) -> None:
         """A backward raised before its end-of-backward callback ran: drop what it left behind."""

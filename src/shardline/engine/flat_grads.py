@@ -6,7 +6,8 @@ parameters only, so frozen ones send no bytes:
 
 * sharded groups reduce-scatter the rank-major packed gradients over the shard group (the
   output on each rank is exactly its rows of each gradient, shaped like its shards) and, with
-  replicas, all-reduce that output across them -- or, while the all-reduce is deferred
+  replicas, all-reduce that output across them once the reduce-scatter landed (a chained
+  reduction: nothing else waits for it, see ``engine/pending.py``) -- or, while the all-reduce is deferred
   (``no_sync(reduce_scatter=True)``), add it to a partial sum the next synchronized reduction
   adds in first;
 * NO_SHARD all-reduces the gradients whole and copies the result back into them;
@@ -15,8 +16,8 @@ parameters only, so frozen ones send no bytes:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -118,11 +119,12 @@ class GradientReduction:
                     spare=packed, buffer_bytes=nbytes(output), into_partial=self,
                 )  # fmt: skip
             if self.mesh.replicate_size > 1:
-                work.wait()
-                work = None
-                if self.partial is not None:
-                    output += self.partial
-                    self.partial = None
+                # The all-reduce across replicas waits for the reduce-scatter; the caller does not
+                # (see the note on chained reductions in engine/pending.py).
+                return PendingReduce(
+                    name, memory, self.dtype, work, output, slices, spare=packed, buffer_bytes=nbytes(output),
+                    then=self._cross_replica(output, self.partial, comm, name),
+                )  # fmt: skip
             held, spare, back = nbytes(output), packed, None
         elif len(grads) == 1 and grads[0] is not None and grads[0].dtype == dtype and grads[0].is_contiguous():
             output = grads[0].view(-1)  # the gradient itself: no copy, nothing new allocated
@@ -148,6 +150,21 @@ class GradientReduction:
         return PendingReduce(
             name, memory, self.dtype, work, output, slices, spare=spare, buffer_bytes=held, copy_back=back
         )
+
+    def _cross_replica(
+        self, output: torch.Tensor, partial: torch.Tensor | None, comm: Comm, name: str
+    ) -> Callable[[], Any]:
+        """The second stage of a hybrid reduction: add the deferred partial sum, all-reduce across replicas."""
+        self.partial = None  # this reduction carries it
+
+        def issue() -> Any:
+            if partial is not None:
+                output.add_(partial)
+            return comm.all_reduce(
+                output, self.mesh.replicate_group, op=dist.ReduceOp.AVG, unit=name, phase="backward", async_op=True
+            )
+
+        return issue
 
     def add_partial(self, reduced: torch.Tensor) -> None:
         """Add reduce-scattered gradients to the partial sum awaiting the all-reduce across replicas."""

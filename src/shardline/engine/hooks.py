@@ -278,7 +278,7 @@ def _reduce(ctx: RootContext, unit: ShardUnit) -> None:
     if unit.keeps_gradients_local:
         unit.accumulate_unsynced()
     else:
-        ctx.land_pending()  # bound in-flight reductions to one
+        ctx.advance_pending()  # bound in-flight reductions to one (a hybrid one's all-reduce may stay in flight)
         ctx.pending.extend(unit.reduce_gradients())
 
 

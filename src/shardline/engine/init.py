@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardline.engine.api import original_class
+from shardline.engine.device import default_device_type
 from shardline.engine.mesh import require_process_group
 from shardline.engine.param import OWNER_ATTR
 from shardline.engine.registry import subtree_units
@@ -72,8 +73,8 @@ def materialize(
             ``reset_parameters`` and for models whose CPU construction initializes differently
             (a custom ``_init_weights`` applied after building, or a constructor that initializes
             its own parameters before building its submodules).
-        device: Where shards live; default: the mesh's device (CPU for gloo, the current CUDA
-            device for NCCL).
+        device: Where shards live; default: a unit's device that is not meta, else the current
+            CUDA device when the group communicates CUDA tensors through NCCL, else the CPU.
 
     Raises:
         ShardingError: A module has meta parameters but no ``reset_parameters`` and no
@@ -120,7 +121,7 @@ def _default_device(units: list[ShardUnit]) -> torch.device:
     for unit in units:
         if unit.device.type != "meta":
             return unit.device
-    if units and "cuda" in units[0].mesh.device_types and torch.cuda.is_available():
+    if units and default_device_type(units[0].mesh.device_map, cuda_available=torch.cuda.is_available()) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

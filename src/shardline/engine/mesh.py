@@ -31,6 +31,7 @@ group. Backward then all-gathers over those ``N`` ranks only (``post_forward_gro
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardline import _torch_compat
+from shardline.engine.device import check_communicable, default_device_type, group_device_map
 from shardline.engine.strategy import StrategyPolicy
 from shardline.errors import ConfigurationError, DistributedNotInitializedError
 
@@ -53,8 +55,6 @@ __all__ = [
 ]
 
 MeshLike = DeviceMesh | dist.ProcessGroup | None
-
-_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 
 
 def require_process_group(what: str) -> None:
@@ -77,18 +77,26 @@ class ShardMesh:
         shard_group: Parameters (SHARD_OPT: optimizer state) are split across these ranks
             (``None``: not split).
         replicate_group: Gradients are also all-reduced across these ranks (``None``: no replicas).
-        device_types: Device types the backend can communicate (``cpu`` for gloo, ``cuda`` for
-            NCCL); empty when unknown (then any device is accepted).
-        device_mesh: The DeviceMesh the user passed (1-D, or 2-D for hybrid sharding).
+        device_map: ``{device type: backend}`` the group communicates (from
+            ``dist.get_backend_config``: ``{"cpu": "gloo", "cuda": "nccl"}``); empty when unknown
+            (then any device is accepted). See :mod:`shardline.engine.device`.
+        device_mesh: The DeviceMesh the user passed (1-D, or 2-D for hybrid sharding). Its own
+            device type does not decide the unit's device: DTensor views use a mesh over the same
+            groups for the parameters' device (:meth:`dtensor_placement`).
         replicate_dim: For a 2-D mesh, which of its dimensions is the replica dimension.
     """
 
     dp_group: dist.ProcessGroup
     shard_group: dist.ProcessGroup | None
     replicate_group: dist.ProcessGroup | None
-    device_types: frozenset[str]
+    device_map: Mapping[str, str]
     device_mesh: DeviceMesh | None = None
     replicate_dim: int = 0
+
+    @property
+    def device_types(self) -> frozenset[str]:
+        """Device types the group communicates; empty when unknown."""
+        return frozenset(self.device_map)
 
     @functools.cached_property
     def dp_size(self) -> int:
@@ -126,16 +134,8 @@ class ShardMesh:
         )
 
     def check_device(self, device: torch.device, where: str) -> None:
-        """Raise if the backend cannot communicate tensors on ``device``."""
-        if device.type == "meta" or not self.device_types or device.type in self.device_types:
-            return
-        backend = dist.get_backend(self.dp_group)
-        want = " or ".join(sorted(self.device_types))
-        raise ConfigurationError(
-            f"{where} is on {device}, but the mesh's backend {backend!r} communicates {want} tensors. "
-            f"Move the module to {want} before sharding (module.to(...)), or create the process group "
-            f"with a backend for {device.type} (gloo for cpu, nccl for cuda)."
-        )
+        """Raise if the group cannot communicate tensors on ``device`` (the message names both)."""
+        check_communicable(device, self.device_map, str(dist.get_backend(self.dp_group)), where=where)
 
     def dtensor_placement(self, device_type: str) -> tuple[DeviceMesh, list[Placement]]:
         """The mesh and placements that show a local shard as a DTensor piece.
@@ -147,9 +147,9 @@ class ShardMesh:
             assert self.device_mesh is not None
             placements: list[Placement] = [Shard(0), Shard(0)]
             placements[self.replicate_dim] = Replicate()
-            return self.device_mesh, placements
+            return _mesh_for_device(self.device_mesh, device_type), placements
         if self.device_mesh is not None:
-            return self.device_mesh, [Shard(0) if self.shard_size > 1 else Replicate()]
+            return _mesh_for_device(self.device_mesh, device_type), [Shard(0) if self.shard_size > 1 else Replicate()]
         group = self.shard_group if self.shard_group is not None else self.dp_group
         return _device_mesh_from_group(group, device_type), [Shard(0) if self.shard_size > 1 else Replicate()]
 
@@ -184,18 +184,15 @@ def _device_mesh_from_group(group: dist.ProcessGroup, device_type: str) -> Devic
     return DeviceMesh.from_group(group, device_type)
 
 
-def _backend_devices(group: dist.ProcessGroup) -> frozenset[str]:
-    backend = str(dist.get_backend(group))
-    devices: set[str] = set()
-    for part in backend.split(","):
-        if ":" in part:  # "cpu:gloo,cuda:nccl"
-            device, _, _name = part.partition(":")
-            devices.add(device)
-        elif part in _BACKEND_DEVICES:
-            devices.add(_BACKEND_DEVICES[part])
-        else:  # a backend we do not know: do not guess
-            return frozenset()
-    return frozenset(devices)
+@functools.cache
+def _mesh_for_device(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
+    """``mesh``, or a mesh over the same process groups for ``device_type`` (a CPU mesh, CUDA parameters)."""
+    if mesh.device_type == device_type:
+        return mesh
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    return DeviceMesh.from_group(
+        groups if mesh.ndim > 1 else groups[0], device_type, mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names
+    )
 
 
 # ---------------------------------------------------------------------- hybrid (2-D) meshes
@@ -240,9 +237,8 @@ def hybrid_mesh(*, replicate_size: int = -1, shard_size: int = -1, device_type: 
     """
     require_process_group("shardline.hybrid_mesh")
     r, s = hybrid_degrees(world_size=dist.get_world_size(), replicate_size=replicate_size, shard_size=shard_size)
-    if device_type is None:
-        devices = _backend_devices(dist.group.WORLD)
-        device_type = "cuda" if "cuda" in devices and "cpu" not in devices and torch.cuda.is_available() else "cpu"
+    if device_type is None:  # the model's device decides in the end: see ShardMesh.dtensor_placement
+        device_type = default_device_type(group_device_map(dist.group.WORLD), cuda_available=torch.cuda.is_available())
     return init_device_mesh(device_type, (r, s), mesh_dim_names=("replicate", "shard"))
 
 
@@ -291,7 +287,6 @@ def resolve_mesh(mesh: MeshLike, policy: StrategyPolicy, strategy_name: str = ""
     device_mesh: DeviceMesh | None = None
     if mesh is None:
         group = dist.group.WORLD
-        devices = _backend_devices(group)
     elif isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ConfigurationError(
@@ -300,17 +295,16 @@ def resolve_mesh(mesh: MeshLike, policy: StrategyPolicy, strategy_name: str = ""
                 "strategy='hybrid_shard' or 'hybrid_shard_zero2'; otherwise pass one dimension, e.g. mesh['dp']."
             )
         group = mesh.get_group()
-        devices = frozenset({mesh.device_type})
         device_mesh = mesh
     elif isinstance(mesh, dist.ProcessGroup):
         group = mesh
-        devices = _backend_devices(group)
     else:
         raise ConfigurationError(
             f"mesh must be a torch.distributed ProcessGroup, a DeviceMesh or None (the world), "
             f"got {type(mesh).__name__}: {mesh!r}"
         )
     _check_member(group)
+    devices = group_device_map(group)
     if policy.shard_optimizer:  # ZeRO-1/2/3: split across the group
         return ShardMesh(group, group, None, devices, device_mesh)
     return ShardMesh(group, None, group, devices, device_mesh)
@@ -350,7 +344,7 @@ def _resolve_hybrid(mesh: MeshLike, name: str) -> ShardMesh:
         dp_group,
         mesh.get_group(shard_dim),
         mesh.get_group(rep_dim),
-        frozenset({mesh.device_type}),
+        group_device_map(dp_group),
         mesh,
         replicate_dim=rep_dim,
     )

@@ -7,6 +7,7 @@ slice of a reduction's output becomes which parameter's gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,14 @@ class PendingReduce:
 
     It lands either in the shards' ``.grad`` (``slices`` of ``output``), or -- when the
     all-reduce across replicas is deferred -- in ``partial``'s owner, added to its partial sum.
+
+    Note: chained reductions (hybrid sharding). The all-reduce across replicas needs the
+    reduce-scatter's output, but nothing else does: waiting for the reduce-scatter right after
+    issuing it (as this engine once did) makes the compute stream wait for it too, stalling the
+    next unit's backward. So a hybrid reduction carries its second stage in ``then``: it is
+    issued by :meth:`advance` -- when the next unit starts its own reduction, or at the end of
+    backward -- after waiting for the reduce-scatter alone, and the reduction stays in flight
+    until its all-reduce lands. At most one reduce-scatter and one all-reduce are in flight.
     """
 
     name: str
@@ -81,9 +90,29 @@ class PendingReduce:
     direct: list[torch.Tensor | None] | None = None  # one rank, no replicas: the gradients as they are
     into_partial: Any = None  # the FlatGroup whose partial sum receives the output (deferred all-reduce)
     copy_back: list[torch.Tensor | None] | None = None  # gradients that receive their reduced values
+    then: Callable[[], Any] | None = None  # issues the second collective once ``work`` landed; returns its work
+
+    @property
+    def chained(self) -> bool:
+        """A second collective is still to be issued (see the note on chained reductions)."""
+        return self.then is not None
+
+    def advance(self) -> None:
+        """Wait for the first collective, give its scratch input back, and issue the second."""
+        assert self.then is not None
+        if self.work is not None:
+            with label(f"reduce_scatter_wait {self.name}"):
+                self.work.wait()
+        if self.spare is not None:  # the reduce-scatter's input: free once it landed
+            self.memory.give(self.spare)
+            self.spare = None
+        then, self.then = self.then, None
+        self.work = then()
 
     def finish(self) -> None:
-        """Wait for the collective, then accumulate the result where it belongs."""
+        """Wait for the collective(s), then accumulate the result where it belongs."""
+        if self.then is not None:
+            self.advance()
         if self.work is not None:
             with label(f"reduce_wait {self.name}"):
                 self.work.wait()

@@ -41,7 +41,6 @@ from shardline.engine.param import ShardedParam
 from shardline.engine.pending import PendingReduce
 from shardline.engine.profiling import label
 from shardline.engine.strategy import ShardingStrategy
-from shardline.errors import ShardingError
 
 __all__ = ["BackwardProgress", "Residency", "ShardUnit", "UnitContext"]
 
@@ -394,16 +393,3 @@ class _GradReadyHook:
 
     def __call__(self, _param: torch.Tensor) -> None:
         self.callback(self.unit, self.index)
-
-
-def check_single_device(params: Sequence[tuple[str, nn.Parameter, object]]) -> None:
-    """Raise unless every parameter is on one device (a unit communicates one device's tensors)."""
-    if not params:
-        return
-    fqn0, p0, _ = params[0]
-    for fqn, p, _ in params[1:]:
-        if p.device != p0.device:
-            raise ShardingError(
-                f"parameters of one unit must be on one device, but '{fqn0}' is on {p0.device} and '{fqn}' is "
-                f"on {p.device}. Move the module with module.to(device) before fully_shard."
-            )

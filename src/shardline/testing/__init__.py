@@ -1,7 +1,7 @@
 """Test utilities for code built on shardline (multi-process runs with hard deadlines, injected faults)."""
 
 from shardline.testing.collectives import DelayedCollectives, FaultyCollectives, GradientFault
-from shardline.testing.multiprocess import DistributedTimeoutError, RankFailedError, run_distributed
+from shardline.testing.multiprocess import DistributedTimeoutError, RankFailedError, rank_device, run_distributed
 
 __all__ = [
     "DelayedCollectives",
@@ -9,5 +9,6 @@ __all__ = [
     "FaultyCollectives",
     "GradientFault",
     "RankFailedError",
+    "rank_device",
     "run_distributed",
 ]

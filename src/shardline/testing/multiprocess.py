@@ -44,9 +44,10 @@ import torch
 import torch.distributed as dist
 
 from shardline.distributed import free_port
-from shardline.errors import ShardlineError
+from shardline.engine.device import backend_device_map
+from shardline.errors import ConfigurationError, ShardlineError
 
-__all__ = ["DistributedTimeoutError", "RankFailedError", "run_distributed"]
+__all__ = ["DistributedTimeoutError", "RankFailedError", "rank_device", "run_distributed"]
 
 _GRACE_S = 3.0  # how long the other ranks get to report after one failed
 # Errors a rank raises only because a peer died; never reported as the cause if a real one exists.
@@ -78,13 +79,46 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
+def uses_nccl(backend: str | None, *, cuda_available: bool) -> bool:
+    """Whether a group created with ``backend`` communicates CUDA tensors through NCCL.
+
+    ``None`` is torch's default: gloo for CPU tensors and, where CUDA is available, NCCL for CUDA ones.
+    """
+    if backend is None:
+        return cuda_available
+    return backend_device_map(backend).get("cuda") == "nccl"
+
+
+def rank_device(
+    backend: str | None, *, local_rank: int, cuda_available: bool, device_count: int
+) -> torch.device | None:
+    """The CUDA device a rank must select before anything touches CUDA, or None (no NCCL).
+
+    NCCL binds a communicator to the current device, and object collectives and the group's
+    control device (``torch.cuda.current_device()``) use it too, so each rank takes the device of
+    its local rank first. Several ranks cannot share one GPU under NCCL.
+
+    Raises:
+        ConfigurationError: NCCL without a CUDA device for this local rank.
+    """
+    if not uses_nccl(backend, cuda_available=cuda_available):
+        return None
+    if not cuda_available or local_rank >= device_count:
+        raise ConfigurationError(
+            f"backend {backend!r} runs CUDA collectives on NCCL, which needs one GPU per rank, but local rank "
+            f"{local_rank} has none (CUDA available: {cuda_available}, {device_count} devices). Run at most "
+            f"{device_count} ranks per machine with NCCL, or use backend='gloo' for CPU tensors."
+        )
+    return torch.device("cuda", local_rank)
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
     port: int,
     init_method: str,
-    backend: str,
+    backend: str | None,
     pg_timeout_s: float,
     stack_file: str,
     dump_after_s: float,
@@ -109,6 +143,14 @@ def _worker(
         faulthandler.dump_traceback_later(dump_after_s, exit=False, file=stack_out)
         try:
             torch.set_num_threads(1)
+            device = rank_device(
+                backend,
+                local_rank=rank,
+                cuda_available=torch.cuda.is_available(),
+                device_count=torch.cuda.device_count(),
+            )
+            if device is not None:  # before anything touches CUDA: NCCL binds to the current device
+                torch.cuda.set_device(device)
             dist.init_process_group(
                 backend=backend,
                 init_method=init_method,
@@ -136,7 +178,7 @@ def run_distributed(
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     timeout: float = 90.0,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` new ranks; return their results.
@@ -144,9 +186,21 @@ def run_distributed(
     ``fn`` must be importable by name (a module-level function) and its return value
     picklable. Raises :class:`RankFailedError` or :class:`DistributedTimeoutError` as
     described in the module docstring; never blocks longer than about ``timeout`` seconds.
+
+    ``backend`` is passed to ``init_process_group`` (``None``: torch's default). With NCCL
+    (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, or ``None`` where CUDA is available) each rank first
+    selects the GPU of its local rank (:func:`rank_device`); a machine with fewer GPUs than
+    ``world_size`` is refused before any rank starts.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if uses_nccl(backend, cuda_available=torch.cuda.is_available()):
+        rank_device(  # raises, naming the counts, when the last rank would have no GPU of its own
+            backend,
+            local_rank=world_size - 1,
+            cuda_available=torch.cuda.is_available(),
+            device_count=torch.cuda.device_count(),
+        )
     ctx = _context()
     results = ctx.Queue()
     port = free_port()

@@ -35,7 +35,16 @@ log = logging.getLogger("shardline.train")
 
 
 class TrainingDiverged(FloatingPointError):
-    """The global loss became non-finite; raised identically on every rank."""
+    """The global loss or gradient norm became non-finite; raised identically on every rank.
+
+    ``step`` is the first bad step (its update, and any later one, was skipped on the device);
+    ``metrics`` holds the read interval's good steps before it.
+    """
+
+    def __init__(self, message: str, *, step: int, metrics: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.metrics = list(metrics or [])
 
 
 def find_resumable_run(run_root: Path, experiment: str) -> Path | None:
@@ -153,10 +162,14 @@ class TrainingCheckpoints:
         done = "queued" if self.cfg.async_save else "saved"
         log.info("checkpoint step %d%s %s", step, f" ({tag})" if tag else "", done)
 
-    def after_step(self, trainer: Any, step: int, *, last: bool) -> None:
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether :meth:`after_step` saves at ``step`` (the trainer reads its metrics first)."""
         every = self.cfg.every_n_steps
-        due = (every and step % every == 0) or (last and self.cfg.save_last)
-        if due and self.last_saved_step != step:
+        due = bool(every and step % every == 0) or (last and self.cfg.save_last)
+        return due and self.last_saved_step != step
+
+    def after_step(self, trainer: Any, step: int, *, last: bool) -> None:
+        if self.due(step, last=last):
             self.save(trainer, step)
 
     def on_divergence(self, trainer: Any, step: int) -> None:

@@ -130,8 +130,8 @@ class Diagnostics:
             for line in comm_report(self._counter.records):
                 log.info("diagnostics: %s", line)
 
-    def on_step_end(self, trainer: Any, metrics: Any) -> None:
-        self._mark(trainer, metrics.step, "batch_end")
+    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+        self._mark(trainer, step, "batch_end")  # right after the step (on_step_end waits for the read)
 
     def on_fit_end(self, trainer: Any, summary: Any) -> None:
         if self.rows and len(self.rows) < 4 * self.memory_steps:  # the run was shorter than the window

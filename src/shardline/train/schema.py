@@ -140,7 +140,9 @@ class TrainerConfig:
     val_batches: int = 4
     """Global validation batches per evaluation."""
     log_every_n_steps: int = 10
-    """How often the plain-text progress line is printed when the output is not a terminal."""
+    """Read losses and norms from the device (one transfer), write their metrics rows and print the
+    plain-text progress line (when the output is not a terminal) every this many steps; also at
+    evaluations, checkpoints and the last step."""
     seed: int = 1234
     """Seed for model initialization, data order and dropout."""
     init_device: str = "cpu"

@@ -1,4 +1,22 @@
-"""The training loop: one class that sets up the model, data and optimizer, then fits."""
+"""The training loop: one class that sets up the model, data and optimizer, then fits.
+
+Note: no host synchronization inside a step. Reading a CUDA tensor on the host (``float(loss)``,
+``.item()``, ``bool(torch.isfinite(x))``) stalls the CPU until the GPU has drained every kernel
+queued before it, so the CPU can no longer run ahead launching the next step's work. A step
+therefore keeps its global loss and gradient norm as device tensors, and the loop reads them
+once per *read interval* -- every ``trainer.log_every_n_steps`` steps, and at every evaluation,
+checkpoint and the last step -- in one transfer for the whole interval. ``metrics.csv`` still
+gets one row per step (``step_time_s`` is then the interval's wall time per step, which includes
+the device draining).
+
+The divergence guarantee holds without a read: each step decides *on the device* whether its
+update applies, as fused optimizers do with ``found_inf`` under a gradient scaler. A
+non-finite global loss or gradient norm sets a sticky flag tensor, which the optimizer
+(``AdamW(fused=True)``) reads inside its kernel: the weights, the moments and the step count
+stay as they were, for this step and every later one of the interval. At the read the run
+stops with :class:`TrainingDiverged` naming the first bad step; the LR scheduler is put back to
+that step, so an ``on_exception`` checkpoint holds the state after the last good step.
+"""
 
 from __future__ import annotations
 
@@ -79,6 +97,19 @@ class Summary:
         return asdict(self)
 
 
+@dataclass
+class _PendingStep:
+    """A step whose loss and gradient norm are still device tensors (read at the interval's end)."""
+
+    step: int
+    lr: float
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    peak_mem_mib: float
+    comm_mib: float
+    scheduler_before: dict[str, Any]
+
+
 def _peak_mem_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -155,6 +186,7 @@ class Trainer:
         self.accumulate = cfg.trainer.accumulate_grad_batches
         self.global_batch = cfg.trainer.micro_batch_size * self.accumulate * info.world_size
         self.tokens_per_step = self.global_batch * cfg.data.seq_len
+        self._skip = torch.zeros((), device=self.device)  # 1 once a step was not finite: no update after it
 
         torch.manual_seed(cfg.trainer.seed)
         self.corpus: Corpus = load_corpus(cfg.data)
@@ -189,6 +221,8 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed + 1 + info.rank)
         self.checkpoints = TrainingCheckpoints(cfg, run_dir)
         self.start_step = self.checkpoints.resume(self, cfg.trainer.resume)
+        for group in self.optimizer.param_groups:  # a checkpoint written before the fused optimizer says otherwise
+            group["fused"], group["foreach"] = True, None
         if self.start_step:
             self.metrics = _read_metrics(run_dir / METRICS_FILE, upto=self.start_step)
 
@@ -239,21 +273,29 @@ class Trainer:
             {"params": decay, "weight_decay": opt.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
+        # fused: the kernel reads ``found_inf`` on the device, so a diverged step skips without a host read.
+        return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=True)
 
     # ------------------------------------------------------------------ loop
     def _loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(self.precision, self.device.type):
-            out = self.model(tokens.to(self.device))
+            out = self.model(self._to_device(tokens))
             logits = out.logits if hasattr(out, "logits") else out
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+            return F.cross_entropy(logits.flatten(0, 1).float(), self._to_device(targets).flatten())
 
-    def _global_mean(self, value: torch.Tensor) -> float:
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """``batch`` on the training device; to CUDA from pinned memory, without blocking the host."""
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
+
+    def _global_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the ranks, as a float32 device tensor (no host read)."""
         value = value.detach().to(self.device, torch.float32).clone()
         if self.info.world_size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
             value /= self.info.world_size
-        return float(value)
+        return value
 
     def evaluate(self) -> float:
         """Mean loss over ``trainer.val_batches`` fixed validation batches (all ranks)."""
@@ -263,13 +305,14 @@ class Trainer:
             for i in range(self.cfg.trainer.val_batches):
                 total += self._loss(*self.val_batches.local(i))
         self.model.train()
-        return self._global_mean(total / self.cfg.trainer.val_batches)
+        return float(self._global_mean(total / self.cfg.trainer.val_batches))  # a read: evaluation ends an interval
 
-    def _train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step; returns (global mean loss, global grad norm).
+    def _train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (global mean loss, global grad norm) as device tensors.
 
-        Raises TrainingDiverged -- on every rank alike, before the optimizer touches the
-        weights -- if the global loss is not finite.
+        Reads nothing on the host (see the note at the top). A non-finite loss or gradient norm
+        -- the same on every rank, both being all-reduced -- makes this and every later step skip
+        the update on the device; :meth:`_read` raises :class:`TrainingDiverged` for it.
         """
         self._call("on_train_batch_start", step + 1)
         tokens, targets = self.train_batches.local(step)
@@ -288,22 +331,63 @@ class Trainer:
             loss_sum += loss.detach()
         self._call("on_after_backward", step + 1)
         loss = self._global_mean(loss_sum)
-        if not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(
-                f"training loss became {loss} at step {step + 1}; lower optimizer.lr or enable gradient clipping "
-                "(trainer.gradient_clip_val)"
-            )
         max_norm = self.cfg.trainer.gradient_clip_val or math.inf
         if self.sharded:
             grad_norm = self.model.clip_grad_norm_(max_norm)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        bad = torch.logical_not(torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.float32)
+        torch.maximum(self._skip, bad, out=self._skip)  # sticky: no update after a bad step either
         self._call("on_before_optimizer_step", step + 1)
+        self.optimizer.found_inf = self._skip  # read by the fused kernel: 1 skips the update
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, float(grad_norm)
+        return loss, grad_norm.detach().to(self.device, torch.float32)
+
+    def _read(self, pending: list[_PendingStep], wall_s: float) -> list[StepMetrics]:
+        """One host read for the interval's steps; raises :class:`TrainingDiverged` at the first bad one."""
+        if not pending:
+            return []
+        values = torch.stack([t for p in pending for t in (p.loss, p.grad_norm)]).tolist()
+        per_step = wall_s / len(pending)
+        out = []
+        for i, p in enumerate(pending):
+            loss, grad_norm = values[2 * i], values[2 * i + 1]
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                self._rewind_scheduler(p.scheduler_before)
+                bad = f"training loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
+                raise TrainingDiverged(
+                    f"{bad} at step {p.step}; the update was skipped on the device, so the weights and optimizer "
+                    f"state are those after step {p.step - 1}. Lower optimizer.lr or enable gradient clipping "
+                    "(trainer.gradient_clip_val)",
+                    step=p.step,
+                    metrics=out,
+                )
+            out.append(
+                StepMetrics(
+                    step=p.step,
+                    loss=loss,
+                    lr=p.lr,
+                    grad_norm=grad_norm,
+                    tokens_per_s=self.tokens_per_step / per_step if per_step > 0 else math.inf,
+                    step_time_s=per_step,
+                    peak_mem_mib=p.peak_mem_mib,
+                    comm_mib=p.comm_mib,
+                )
+            )
+        return out
+
+    def _rewind_scheduler(self, state: dict[str, Any]) -> None:
+        """Put the LR schedule (and the optimizer's learning rates) back to before a step."""
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+
+    def _emit(self, metrics: list[StepMetrics]) -> None:
+        for m in metrics:
+            self.metrics.append(m)
+            self._call("on_step_end", m)
 
     def _call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -321,38 +405,54 @@ class Trainer:
             self._call("on_validation_end", 0, initial_val)
         start = time.perf_counter()
         done = self.start_step
+        every_read = max(1, cfg.log_every_n_steps)
+        pending: list[_PendingStep] = []
+        interval_start = time.perf_counter()
         try:
             for step in range(self.start_step, self.max_steps):
                 lr = self.optimizer.param_groups[0]["lr"]
+                scheduler_before = self.scheduler.state_dict()
                 comm_before = shardline.comm_stats(self.model).total_bytes
-                t0 = time.perf_counter()
                 loss, grad_norm = self._train_step(step)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                dt = time.perf_counter() - t0
+                pending.append(
+                    _PendingStep(
+                        step=step + 1,
+                        lr=lr,
+                        loss=loss,
+                        grad_norm=grad_norm,
+                        peak_mem_mib=_peak_mem_mib(self.device),
+                        comm_mib=(shardline.comm_stats(self.model).total_bytes - comm_before) / 2**20,
+                        scheduler_before=scheduler_before,
+                    )
+                )
+                self._call("on_train_batch_end", step + 1)
+                last = step + 1 == self.max_steps
+                validate = (step + 1) % cfg.val_check_interval == 0 or last
+                save = self.checkpoints.due(step + 1, last=last)
+                if not (validate or save or last or (step + 1) % every_read == 0):
+                    continue
+                # The interval's one read: a diverged step raises here, before anything is evaluated or saved.
+                try:
+                    metrics = self._read(pending, time.perf_counter() - interval_start)
+                except TrainingDiverged as diverged:
+                    self._emit(diverged.metrics)
+                    done = diverged.step - 1
+                    raise
+                pending = []
                 done = step + 1
                 val_loss = None
-                if done % cfg.val_check_interval == 0 or done == self.max_steps:
+                if validate:
                     val_loss = self.evaluate()
                     self.val_history.append((done, val_loss))
-                metrics = StepMetrics(
-                    step=done,
-                    loss=loss,
-                    lr=lr,
-                    grad_norm=grad_norm,
-                    tokens_per_s=self.tokens_per_step / dt,
-                    step_time_s=dt,
-                    peak_mem_mib=_peak_mem_mib(self.device),
-                    comm_mib=(shardline.comm_stats(self.model).total_bytes - comm_before) / 2**20,
-                    val_loss=val_loss,
-                )
-                self.metrics.append(metrics)
-                self._call("on_step_end", metrics)
+                    metrics[-1].val_loss = val_loss
+                self._emit(metrics)
                 if val_loss is not None:
                     self._call("on_validation_end", done, val_loss)
-                self.checkpoints.after_step(self, done, last=done == self.max_steps)
+                self.checkpoints.after_step(self, done, last=last)
+                interval_start = time.perf_counter()
             self.checkpoints.close()
         except TrainingDiverged:
+            self.optimizer.zero_grad(set_to_none=True)
             self.checkpoints.on_divergence(self, done)
             raise
         except BaseException:
