@@ -18,6 +18,7 @@ __all__ = [
     "DCP_METADATA_CLASSES",
     "all_gather_into",
     "compiled_autograd_active",
+    "dtensor_with_local",
     "eager_only",
     "elastic_launch_config",
     "fake_tensor_mode",
@@ -128,6 +129,19 @@ def fake_tensor_mode() -> Iterator[None]:
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         yield
+
+
+def dtensor_with_local(dtensor: Any, *, local: torch.Tensor) -> Any:
+    """A DTensor with ``dtensor``'s mesh, placements and global shape whose local piece is ``local``, as it is.
+
+    Note: ``DTensor.from_local`` moves a local piece to the mesh's device type, so a host copy
+    of a CUDA shard would go straight back to the GPU. DCP plans a DTensor's write from its spec
+    and reads the bytes through ``to_local()``, so a DTensor whose piece stays on the host is what
+    an async save hands it (torch's own CPU staging builds the same thing through ``_local_tensor``).
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, dtensor._spec, requires_grad=False)
 
 
 def storage_key(tensor: torch.Tensor) -> int:

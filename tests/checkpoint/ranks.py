@@ -341,3 +341,100 @@ def full_save_out_of_host_memory_on_rank0(rank: int, world: int, path: str) -> t
 
         module.host_copy = out_of_memory
     return catch(ckpt.save, path, model=model, optimizer=optimizer, step=1, kind="full")
+
+
+def async_host_staging(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Two async saves through one manager: what the staging held and handed to the digests, and a resume.
+
+    Returns plain facts for the test to check: storages, byte counts, data pointers, the engine's
+    memory accounting around the first save, and whether the second checkpoint loads back bit-identically.
+    """
+    import threading
+
+    from torch.distributed.tensor import DTensor
+
+    from shardline.checkpoint import staged_check
+    from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver
+
+    class Hold(SaveObserver):
+        def __init__(self) -> None:
+            self.release = threading.Event()
+
+        def before_write(self, path: str, nbytes: int, rank: int) -> None:
+            assert self.release.wait(60), "the test never released the writer"
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def tensors(obj: Any) -> list[torch.Tensor]:
+        if isinstance(obj, torch.Tensor):
+            return [local(obj)]
+        if isinstance(obj, dict):
+            return [t for v in obj.values() for t in tensors(v)]
+        if isinstance(obj, (list, tuple)):
+            return [t for v in obj for t in tensors(v)]
+        return []
+
+    model, optimizer = build()
+    train_step(model, optimizer, 0, rank, world)
+    held = [local(t) for t in [*model.parameters(), *model.buffers()]]
+    held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    model_storages = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in held]
+    live = {"model": ckpt.model_state_dict(model), "optim": ckpt.optimizer_state_dict(model, optimizer)}
+    one_copy = {(t.data_ptr(), tuple(t.shape), t.dtype): t.numel() * t.element_size() for t in tensors(live)}
+    del live
+
+    hashed: list[torch.Tensor] = []
+    real_add = staged_check.StagedDigester.add
+
+    def spy(self: Any, tensor: torch.Tensor) -> None:
+        hashed.append(tensor)
+        real_add(self, tensor)
+
+    staged_check.StagedDigester.add = spy  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    try:
+        manager = ckpt.CheckpointManager(directory, async_save=True)
+        pool = manager.staging_buffers
+        assert pool is not None
+        hold = Hold()
+        manager.observer = hold
+        before = shardline.memory_stats(model, optimizer=optimizer)
+        manager.save(ckpt.SaveRequest(step=1, model=model, optimizer=optimizer))  # returns once staged
+        during = shardline.memory_stats(model, optimizer=optimizer)
+        first = pool.buffers
+        out["one_copy_bytes"] = sum(one_copy.values())
+        out["pool_bytes"] = pool.nbytes
+        out["buffers"] = len(first)
+        out["tensors"] = len(one_copy)
+        out["buffer_bytes"] = sum(b.untyped_storage().nbytes() for b in first)
+        out["memory_unchanged"] = before == during
+        out["all_on_host"] = all(b.device.type == "cpu" and not b.is_pinned() for b in first)
+        starts = {b.untyped_storage().data_ptr() for b in first}
+        out["hashed_are_buffers"] = {t.untyped_storage().data_ptr() for t in hashed} == starts
+        out["buffers_outside_model"] = not any(
+            start <= b.data_ptr() < start + size for b in first for start, size in model_storages
+        )
+        train_step(model, optimizer, 1, rank, world)  # training goes on while the write is held
+        hold.release.set()
+        manager.wait()
+        manager.observer = NO_OBSERVER
+        expected = snapshot(model, optimizer)
+        hashed.clear()
+        manager.save(ckpt.SaveRequest(step=2, model=model, optimizer=optimizer))
+        second = pool.buffers
+        out["reused"] = [b.data_ptr() for b in second] == [b.data_ptr() for b in first]
+        out["same_buffers"] = all(a is b for a, b in zip(first, second, strict=True))
+        out["hashed_are_buffers_again"] = {t.untyped_storage().data_ptr() for t in hashed} == starts
+        train_step(model, optimizer, 2, rank, world)
+        info = manager.wait()
+        manager.close()
+        out["freed_on_close"] = pool.nbytes == 0 and pool.buffers == ()
+    finally:
+        staged_check.StagedDigester.add = real_add  # type: ignore[method-assign]
+    assert info is not None
+    loaded, loaded_optimizer = build(seed=123)
+    ckpt.load(info.path, model=loaded, optimizer=loaded_optimizer)
+    got = snapshot(loaded, loaded_optimizer)  # rank 0 holds the full state
+    out["resumed_identical"] = _same(unpack(got), unpack(expected)) if rank == 0 else None
+    return out

@@ -109,3 +109,84 @@ def test_a_digest_belongs_to_the_tensor_it_names_when_views_share_a_start() -> N
     assert tensor_key(head) == tensor_key(t)
     assert (entry.name, entry.nbytes) == ("head", 16)
     assert entry.sha256 == hashlib.sha256(head.numpy().tobytes()).hexdigest(), "the digest of the bytes it names"
+
+
+def test_async_staging_holds_one_reused_host_copy_and_resumes_bit_identically(tmp_path: Path) -> None:
+    from shardline.testing import run_distributed
+    from tests.checkpoint import ranks
+
+    facts = run_distributed(ranks.async_host_staging, 2, args=(str(tmp_path / "c"),), timeout=120)
+    for f in facts:
+        # one copy of this rank's state (tied weights once), in host buffers that are not the model's storages
+        assert f["buffers"] == f["tensors"] > 0
+        assert f["pool_bytes"] == f["buffer_bytes"] == f["one_copy_bytes"] > 0
+        assert f["buffers_outside_model"]
+        assert f["all_on_host"]
+        # the bytes hashed (and so written) are those buffers: no other staged copy exists
+        assert f["hashed_are_buffers"]
+        assert f["hashed_are_buffers_again"]
+        # the engine's accounting of what the model holds does not move while the write is in flight
+        assert f["memory_unchanged"]
+        # the second save stages into the first one's buffers (kept alive, so equal pointers mean reuse)
+        assert f["reused"]
+        assert f["same_buffers"]
+        assert f["freed_on_close"]
+    assert facts[0]["resumed_identical"] is True
+
+
+def test_host_buffers_are_reused_by_shape_and_dtype_and_trimmed() -> None:
+    from shardline.checkpoint.host_staging import HostBuffers
+
+    pool = HostBuffers()
+    a, b, c = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3), torch.zeros(4, dtype=torch.int64)
+    pool.begin()
+    first = [pool.copy(t) for t in (a, b, c)]
+    pool.finish()
+    assert all(torch.equal(x, y) and x.data_ptr() != y.data_ptr() for x, y in zip(first, (a, b, c), strict=True))
+    assert pool.nbytes == 6 * 4 * 2 + 4 * 8
+    assert pool.source_device is None  # nothing came from an accelerator
+    pool.begin()
+    again = [pool.copy(t + 1) for t in (a, b)]  # same shapes, same order: the same buffers, new bytes
+    assert [x is y for x, y in zip(again, first[:2], strict=True)] == [True, True]
+    assert torch.equal(again[0], a + 1)
+    odd = pool.copy(torch.zeros(3, 2))  # a new shape gets a new buffer
+    assert all(odd.data_ptr() != x.data_ptr() for x in first)
+    pool.finish()  # the int64 buffer went unused this round: freed
+    assert pool.nbytes == 6 * 4 * 3
+    pool.clear()
+    assert pool.nbytes == 0
+    assert pool.buffers == ()
+
+
+def test_host_buffers_pin_only_for_cuda_sources() -> None:
+    from types import SimpleNamespace
+
+    from shardline.checkpoint.host_staging import host_buffer_like, pins_for
+
+    assert pins_for(SimpleNamespace(type="cuda", index=1))
+    assert not pins_for(torch.device("cpu"))
+    assert not pins_for(torch.device("meta"))
+    source = torch.randn(3, 5, dtype=torch.bfloat16)
+    buffer = host_buffer_like(source)
+    assert (buffer.device.type, buffer.shape, buffer.dtype, buffer.is_pinned()) == (
+        "cpu",
+        source.shape,
+        source.dtype,
+        False,
+    )
+    assert buffer.is_contiguous()
+    assert buffer.data_ptr() != source.data_ptr()
+
+
+def test_the_writer_thread_binds_to_the_source_cuda_device_only() -> None:
+    from types import SimpleNamespace
+
+    from shardline.checkpoint.host_staging import bind_writer_device
+
+    calls: list[object] = []
+    gpu1 = SimpleNamespace(type="cuda", index=1)
+    assert bind_writer_device(gpu1, set_device=calls.append)
+    assert calls == [gpu1]
+    assert not bind_writer_device(torch.device("cpu"), set_device=calls.append)
+    assert not bind_writer_device(None, set_device=calls.append)
+    assert calls == [gpu1]

@@ -60,6 +60,7 @@ from shardline.checkpoint.directory import (
 )
 from shardline.checkpoint.directory import CommittedCheckpoint as CommittedCheckpoint
 from shardline.checkpoint.fsutil import fsync_dir, is_tmp_lock_name, is_tmp_name, is_trash_name, tmp_in_use
+from shardline.checkpoint.host_staging import HostBuffers, bind_writer_device
 from shardline.checkpoint.ledger import LEDGER_NAME, Ledger, LedgerRow
 from shardline.checkpoint.lineage import order, unrecorded
 from shardline.checkpoint.load import load as load_checkpoint
@@ -99,7 +100,9 @@ class CheckpointManager:
         directory: Where checkpoints live (created if needed).
         ledger_path: The SQLite ledger (default ``directory/lineage.sqlite``).
         async_save: Write checkpoints in a background thread. ``save`` returns once the state is
-            copied (staged); the next ``save``, ``wait`` or ``close`` waits for the write and
+            copied (staged) into host buffers the manager reuses from save to save (pinned when
+            the model is on CUDA; nothing extra on the model's device; :mod:`.host_staging`) and
+            freed by ``close``; the next ``save``, ``wait`` or ``close`` waits for the write and
             raises its error, if any. The background thread talks over its own gloo group so
             its collectives never interleave with training's.
         process_group: Group of the ranks that save (default: the world).
@@ -140,6 +143,8 @@ class CheckpointManager:
         self._group = process_group
         self._io_group = process_group
         self._thread: threading.Thread | None = None
+        self.staging_buffers: HostBuffers | None = HostBuffers() if self.async_save else None
+        """The host buffers async saves stage into (None for synchronous saves)."""
         self._error: BaseException | None = None
         self._last: CheckpointInfo | None = None
         self._last_good: Path | None = None
@@ -312,6 +317,7 @@ class CheckpointManager:
             tmp=tmp,
             parent_manifest_hash=self.parent_manifest_hash,
             copy=self.async_save,
+            buffers=self.staging_buffers,
             process_group=self._io_group,
         )
         if not self.async_save:
@@ -372,6 +378,7 @@ class CheckpointManager:
 
     def _write_in_background(self, staged: StagedCheckpoint, tmp: Path) -> None:
         try:
+            bind_writer_device(staged.source_device)  # a new thread starts on CUDA device 0
             self._write(staged, tmp)
         except BaseException as e:
             self._error = e
@@ -448,8 +455,12 @@ class CheckpointManager:
         return self._last
 
     def close(self) -> None:
-        """Wait for any async save (raising its error)."""
-        self.wait()
+        """Wait for any async save (raising its error); free the host staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self.staging_buffers is not None:
+                self.staging_buffers.clear()
 
     def __enter__(self) -> CheckpointManager:
         return self

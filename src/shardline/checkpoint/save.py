@@ -55,6 +55,7 @@ from shardline.checkpoint.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.crashpoints import crash_point
 from shardline.checkpoint.fsutil import fsync_dir, fsync_new_dirs, lock_tmp, release_tmp, tmp_dir_for
 from shardline.checkpoint.hashing import FileDigest, HashingWriter
+from shardline.checkpoint.host_staging import HostBuffers
 from shardline.checkpoint.manifest import (
     MANIFEST,
     MANIFEST_HASH_FILE,
@@ -164,9 +165,12 @@ def stage_agreed(
     tmp: Path,
     parent_manifest_hash: str | None = None,
     copy: bool = False,
+    buffers: HostBuffers | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> StagedCheckpoint:
     """Step 2 (a collective): :func:`~.staging.stage` on every rank, then agree that all succeeded.
+
+    ``copy`` and ``buffers`` are passed to :func:`~.staging.stage` (an async save's host staging).
 
     A rank whose staging fails (e.g. trainer state that cannot be saved safely) would otherwise
     leave its peers waiting in the write; instead every rank raises the same error and the temp
@@ -176,7 +180,12 @@ def stage_agreed(
     def stage_here() -> int:
         nonlocal staged
         staged = stage(
-            request, path=path, parent_manifest_hash=parent_manifest_hash, copy=copy, process_group=process_group
+            request,
+            path=path,
+            parent_manifest_hash=parent_manifest_hash,
+            copy=copy,
+            buffers=buffers,
+            process_group=process_group,
         )
         return staged.total_bytes
 

@@ -2,7 +2,8 @@
 
 Note: why. An async save copies the state ("stages" it) so that training can go on while a
 background thread writes. If the copy is not really a copy -- a staging step that skips tensors
-already on the CPU, a reused pinned buffer, a copy still in flight -- training's next update lands
+already on the CPU, a pinned buffer reused while a write still reads it, a copy still in flight --
+training's next update lands
 in the checkpoint: the files then mix two steps, and their hashes (computed while writing)
 faithfully describe the wrong bytes. torch's own async save had exactly this bug for CPU tensors
 (pytorch/pytorch#144657). The manifest cannot catch it; only a record of the bytes *at staging
@@ -12,7 +13,9 @@ How:
 
 1. :class:`StagedDigester` (on the training thread, before ``save`` returns) hashes every
    staged tensor's bytes on the two SHA-256 helper threads, each tensor as soon as its copy is
-   made, keyed by where the tensor lives (device, data pointer).
+   made, keyed by where the tensor lives (device, data pointer). The staged copies are host
+   buffers (:mod:`.host_staging`), so the hash reads the very bytes DCP writes: no second copy
+   off the device.
 2. After DCP has written this rank's file, :func:`check_written` (on the background thread)
    reads back each tensor item from the file -- DCP writes each one as a ``torch.save`` archive at
    an offset it reports -- takes the one storage record inside it, and compares its SHA-256 with

@@ -22,10 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardline import _torch_compat
 from shardline.checkpoint import coord
 from shardline.checkpoint.canonical import config_hash
 from shardline.checkpoint.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.hf_export import hf_metadata
+from shardline.checkpoint.host_staging import HostBuffers
 from shardline.checkpoint.manifest import describe_units
 from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.optim_state import optimizer_state_dict
@@ -104,6 +106,9 @@ class StagedCheckpoint:
     staged_digests: Mapping[int, Any] | None = None
     """For a copied (async) save: this rank's staged tensors by storage, each with the SHA-256 of its bytes
     (:mod:`.staged_check`); the write checks the bytes in the files against them."""
+    source_device: torch.device | None = None
+    """For a copied (async) save: the accelerator device the staged tensors came from (the writer thread makes
+    it current), or None when they came from the host."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -148,31 +153,47 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _snapshot(obj: Any, *, on_copy: Callable[[torch.Tensor], None]) -> Any:
-    """A copy of every tensor in ``obj`` (DTensor pieces keep their placement) so training can go on.
-
-    ``on_copy`` gets each copy (the local piece of a DTensor) as soon as it is made.
-    """
+def _same_bytes(obj: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies a tensor's bytes, so two state-dict entries of one tensor (tied weights) stage once."""
+    t = obj.to_local() if isinstance(obj, DTensor) else obj
+    where = (str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
     if isinstance(obj, DTensor):
-        local = obj.to_local().clone()
-        on_copy(local)
-        return DTensor.from_local(
-            local,
-            obj.device_mesh,
-            obj.placements,
-            run_check=False,
-            shape=obj.shape,
-            stride=obj.stride(),
-        )
-    if isinstance(obj, torch.Tensor):
-        copied = obj.detach().to("cpu", copy=True)
-        on_copy(copied)
-        return copied
+        return (*where, tuple(obj.placements), tuple(obj.shape))
+    return where
+
+
+def _snapshot(
+    obj: Any,
+    *,
+    on_copy: Callable[[torch.Tensor], None],
+    buffers: HostBuffers,
+    memo: dict[tuple[Any, ...], Any] | None = None,
+) -> Any:
+    """A host copy of every tensor in ``obj`` (DTensor pieces keep their placement) so training can go on.
+
+    Each tensor (the local piece of a DTensor) is copied once, into a buffer of ``buffers``
+    (:mod:`.host_staging`: on the host, never on the model's device), and ``on_copy`` gets the
+    copy as soon as it is made. Entries holding the same bytes (tied weights) share one copy.
+    """
+    memo = {} if memo is None else memo
     if isinstance(obj, dict):
-        return {k: _snapshot(v, on_copy=on_copy) for k, v in obj.items()}
+        return {k: _snapshot(v, on_copy=on_copy, buffers=buffers, memo=memo) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_snapshot(v, on_copy=on_copy) for v in obj]
-    return obj
+        return [_snapshot(v, on_copy=on_copy, buffers=buffers, memo=memo) for v in obj]
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    key = _same_bytes(obj)
+    if obj.numel() and key in memo:
+        return memo[key]
+    if isinstance(obj, DTensor):
+        local = buffers.copy(obj.to_local())
+        on_copy(local)
+        copied = _torch_compat.dtensor_with_local(obj, local=local)
+    else:
+        copied = buffers.copy(obj)
+        on_copy(copied)
+    memo[key] = copied
+    return copied
 
 
 def _cpu(obj: Any) -> Any:
@@ -213,13 +234,16 @@ def stage(
     path: str | os.PathLike,
     parent_manifest_hash: str | None = None,
     copy: bool = False,
+    buffers: HostBuffers | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> StagedCheckpoint:
     """Capture what the save of ``request`` into ``path`` writes (this rank's part).
 
     With ``copy=False`` the state dict references the live shards (no copy; write before
-    training changes them). With ``copy=True`` tensors are copied, so training may continue
-    while a background thread writes. Kind ``full`` gathers (a collective on the default group).
+    training changes them). With ``copy=True`` tensors are copied to host memory, into
+    ``buffers`` (reused across saves; the previous save's write must have ended) or fresh ones,
+    so training may continue while a background thread writes. Kind ``full`` gathers (a
+    collective on the default group).
     ``total_bytes`` is this rank's share here; ``save.stage_agreed`` sums it over the ranks.
     """
     rank = coord.group_rank(process_group)
@@ -241,8 +265,13 @@ def stage(
     if per_rank is not None:
         sd[PER_RANK_KEY] = {str(rank): encode_state(_cpu(per_rank), f"per-rank trainer state of rank {rank}")}
     digester = StagedDigester() if copy else None
+    source_device: torch.device | None = None
     if digester is not None and kind == "sharded":
-        sd = _snapshot(sd, on_copy=digester.add)
+        buffers = buffers if buffers is not None else HostBuffers()
+        buffers.begin()
+        sd = _snapshot(sd, on_copy=digester.add, buffers=buffers)
+        buffers.finish()
+        source_device = buffers.source_device
     return StagedCheckpoint(
         final=Path(path),
         step=request.step,
@@ -265,4 +294,5 @@ def stage(
         total_bytes=_local_bytes(sd),
         config=request.config,
         staged_digests=digester.digests(sd) if digester is not None else None,
+        source_device=source_device,
     )
