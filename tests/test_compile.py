@@ -12,6 +12,7 @@ cases, and inductor's cache makes the later compiles cheap.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +53,15 @@ from tests.numerics import (
 # The grid compiles the block's graphs in each rank: about 45 s with inductor's cache warm, 90 s cold
 # on 2 busy CPU cores (the first test pays for it in its fixture).
 pytestmark = [pytest.mark.numerics, pytest.mark.slow, pytest.mark.timeout(360)]
+
+if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+    # Inductor writes its own vectorized C++ for the machine it finds, apart from ATen's kernel
+    # sets; forcing ATen's scalar set breaks that build in torch 2.13 ("'at::vec' has not been
+    # declared"), with or without shardline. .ci/run's second pass under `default` skips here.
+    pytest.skip(
+        "inductor's C++ does not build under ATEN_CPU_CAPABILITY=default (torch 2.13: 'at::vec' has not been declared)",
+        allow_module_level=True,
+    )
 
 WORLD = 2
 STEPS = 5
