@@ -18,6 +18,7 @@ from shardline.cli import main
 from shardline.diagnostics.bench import SIZES
 from shardline.diagnostics.plan import (
     ActivationCheckpointing,
+    Calibration,
     Candidate,
     Cluster,
     Prediction,
@@ -245,10 +246,37 @@ def test_unknown_names_are_configuration_errors() -> None:
 
 
 # Closing the loop on this machine (docs/planning.md): `shardline plan --calibrate` measured it just before
-# and just after one `shardline bench` run of the 101M GPT at W=2, saved in docs/benchmarks/101m-plan/. The
-# machine was shared and loaded (load average 7-8 on 2 cores): the bench's steps of one configuration
-# spread over 3x, so that run is no fair measurement of the plan's accuracy, and no test asserts it. What is
-# tested is that --calibrate measures, saves and drives the command.
+# and just after one `shardline bench` run of the 101M GPT at W=2 on idle cores (load average 0-2), all saved in
+# docs/benchmarks/101m-plan/. The test below predicts that run again from the saved calibrations and compares with
+# the bench's measured median step time. Two strategies meet the issue's +-20% target; FULL_SHARD and
+# SHARD_GRAD_OP miss it (-22% and -29%: the plan charges no engine copies or allocations, see docs/planning.md)
+# and are marked strict xfail, so the day the time model accounts for them the marks must go.
+MISSES_TARGET = pytest.mark.xfail(strict=True, reason="predicted 22-29% below the measured median (docs/planning.md)")
+
+
+def _mean_calibration() -> Calibration:
+    before = load_calibration(BENCH_101M / "calibration_before.json")
+    after = load_calibration(BENCH_101M / "calibration_after.json")
+    rates = ("matmul_gflops", "all_reduce_gbps", "all_gather_gbps", "reduce_scatter_gbps", "optimizer_gbps")
+    return dataclasses.replace(before, **{r: (getattr(before, r) + getattr(after, r)) / 2 for r in rates})
+
+
+@pytest.mark.parametrize("key", ["shardline_no_shard", "shardline_shard_opt",
+                                 pytest.param("shardline_full_shard", marks=MISSES_TARGET),
+                                 pytest.param("shardline_shard_grad_op", marks=MISSES_TARGET)])  # fmt: skip
+def test_calibrated_plan_predicts_the_saved_bench_run(key: str) -> None:
+    run = json.loads((BENCH_101M / "results.json").read_text())["runs"][0]
+    measured = next(c for c in run["configs"] if c["key"] == key)["step_s"]["median"]
+    size = SIZES["101m"]
+    cluster = Cluster(device=_mean_calibration().device(), nodes=1, gpus_per_node=run["world_size"])
+    training = Training(seq_len=size.seq_len, global_batch=run["micro_batch"] * run["world_size"],
+                        param_dtype=torch.float32, reduce_dtype=torch.float32)  # fmt: skip
+    candidate = Candidate(strategy=ShardingStrategy.parse(key.removeprefix("shardline_")),
+                          micro_batch=run["micro_batch"], ac=ActivationCheckpointing.NONE)  # fmt: skip
+    predicted = predict(from_gpt_config(size.gpt_config()), cluster=cluster, training=training, candidate=candidate)
+    error = predicted.step_time_s / measured - 1
+    print(f"{key}: predicted {predicted.step_time_s:.2f} s, measured median {measured:.2f} s, error {error:+.0%}")
+    assert abs(error) <= TOLERANCE
 
 
 @pytest.mark.slow
