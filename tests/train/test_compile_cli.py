@@ -11,7 +11,7 @@ import shardline
 from shardline.testing import run_distributed
 from shardline.train.compiling import compile_units
 from tests.numerics import assert_trajectories
-from tests.train.test_cli import SMALL, only_run_dir, read_metrics, shardline_train
+from tests.train.test_cli import SMALL, error_line, only_run_dir, read_metrics, shardline_train
 
 TINY = ["model.dim=32", "model.n_layers=2", "trainer.max_steps=4"]
 
@@ -62,3 +62,17 @@ def test_compile_units_compiles_the_outermost_units_below_the_root() -> None:
     outermost, single = run_distributed(_compiled_units, 1)[0]
     assert outermost == ["0", "1"], "a unit inside a compiled unit is compiled with it; the root stays eager"
     assert single == ["True"], "a model that is one unit is compiled whole"
+
+
+def test_compile_under_the_default_kernel_set_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under ATEN_CPU_CAPABILITY=default inductor's C++ does not build (torch 2.13); the run says so in one line
+    # before compiling anything, instead of a compiler log out of the first forward pass.
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    proc = shardline_train(*SMALL, *TINY, "trainer.compile=true", run_root=tmp_path, timeout=110)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = error_line(proc.stderr)
+    assert "trainer.compile=true on CPU with the default kernel set" in line, proc.stderr
+    assert "trainer.compile=false" in line
+    assert "at::vec" not in proc.stderr, "the compiler's own log must not reach the user"

@@ -17,6 +17,8 @@ from torch import nn
 
 from shardline.engine import MixedPrecision, check_policy_matches
 from shardline.errors import ConfigurationError, ShardlineError
+from shardline.train.compiling import check_compile_supported
+from shardline.train.config import resolve_accelerator
 from shardline.train.hints import keyword_hint, target_hint
 from shardline.train.schema import TrainConfig
 
@@ -96,6 +98,8 @@ def preflight(cfg: TrainConfig) -> Policies:
     """Build the model on meta and check every policy and callback (no memory, no workers)."""
     policies = build_policies(cfg)
     build_callbacks(cfg)
+    if cfg.trainer.compile:
+        check_compile_supported(device_type=resolve_accelerator(cfg.trainer.accelerator))
     model = build_model(cfg, device="meta")
     if policies.wrap is not None:
         check_policy_matches(model, policies.wrap, purpose="wrap")
