@@ -45,13 +45,19 @@ to ``path`` as JSON lines: the margins of the suite on this machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+from torch import nn
+
+from shardline.engine import use_collectives
+from shardline.testing import FaultyCollectives, GradientFault
 
 # The documented defaults of torch.testing.assert_close, by dtype (its docs' table).
 ASSERT_CLOSE_DEFAULTS: dict[torch.dtype, tuple[float, float]] = {
@@ -248,3 +254,8 @@ def assert_caught(errors: Mapping[str, float] | float, rule: Reorder | None, wha
         f"{what}: an injected fault moved the result by only {worst:.3e} "
         f"(bound {bound:.2e}): this comparison cannot see that bug"
     )
+
+
+def injecting(model: nn.Module, fault: GradientFault | str | None) -> contextlib.AbstractContextManager[Any]:
+    """Run a step with ``fault`` injected into ``model``'s gradient reductions (nothing if None)."""
+    return use_collectives(model, FaultyCollectives(fault)) if fault else contextlib.nullcontext()

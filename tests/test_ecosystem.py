@@ -40,6 +40,7 @@ from tests.numerics import (
     assert_reordered,
     assert_trajectories,
     assert_trajectory,
+    injecting,
     trajectory_ratio,
 )
 
@@ -288,7 +289,7 @@ def _peft(rank: int, world_size: int, dtype: torch.dtype, tmp: str, fault: str |
             p.grad /= world_size
         ref_losses.append(total)
         mine = local_slice(tokens, rank, world_size)
-        broken = use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad()
+        broken = injecting(model, fault)
         with shardline.count_collectives(model) as counter, broken:
             loss = model(input_ids=mine, labels=mine).loss
             loss.backward()

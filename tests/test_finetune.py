@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 import shardline
-from shardline.engine import use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.testing import GradientFault, run_distributed
 from tests.finetune_models import (
     BATCH,
     SEQ,
@@ -41,6 +40,7 @@ from tests.numerics import (
     assert_reordered,
     assert_trajectories,
     assert_trajectory,
+    injecting,
     trajectory_ratio,
 )
 from tests.transports import TRANSPORTS, check_transports, counted, new_count, through, transports_for
@@ -259,7 +259,7 @@ def _accumulate(rank: int, world_size: int, fault: GradientFault | None = None) 
             with model.no_sync():  # the first micro-batch keeps its gradients local
                 logits, _ = model(xs[0])
                 (loss_fn(logits, ys[0]) / 2).backward()
-            with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+            with injecting(model, fault):
                 logits, _ = model(xs[1])
                 (loss_fn(logits, ys[1]) / 2).backward()
             if step == 0:

@@ -9,8 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import shardline
-from shardline.engine import use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.testing import GradientFault, run_distributed
 from tests.models import (
     BATCH,
     BLOCK_TERMS,
@@ -29,6 +28,7 @@ from tests.numerics import (
     assert_caught,
     assert_reordered,
     assert_trajectory,
+    injecting,
     max_rel_err,
     trajectory_ratio,
 )
@@ -107,7 +107,7 @@ def _parity(
     for step in range(3):
         tokens, targets = batch(step)
         loss_fn(reference(tokens), targets).backward()
-        with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+        with injecting(model, fault):
             loss_fn(model(local_slice(tokens, rank, world_size)), local_slice(targets, rank, world_size)).backward()
         if step == 0:  # the same parameters on both sides: the gradients differ by reordering alone
             first_grad_err = grad_errors(model, reference)
@@ -162,7 +162,7 @@ def _two_backwards_and_freezing(rank: int, world_size: int, fault: GradientFault
     # Two losses, two backward passes, one optimizer step: gradients add up.
     (reference(x).pow(2).mean()).backward()
     (reference(x).sin().mean()).backward()
-    with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+    with injecting(model, fault):
         model(mine).pow(2).mean().backward()
         model(mine).sin().mean().backward()
     errs = []
@@ -238,7 +238,7 @@ def _inference_first(rank: int, world_size: int, fault: GradientFault | None = N
     with torch.inference_mode():  # an evaluation before any training: the first gathers happen here
         evaluated = model(local_slice(x, rank, world_size))
     reference(x).pow(2).mean().backward()
-    with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+    with injecting(model, fault):
         model(local_slice(x, rank, world_size)).pow(2).mean().backward()
     full = {k: v.grad for k, v in reference.named_parameters() if v.grad is not None}
     errs = []

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import shardline
-from shardline.engine import Residency, subtree_units, use_collectives
-from shardline.testing import FaultyCollectives, GradientFault, run_distributed
+from shardline.engine import Residency, subtree_units
+from shardline.testing import GradientFault, run_distributed
 from tests.models import (
     SEQ,
     Block,
@@ -22,7 +22,7 @@ from tests.models import (
     loss_fn,
     parity_forward_terms,
 )
-from tests.numerics import Reorder, assert_caught, assert_reordered, assert_trajectory, trajectory_ratio
+from tests.numerics import Reorder, assert_caught, assert_reordered, assert_trajectory, injecting, trajectory_ratio
 
 pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
 
@@ -58,7 +58,7 @@ def _run(rank: int, world_size: int, n: int, hybrid: bool, fault: GradientFault 
     for step in range(3):
         tokens, targets = batch(step, 24)
         loss_fn(reference(tokens), targets).backward()
-        with use_collectives(model, FaultyCollectives(fault)) if fault else torch.enable_grad():
+        with injecting(model, fault):
             out = model(local_slice(tokens, rank, world_size))
             if step == 2:
                 residency = {u.display_name: u.residency for u in subtree_units(model)}

@@ -14,6 +14,47 @@ from shardline.engine import Collectives, TorchCollectives
 __all__ = ["DelayedCollectives", "FaultyCollectives", "GradientFault"]
 
 
+class _Forwarding:
+    """Every collective passed through to ``inner``: the base the test backends override a few of."""
+
+    def __init__(self, inner: Collectives | None = None) -> None:
+        self.inner: Collectives = inner or TorchCollectives()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+        return self.inner.all_gather(output, input, group, async_op=async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: dist.ReduceOp.RedOpType,
+        async_op: bool,
+    ) -> Any:
+        return self.inner.reduce_scatter(output, input, group, op=op, async_op=async_op)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
+    ) -> Any:
+        return self.inner.all_reduce(tensor, group, op=op, async_op=async_op)
+
+    def gathers_in_place(self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: Any) -> bool:
+        check = getattr(self.inner, "gathers_in_place", None)
+        return bool(check is not None and check(group, numel=numel, dtype=dtype, device=device))
+
+    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+        return self.inner.all_gather_in_place(buffer, group, async_op=async_op)  # type: ignore[attr-defined]
+
+    def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
+        self.inner.broadcast(tensor, group, src=src)
+
+    def scatter(
+        self, output: torch.Tensor, chunks: list[torch.Tensor] | None, group: dist.ProcessGroup, *, src: int
+    ) -> None:
+        self.inner.scatter(output, chunks, group, src=src)
+
+
 class _DelayedWork:
     """An async collective whose result only appears, late, when waited on."""
 
@@ -32,7 +73,7 @@ class _DelayedWork:
         return self._work is None
 
 
-class DelayedCollectives:
+class DelayedCollectives(_Forwarding):
     """Make every asynchronous collective look slow and land late.
 
     An async collective writes into a scratch buffer while its real output holds NaN; the
@@ -46,8 +87,8 @@ class DelayedCollectives:
     """
 
     def __init__(self, seconds: float, inner: Collectives | None = None) -> None:
+        super().__init__(inner)
         self.seconds = float(seconds)
-        self.inner: Collectives = inner or TorchCollectives()
         self.delayed = 0
 
     def _delay(self, output: torch.Tensor, issue: Any) -> Any:
@@ -83,23 +124,11 @@ class DelayedCollectives:
             return self.inner.all_reduce(tensor, group, op=op, async_op=False)
         return self._delay(tensor, lambda out: self.inner.all_reduce(out, group, op=op, async_op=True))
 
-    def gathers_in_place(self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: Any) -> bool:
-        check = getattr(self.inner, "gathers_in_place", None)
-        return bool(check is not None and check(group, numel=numel, dtype=dtype, device=device))
-
     def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
         inner = self.inner.all_gather_in_place  # type: ignore[attr-defined]
         if not async_op:
             return inner(buffer, group, async_op=False)
         return self._delay(buffer, lambda out: inner(out, group, async_op=True))
-
-    def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
-        self.inner.broadcast(tensor, group, src=src)
-
-    def scatter(
-        self, output: torch.Tensor, chunks: list[torch.Tensor] | None, group: dist.ProcessGroup, *, src: int
-    ) -> None:
-        self.inner.scatter(output, chunks, group, src=src)
 
 
 class GradientFault(str, enum.Enum):
@@ -121,7 +150,7 @@ class _Done:
         return True
 
 
-class FaultyCollectives:
+class FaultyCollectives(_Forwarding):
     """Inject a :class:`GradientFault` into every averaging reduction; everything else passes through.
 
     Gradients are the only tensors shardline averages, so gathers, norms (sums and maxima) and
@@ -133,8 +162,8 @@ class FaultyCollectives:
     """
 
     def __init__(self, fault: GradientFault | str, inner: Collectives | None = None) -> None:
+        super().__init__(inner)
         self.fault = GradientFault(fault)
-        self.inner: Collectives = inner or TorchCollectives()
         self.injected = 0
 
     def _op(self, op: dist.ReduceOp.RedOpType) -> dist.ReduceOp.RedOpType | None:
@@ -143,9 +172,6 @@ class FaultyCollectives:
             return op
         self.injected += 1
         return None if self.fault is GradientFault.MISSING_REDUCTION else dist.ReduceOp.SUM
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
-        return self.inner.all_gather(output, input, group, async_op=async_op)
 
     def reduce_scatter(
         self,
@@ -169,18 +195,3 @@ class FaultyCollectives:
         if run is None:
             return _Done() if async_op else None
         return self.inner.all_reduce(tensor, group, op=run, async_op=async_op)
-
-    def gathers_in_place(self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: Any) -> bool:
-        check = getattr(self.inner, "gathers_in_place", None)
-        return bool(check is not None and check(group, numel=numel, dtype=dtype, device=device))
-
-    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
-        return self.inner.all_gather_in_place(buffer, group, async_op=async_op)  # type: ignore[attr-defined]
-
-    def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
-        self.inner.broadcast(tensor, group, src=src)
-
-    def scatter(
-        self, output: torch.Tensor, chunks: list[torch.Tensor] | None, group: dist.ProcessGroup, *, src: int
-    ) -> None:
-        self.inner.scatter(output, chunks, group, src=src)
