@@ -1,0 +1,154 @@
+"""Trainer's checkpoints as shardline checkpoints, and ``save_model()`` as a consolidated Hugging Face folder.
+
+Layout of a periodic save (``save_steps``), inside Trainer's own ``checkpoint-N/``::
+
+    checkpoint-N/
+      shardline/            a shardline checkpoint: DCP shards of the model and optimizer, hashed
+                            while written, manifest.json + manifest.sha256, the learning-rate
+                            scheduler and the run's TrainingArguments, chained to its parent
+      trainer_state.json    Trainer's own (step, log history, callbacks' state)
+      rng_state_R.pth       Trainer's own, one per rank
+
+Resuming (``train(resume_from_checkpoint=...)``) verifies every byte of ``shardline/`` against
+its manifest before anything is loaded, then loads the model, optimizer and scheduler at any
+world size; Trainer restores its own state and RNG files as usual.
+
+``save_model(out)`` writes the model the way ``save_pretrained`` would -- ``model.safetensors``
+and ``config.json``, or for a PEFT model ``adapter_model.safetensors`` and
+``adapter_config.json`` -- without gathering it: every rank writes its own shards to a
+staging checkpoint inside ``out``, then rank 0 streams them into the export
+(``shardline.checkpoint.consolidate``, a small batch of tensors at a time), and the staging
+checkpoint is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardline.checkpoint as ckpt
+from shardline.errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = ["CHECKPOINT_DIR", "export_pretrained", "load_training_checkpoint", "save_training_checkpoint"]
+
+CHECKPOINT_DIR = "shardline"
+SCHEDULER_KEY = "lr_scheduler"
+T = TypeVar("T")
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``obj`` from rank ``src`` on every rank (itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _on_rank0(work: Callable[[], T]) -> T:
+    """Run ``work`` on rank 0; every rank gets its result, or raises its error (so no rank waits on a failed one)."""
+    result: Any = None
+    failure: tuple[str, str] | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = work()
+        except Exception as e:
+            failure = (type(e).__name__, str(e))
+            if not dist.is_initialized() or dist.get_world_size() == 1:
+                raise
+    failure, result = broadcast_object((failure, result))
+    if failure is not None:
+        raise CheckpointError(f"rank 0 failed: {failure[0]}: {failure[1]}")
+    return result
+
+
+def save_training_checkpoint(
+    output_dir: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    step: int,
+    config: Mapping[str, Any],
+    parent_manifest_hash: str | None,
+) -> ckpt.CheckpointInfo:
+    """Write ``output_dir/shardline`` (a collective): model shards, optimizer (if given) and scheduler state."""
+    path = Path(broadcast_object(os.fspath(Path(output_dir).absolute()))) / CHECKPOINT_DIR
+    state: dict[str, Any] = {"trainer": "transformers.Trainer"}
+    if scheduler is not None and optimizer is not None:
+        state[SCHEDULER_KEY] = scheduler.state_dict()
+    return ckpt.save(
+        path,
+        model=model,
+        optimizer=optimizer,
+        state=state,
+        step=step,
+        config=dict(config),
+        parent_manifest_hash=parent_manifest_hash,
+    )
+
+
+def load_training_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    verify: ckpt.VerifyLevel | str,
+) -> str:
+    """Verify and load ``checkpoint_dir/shardline`` into the model (and optimizer, scheduler); its manifest hash.
+
+    Raises:
+        CheckpointNotFoundError: ``checkpoint_dir`` holds no shardline checkpoint (e.g. it was
+            written by a plain Trainer).
+    """
+    path = Path(broadcast_object(os.fspath(Path(checkpoint_dir).absolute())))
+    found = broadcast_object((path / CHECKPOINT_DIR / "manifest.json").is_file())
+    if not found:
+        raise CheckpointNotFoundError(
+            f"{path} holds no shardline checkpoint ({CHECKPOINT_DIR}/manifest.json is missing): ShardlineTrainer "
+            "resumes from the checkpoint-N folders it wrote itself. To start from weights saved by another "
+            "Trainer, load them into the model before building the ShardlineTrainer (from_pretrained)."
+        )
+    target = path / CHECKPOINT_DIR
+    manifest, digest = _on_rank0(lambda: ckpt.read_manifest(target))
+    has_optimizer = bool(manifest.get("contents", {}).get("optimizer"))
+    state = ckpt.load(target, model=model, optimizer=optimizer if has_optimizer else None, verify=verify, strict=True)
+    if scheduler is not None and has_optimizer and SCHEDULER_KEY in state:
+        scheduler.load_state_dict(state[SCHEDULER_KEY])
+    return digest
+
+
+def export_pretrained(output_dir: str | os.PathLike, *, model: nn.Module, step: int, adapters: bool) -> list[str]:
+    """Write the model's weights as a Hugging Face folder into ``output_dir`` (a collective); the file names.
+
+    ``adapters``: a PEFT model's adapter (``adapter_model.safetensors`` + ``adapter_config.json``),
+    else the whole model (``model.safetensors`` + ``config.json``). Files of the same name in
+    ``output_dir`` are replaced, as ``save_pretrained`` does; nothing else there is touched.
+    """
+    out = Path(broadcast_object(os.fspath(Path(output_dir).absolute())))
+    stage = out / broadcast_object(f".shardline-export-{uuid.uuid4().hex[:12]}")
+    try:
+        ckpt.save(stage / "checkpoint", model=model, step=step)
+
+        def publish() -> list[str]:
+            ckpt.consolidate(stage / "checkpoint", stage / "export", adapters=adapters)
+            names = sorted(p.name for p in (stage / "export").iterdir())
+            for name in names:
+                os.replace(stage / "export" / name, out / name)
+            return names
+
+        return _on_rank0(publish)
+    finally:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(stage, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
