@@ -31,7 +31,7 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from shardline.distributed import free_port
-from tests.numerics import assert_trajectories, assert_trajectory, trajectory_ratio
+from tests.numerics import assert_trajectories, assert_trajectory, close_ratio, trajectory_ratio
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "hf" / "trainer_script.py"
@@ -63,6 +63,8 @@ def _parity(out: Path, mine: str, theirs: str) -> None:
     assert len(la["loss"]) == 4, la
     assert_trajectories(la["loss"], lb["loss"], f"{mine} vs {theirs}")
     assert_trajectories(la["grad_norm"], lb["grad_norm"], f"{mine} vs {theirs} grad norm")
+    if lb["eval_loss"] is not None:  # trainer.evaluate() after training, on the same data
+        assert_trajectories([la["eval_loss"]], [lb["eval_loss"]], f"{mine} vs {theirs} evaluate()")
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,18 @@ def test_accelerate_launch_no_shard_and_trl_lora_match_ddp(tmp_path: Path) -> No
     _launch(cmd, tmp_path, timeout=110)
     _parity(tmp_path, "no_shard", "ddp")
     _parity(tmp_path, "lora_full", "lora_ddp")
+    # bf16=True: parameters gathered and computed in bf16, fp32 shards and reduction; the losses, grad norms
+    # and eval loss stay within assert_close's bf16 tolerance of the fp32 DDP run.
+    mp = json.loads((tmp_path / "bf16.dtypes.json").read_text())
+    assert mp == ["torch.bfloat16", "torch.float32", ["torch.float32"]]
+    bf16, fp32 = _log(tmp_path, "bf16"), _log(tmp_path, "ddp")
+    pairs = {
+        f"{key} {i}": (a, b)
+        for key in ("loss", "grad_norm")
+        for i, (a, b) in enumerate(zip(bf16[key], fp32[key], strict=True))
+    }
+    pairs["eval_loss"] = (bf16["eval_loss"], fp32["eval_loss"])
+    assert_trajectory({k: close_ratio(a, b, torch.bfloat16) for k, (a, b) in pairs.items()}, "bf16 vs fp32 DDP")
     trained = _weights(tmp_path, "lora_full")
     adapters = {k for k in trained if "lora_" in k}
     assert len(adapters) == 8

@@ -94,12 +94,14 @@ def rank0() -> bool:
 
 
 def record(out: Path, name: str, trainer: Trainer, weights: dict[str, torch.Tensor], **extra) -> None:
+    evaluated = trainer.evaluate(Tokens()) if extra.pop("evaluate", True) else {}
     if rank0():
         log = trainer.state.log_history
         rows = {
             "loss": [r["loss"] for r in log if "loss" in r],
             "grad_norm": [r["grad_norm"] for r in log if "grad_norm" in r],
             "world_size": dist.get_world_size(),
+            "eval_loss": evaluated.get("eval_loss"),
             **extra,
         }
         (out / f"{name}.log.json").write_text(json.dumps(rows))
@@ -141,6 +143,12 @@ def torchrun_phase(out: Path) -> None:
 def accelerate_phase(out: Path) -> None:
     run_ddp(out, "ddp")
     run_sharded(out, "no_shard", "no_shard")
+    trainer = run_sharded(out, "bf16", "full_shard", bf16=True)  # shardline's mixed precision from Trainer's bf16
+    if rank0():
+        unit = subtree_units(trainer.model)[0]
+        mp = unit.mixed_precision
+        dtypes = {str(p.dtype) for p in trainer.model.parameters()}
+        (out / "bf16.dtypes.json").write_text(json.dumps([str(mp.param_dtype), str(mp.reduce_dtype), sorted(dtypes)]))
     lora(out)
 
 
@@ -171,7 +179,7 @@ def lora(out: Path) -> None:
         trainer = cls(model=model, args=config, train_dataset=data, processing_class=tokenizer, peft_config=peft_config)
         trainer.train()
         weights = shardline.full_state_dict(trainer.model) if name == "lora_full" else trainer.model.state_dict()
-        record(out, name, trainer, weights)
+        record(out, name, trainer, weights, evaluate=False)
         results[name] = trainer
         if name == "lora_full":
             trainer.save_model(str(out / "lora_export"))
