@@ -31,7 +31,7 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from shardline.distributed import free_port
-from tests.numerics import assert_trajectories, assert_trajectory, close_ratio, trajectory_ratio
+from tests.numerics import assert_caught, assert_trajectories, assert_trajectory, close_ratio, trajectory_ratio
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "hf" / "trainer_script.py"
@@ -89,6 +89,11 @@ def test_torchrun_full_shard_and_zero2_match_ddp_and_resume_bit_identically(torc
     out = torchrun_run
     _parity(out, "full_ga", "ddp_ga")
     _parity(out, "zero2", "ddp")
+    # Each comparison sees a bug: no gradient reduction moves the weights, a sum for the mean the grad norms.
+    ddp = _weights(out, "ddp")
+    assert_caught(trajectory_ratio(_weights(out, "zero2_missing_reduction"), ddp), None, "missing reduction")
+    norms = zip(_log(out, "zero2_sum_not_mean")["grad_norm"], _log(out, "ddp")["grad_norm"], strict=True)
+    assert_caught({f"step {i}": close_ratio(a, b) for i, (a, b) in enumerate(norms)}, None, "sum, not mean")
     # max_grad_norm=0.05 clipped every step: the logged (pre-clip) global norms are far above it.
     assert min(_log(out, "full_ga")["grad_norm"]) > 0.5
     # Gradient accumulation: nothing reduced after the first micro-batch, one reduction per unit after the second.

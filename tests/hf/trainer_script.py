@@ -8,7 +8,7 @@ collectives of accumulation windows, and the folders ``save_model`` wrote.
 * ``torchrun`` (W=2): ShardlineTrainer FULL_SHARD with ``max_grad_norm`` and
   ``gradient_accumulation_steps=2`` and Trainer's DDP on the same data; periodic shardline
   checkpoints; a resume from ``checkpoint-2`` to the same end; ``save_model()``. SHARD_GRAD_OP
-  against DDP.
+  against DDP, and again with a broken gradient reduction (``FaultyCollectives``).
 * ``accelerate`` (W=2): NO_SHARD against DDP; TRL ``SFTTrainer(peft_config=LoRA)`` sharded
   against its DDP run; ``save_model()`` of the adapter.
 * ``single`` (W=1): resume the torchrun run's ``checkpoint-2`` in one process; record the
@@ -17,6 +17,7 @@ collectives of accumulation windows, and the folders ``save_model`` wrote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -27,8 +28,9 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import shardline
-from shardline.engine import subtree_units
+from shardline.engine import subtree_units, use_collectives
 from shardline.hf import ShardlineTrainer, sharded
+from shardline.testing import FaultyCollectives
 
 SEQ, SAMPLES, VOCAB = 16, 16, 256
 
@@ -116,16 +118,21 @@ def run_ddp(out: Path, name: str, **kw) -> None:
     record(out, name, trainer, trainer.model.state_dict())
 
 
-def run_sharded(out: Path, name: str, strategy: str, *, resume: str | None = None, **kw) -> ShardlineTrainer:
+def run_sharded(
+    out: Path, name: str, strategy: str, *, resume: str | None = None, fault: str | None = None, **kw
+) -> ShardlineTrainer:
     counts = GradComm()
     trainer = ShardlineTrainer(
         model=llama(), args=targs(out, name, **kw), train_dataset=Tokens(), sharding_strategy=strategy,
         callbacks=[counts],
     )  # fmt: skip
-    trainer.train(resume_from_checkpoint=resume)
+    broken = use_collectives(trainer.model, FaultyCollectives(fault)) if fault else contextlib.nullcontext()
+    with broken:
+        trainer.train(resume_from_checkpoint=resume)
     assert trainer.model_wrapped is trainer.model, "the sharded model must not be wrapped (DDP)"
     units = [u for u in subtree_units(trainer.model) if u.params]
-    record(out, name, trainer, shardline.full_state_dict(trainer.model), windows=counts.windows, units=len(units))
+    weights = shardline.full_state_dict(trainer.model)
+    record(out, name, trainer, weights, windows=counts.windows, units=len(units), evaluate=fault is None)
     return trainer
 
 
@@ -138,6 +145,9 @@ def torchrun_phase(out: Path) -> None:
     run_sharded(out, "full_ga_resumed", "full_shard", resume=str(out / "full_ga" / "checkpoint-2"), **acc)
     run_ddp(out, "ddp")
     run_sharded(out, "zero2", "shard_grad_op")
+    # The same comparisons must see a broken gradient reduction (tests/numerics.py, assert_caught).
+    for fault in ("missing_reduction", "sum_not_mean"):
+        run_sharded(out, f"zero2_{fault}", "shard_grad_op", fault=fault)
 
 
 def accelerate_phase(out: Path) -> None:
