@@ -136,6 +136,9 @@ def test_resume_at_world_size_1(torchrun_run: Path) -> None:
     log = _log(out, "single")
     assert (log["world_size"], log["step"]) == (1, 4)
     assert ckpt.verify_checkpoint(out / "single" / "checkpoint-4" / "shardline").ok
+    error = (out / "plain_error.txt").read_text()
+    assert error.startswith("CheckpointNotFoundError: "), error
+    assert "holds no shardline checkpoint (shardline/manifest.json is missing)" in error
 
 
 @pytest.mark.slow

@@ -209,6 +209,16 @@ def single_phase(out: Path) -> None:
     trainer.train(resume_from_checkpoint=str(out / "full_ga" / "checkpoint-2"))
     record(out, "single", trainer, shardline.full_state_dict(trainer.model), step=trainer.state.global_step)
     torch.save(loaded, out / "single_loaded.weights.pt")
+    # A checkpoint-N of a plain Trainer (no shardline/ inside) is refused before anything is loaded.
+    plain = out / "plain" / "checkpoint-2"
+    plain.mkdir(parents=True)
+    (plain / "trainer_state.json").write_bytes((out / "full_ga" / "checkpoint-2" / "trainer_state.json").read_bytes())
+    try:
+        ShardlineTrainer(model=llama(), args=targs(out, "plain"), train_dataset=Tokens()).train(
+            resume_from_checkpoint=str(plain)
+        )
+    except shardline.ShardlineError as e:
+        (out / "plain_error.txt").write_text(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,13 @@ from torch import nn
 import shardline.checkpoint as ckpt
 from shardline.errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["CHECKPOINT_DIR", "export_pretrained", "load_training_checkpoint", "save_training_checkpoint"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "export_pretrained",
+    "load_training_checkpoint",
+    "require_checkpoint",
+    "save_training_checkpoint",
+]
 
 CHECKPOINT_DIR = "shardline"
 SCHEDULER_KEY = "lr_scheduler"
@@ -96,6 +102,23 @@ def save_training_checkpoint(
     )
 
 
+def require_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
+    """``checkpoint_dir/shardline``, the same path on every rank.
+
+    Raises:
+        CheckpointNotFoundError: ``checkpoint_dir`` holds no shardline checkpoint (e.g. it was
+            written by a plain Trainer).
+    """
+    path = Path(broadcast_object(os.fspath(Path(checkpoint_dir).absolute())))
+    if not broadcast_object((path / CHECKPOINT_DIR / "manifest.json").is_file()):
+        raise CheckpointNotFoundError(
+            f"{path} holds no shardline checkpoint ({CHECKPOINT_DIR}/manifest.json is missing): ShardlineTrainer "
+            "resumes from the checkpoint-N folders it wrote itself. To start from weights saved by another "
+            "Trainer, load them into the model before building the ShardlineTrainer (from_pretrained)."
+        )
+    return path / CHECKPOINT_DIR
+
+
 def load_training_checkpoint(
     checkpoint_dir: str | os.PathLike,
     *,
@@ -110,15 +133,7 @@ def load_training_checkpoint(
         CheckpointNotFoundError: ``checkpoint_dir`` holds no shardline checkpoint (e.g. it was
             written by a plain Trainer).
     """
-    path = Path(broadcast_object(os.fspath(Path(checkpoint_dir).absolute())))
-    found = broadcast_object((path / CHECKPOINT_DIR / "manifest.json").is_file())
-    if not found:
-        raise CheckpointNotFoundError(
-            f"{path} holds no shardline checkpoint ({CHECKPOINT_DIR}/manifest.json is missing): ShardlineTrainer "
-            "resumes from the checkpoint-N folders it wrote itself. To start from weights saved by another "
-            "Trainer, load them into the model before building the ShardlineTrainer (from_pretrained)."
-        )
-    target = path / CHECKPOINT_DIR
+    target = require_checkpoint(checkpoint_dir)
     manifest, digest = _on_rank0(lambda: ckpt.read_manifest(target))
     has_optimizer = bool(manifest.get("contents", {}).get("optimizer"))
     state = ckpt.load(target, model=model, optimizer=optimizer if has_optimizer else None, verify=verify, strict=True)

@@ -13,9 +13,10 @@ the accelerator it creates) and ``save_model``. Trainer has no public hook for w
 checkpoint holds, so four underscore methods are overridden, each as a whole and each small:
 ``_save_checkpoint`` (marks that ``save_model`` is writing a checkpoint, then runs Trainer's
 own), ``_save_optimizer_and_scheduler`` (nothing: both are in the shardline checkpoint),
-``_load_from_checkpoint`` (nothing yet: the optimizer does not exist at that point of
-``train()``) and ``_load_optimizer_and_scheduler`` (verifies and loads model, optimizer and
-scheduler together). :func:`sharded` refuses a Trainer class lacking any of them, so a
+``_load_from_checkpoint`` (only checks that the folder holds a shardline checkpoint: the
+optimizer does not exist yet at that point of ``train()``) and
+``_load_optimizer_and_scheduler`` (verifies and loads model, optimizer and scheduler
+together). :func:`sharded` refuses a Trainer class lacking any of them, so a
 transformers release that renames one fails at once instead of writing incomplete checkpoints.
 """
 
@@ -35,7 +36,12 @@ from shardline.distributed import init_distributed
 from shardline.engine import MixedPrecision, ShardedModule, ShardingStrategy, original_class, wrap
 from shardline.errors import ConfigurationError
 from shardline.hf.accelerator import for_sharded_model
-from shardline.hf.checkpoints import export_pretrained, load_training_checkpoint, save_training_checkpoint
+from shardline.hf.checkpoints import (
+    export_pretrained,
+    load_training_checkpoint,
+    require_checkpoint,
+    save_training_checkpoint,
+)
 from shardline.hf.options import WrapPolicyLike, refused_arguments, resolve_mixed_precision, resolve_wrap_policy
 
 __all__ = ["ShardlineTrainer", "ShardlineTrainerMixin", "sharded"]
@@ -168,7 +174,8 @@ class ShardlineTrainerMixin:
         """Nothing: the optimizer and scheduler are in the shardline checkpoint ``save_model`` wrote."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Nothing yet: the model is loaded with the optimizer in ``_load_optimizer_and_scheduler``."""
+        """Only check that it is a shardline checkpoint: the model is loaded with the optimizer, later."""
+        require_checkpoint(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
