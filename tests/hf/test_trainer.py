@@ -139,6 +139,8 @@ def test_resume_at_world_size_1(torchrun_run: Path) -> None:
     error = (out / "plain_error.txt").read_text()
     assert error.startswith("CheckpointNotFoundError: "), error
     assert "holds no shardline checkpoint (shardline/manifest.json is missing)" in error
+    error = (out / "twice_error.txt").read_text()
+    assert error.startswith("ConfigurationError: the LlamaForCausalLM given to ShardlineTrainer is already sharded")
 
 
 @pytest.mark.slow

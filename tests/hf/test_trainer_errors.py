@@ -81,3 +81,9 @@ def test_sharded_makes_trainer_subclasses() -> None:
     assert sharded(cls) is cls
     with pytest.raises(ConfigurationError, match=r"takes a transformers\.Trainer subclass"):
         sharded(nn.Module)
+
+
+def test_model_init_is_refused(tmp_path: Path) -> None:
+    """Trainer would rebuild the model, unsharded, inside train(): refused when the trainer is built."""
+    with pytest.raises(ConfigurationError, match=r"model_init= is set: Trainer would build a new, unsharded model"):
+        ShardlineTrainer(model_init=tiny_llama, args=_args(tmp_path))

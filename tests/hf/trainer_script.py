@@ -219,6 +219,12 @@ def single_phase(out: Path) -> None:
         )
     except shardline.ShardlineError as e:
         (out / "plain_error.txt").write_text(f"{type(e).__name__}: {e}")
+    # A model sharded already is refused: the trainer shards it itself.
+    model = shardline.fully_shard(llama())
+    try:
+        ShardlineTrainer(model=model, args=targs(out, "twice"), train_dataset=Tokens())
+    except shardline.ShardlineError as e:
+        (out / "twice_error.txt").write_text(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

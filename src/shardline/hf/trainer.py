@@ -96,6 +96,11 @@ class ShardlineTrainerMixin:
                 "distributed_type FSDP/DEEPSPEED); shardline shards the model itself: use a config with "
                 "distributed_type MULTI_GPU (one process per device; see docs/hf_trainer.md)"
             )
+        if getattr(self, "model_init", None) is not None:
+            problems.append(
+                "model_init= is set: Trainer would build a new, unsharded model inside train(); build the model "
+                "and pass it as model= (hyperparameter search is not supported)"
+            )
         _refuse(problems, type(self).__name__)
         self._shardline_mixed_precision = resolve_mixed_precision(self.args, mixed_precision)
         self._shard(auto_wrap_policy, reshard_after_forward)
@@ -104,9 +109,7 @@ class ShardlineTrainerMixin:
     def _shard(self, policy: WrapPolicyLike, reshard_after_forward: bool | int | None) -> None:
         model = self.model
         if model is None:
-            raise ConfigurationError(
-                f"{type(self).__name__} needs a model (model_init= is not supported: build the model first)"
-            )
+            raise ConfigurationError(f"{type(self).__name__} needs a model: pass model=")
         if any(isinstance(m, ShardedModule) for m in model.modules()):
             raise ConfigurationError(
                 f"the {original_class(model).__name__} given to {type(self).__name__} is already sharded; pass the "
