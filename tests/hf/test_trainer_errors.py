@@ -86,4 +86,4 @@ def test_sharded_makes_trainer_subclasses() -> None:
 def test_model_init_is_refused(tmp_path: Path) -> None:
     """Trainer would rebuild the model, unsharded, inside train(): refused when the trainer is built."""
     with pytest.raises(ConfigurationError, match=r"model_init= is set: Trainer would build a new, unsharded model"):
-        ShardlineTrainer(model_init=tiny_llama, args=_args(tmp_path))
+        ShardlineTrainer(model_init=lambda: tiny_llama(), args=_args(tmp_path))
