@@ -110,6 +110,9 @@ def test_torchrun_full_shard_and_zero2_match_ddp_and_resume_bit_identically(torc
     manifest4, _ = ckpt.read_manifest(out / "full_ga" / "checkpoint-4" / "shardline")
     assert (manifest2["step"], manifest2["world_size"], manifest4["step"]) == (2, 2, 4)
     assert manifest4["parent_manifest_sha256"] == hash2
+    report = ckpt.Ledger(out / "full_ga" / "lineage.sqlite").verify()
+    assert report.ok, report.problems
+    assert next((r.checkpoint, r.manifest_sha256) for r in report.rows) == ("checkpoint-2/shardline", hash2)
     # Resumed from checkpoint-2 in a new trainer: the same weights at step 4, bit for bit.
     resumed, full = _weights(out, "full_ga_resumed"), _weights(out, "full_ga")
     assert resumed.keys() == full.keys()
@@ -136,6 +139,17 @@ def test_resume_at_world_size_1(torchrun_run: Path) -> None:
     log = _log(out, "single")
     assert (log["world_size"], log["step"]) == (1, 4)
     assert ckpt.verify_checkpoint(out / "single" / "checkpoint-4" / "shardline").ok
+    # Trainer's save_total_limit=1 deleted checkpoint-1: the ledger has its tombstone and still verifies.
+    assert sorted(p.name for p in (out / "rotate").glob("checkpoint-*")) == ["checkpoint-2"]
+    ledger = ckpt.Ledger(out / "rotate" / "lineage.sqlite")
+    rows = [(r.event, r.checkpoint, r.step) for r in ledger.rows()]
+    assert rows == [
+        ("commit", "checkpoint-1/shardline", 1),
+        ("commit", "checkpoint-2/shardline", 2),
+        ("tombstone", "checkpoint-1/shardline", 1),
+    ], rows
+    report = ledger.verify()
+    assert report.ok, report.problems
     error = (out / "plain_error.txt").read_text()
     assert error.startswith("CheckpointNotFoundError: "), error
     assert "holds no shardline checkpoint (shardline/manifest.json is missing)" in error

@@ -12,7 +12,7 @@ collectives of accumulation windows, and the folders ``save_model`` wrote.
 * ``accelerate`` (W=2): NO_SHARD against DDP; TRL ``SFTTrainer(peft_config=LoRA)`` sharded
   against its DDP run; ``save_model()`` of the adapter.
 * ``single`` (W=1): resume the torchrun run's ``checkpoint-2`` in one process; record the
-  weights it loaded and finish the run.
+  weights it loaded and finish the run; a short run saving every step with ``save_total_limit=1``.
 """
 
 from __future__ import annotations
@@ -209,6 +209,9 @@ def single_phase(out: Path) -> None:
     trainer.train(resume_from_checkpoint=str(out / "full_ga" / "checkpoint-2"))
     record(out, "single", trainer, shardline.full_state_dict(trainer.model), step=trainer.state.global_step)
     torch.save(loaded, out / "single_loaded.weights.pt")
+    # A save every step, Trainer keeping the newest only (save_total_limit=1): it deletes checkpoint-1.
+    rotate = targs(out, "rotate", max_steps=2, save_strategy="steps", save_steps=1, save_total_limit=1)
+    ShardlineTrainer(model=llama(), args=rotate, train_dataset=Tokens()).train()
     # A checkpoint-N of a plain Trainer (no shardline/ inside) is refused before anything is loaded.
     plain = out / "plain" / "checkpoint-2"
     plain.mkdir(parents=True)

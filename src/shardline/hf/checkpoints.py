@@ -8,6 +8,11 @@ Layout of a periodic save (``save_steps``), inside Trainer's own ``checkpoint-N/
                             scheduler and the run's TrainingArguments, chained to its parent
       trainer_state.json    Trainer's own (step, log history, callbacks' state)
       rng_state_R.pth       Trainer's own, one per rank
+    lineage.sqlite          shardline's hash-chained ledger of the run (beside the checkpoint-N)
+
+Each save appends its commit row to ``lineage.sqlite`` (rank 0). Trainer deletes old
+``checkpoint-N`` folders itself (``save_total_limit``); after each save, every checkpoint the
+ledger records that is gone is recorded with a tombstone row, so the chain still verifies.
 
 Resuming (``train(resume_from_checkpoint=...)``) verifies every byte of ``shardline/`` against
 its manifest before anything is loaded, then loads the model, optimizer and scheduler at any
@@ -41,12 +46,16 @@ __all__ = [
     "CHECKPOINT_DIR",
     "export_pretrained",
     "load_training_checkpoint",
+    "record_commit",
+    "record_rotations",
     "require_checkpoint",
     "save_training_checkpoint",
 ]
 
 CHECKPOINT_DIR = "shardline"
 SCHEDULER_KEY = "lr_scheduler"
+LEDGER_FILE = "lineage.sqlite"  # the name shardline's ledger has beside every run's checkpoints
+_TOMBSTONE = "tombstone"
 T = TypeVar("T")
 
 
@@ -86,12 +95,15 @@ def save_training_checkpoint(
     config: Mapping[str, Any],
     parent_manifest_hash: str | None,
 ) -> ckpt.CheckpointInfo:
-    """Write ``output_dir/shardline`` (a collective): model shards, optimizer (if given) and scheduler state."""
+    """Write ``output_dir/shardline`` (a collective): model shards, optimizer (if given) and scheduler state.
+
+    The commit is recorded in ``lineage.sqlite`` in ``output_dir``'s parent (the run directory).
+    """
     path = Path(broadcast_object(os.fspath(Path(output_dir).absolute()))) / CHECKPOINT_DIR
     state: dict[str, Any] = {"trainer": "transformers.Trainer"}
     if scheduler is not None and optimizer is not None:
         state[SCHEDULER_KEY] = scheduler.state_dict()
-    return ckpt.save(
+    info = ckpt.save(
         path,
         model=model,
         optimizer=optimizer,
@@ -100,6 +112,8 @@ def save_training_checkpoint(
         config=dict(config),
         parent_manifest_hash=parent_manifest_hash,
     )
+    record_commit(path.parent.parent, path, info)
+    return info
 
 
 def require_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
@@ -117,6 +131,53 @@ def require_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
             "Trainer, load them into the model before building the ShardlineTrainer (from_pretrained)."
         )
     return path / CHECKPOINT_DIR
+
+
+def record_commit(run_dir: Path, checkpoint: Path, info: ckpt.CheckpointInfo) -> None:
+    """Append the commit row of ``checkpoint`` to ``run_dir/lineage.sqlite`` (a collective: rank 0 writes)."""
+
+    def append() -> None:
+        ckpt.Ledger(run_dir / LEDGER_FILE).append(
+            step=info.step,
+            tag=None,
+            checkpoint=os.path.relpath(checkpoint, run_dir),
+            manifest_sha256=info.manifest_hash,
+            parent_manifest_sha256=info.parent_manifest_hash,
+            world_size=info.world_size,
+        )
+
+    _on_rank0(append)
+
+
+def record_rotations(run_dir: str | os.PathLike, reason: str) -> int:
+    """Tombstone rows for recorded checkpoints that are gone from ``run_dir`` (a collective); how many."""
+    run = Path(broadcast_object(os.fspath(Path(run_dir).absolute())))
+
+    def bury() -> int:
+        ledger = ckpt.Ledger(run / LEDGER_FILE)
+        if not ledger.path.is_file():
+            return 0
+        rows = ledger.rows()
+        buried = {(r.checkpoint, r.manifest_sha256) for r in rows if r.event == _TOMBSTONE}
+        appended = 0
+        for row in rows:
+            if not row.is_commit or (row.checkpoint, row.manifest_sha256) in buried or (run / row.checkpoint).exists():
+                continue
+            ledger.append(
+                step=row.step,
+                tag=row.tag,
+                checkpoint=row.checkpoint,
+                manifest_sha256=row.manifest_sha256,
+                parent_manifest_sha256=row.parent_manifest_sha256,
+                world_size=row.world_size,
+                event=_TOMBSTONE,
+                detail={"checkpoint": row.checkpoint, "reason": reason, "commit_row": row.seq},
+            )
+            buried.add((row.checkpoint, row.manifest_sha256))
+            appended += 1
+        return appended
+
+    return _on_rank0(bury)
 
 
 def load_training_checkpoint(

@@ -11,13 +11,14 @@ and callbacks are Trainer's own. Checkpoints are shardline checkpoints
 Note: the Trainer methods overridden. Public: ``create_accelerator_and_postprocess`` (to adapt
 the accelerator it creates) and ``save_model``. Trainer has no public hook for what a
 checkpoint holds, so four underscore methods are overridden, each as a whole and each small:
-``_save_checkpoint`` (marks that ``save_model`` is writing a checkpoint, then runs Trainer's
-own), ``_save_optimizer_and_scheduler`` (nothing: both are in the shardline checkpoint),
+``_save_checkpoint`` (marks that ``save_model`` is writing a checkpoint, runs Trainer's own,
+then records in the ledger the checkpoints Trainer's rotation deleted),
+``_save_optimizer_and_scheduler`` (nothing: both are in the shardline checkpoint),
 ``_load_from_checkpoint`` (only checks that the folder holds a shardline checkpoint: the
 optimizer does not exist yet at that point of ``train()``) and
 ``_load_optimizer_and_scheduler`` (verifies and loads model, optimizer and scheduler
-together). :func:`sharded` refuses a Trainer class lacking any of them, so a
-transformers release that renames one fails at once instead of writing incomplete checkpoints.
+together). :func:`sharded` refuses a Trainer class lacking any of them, so a transformers
+release that renames one fails at once instead of writing incomplete checkpoints.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from shardline.hf.accelerator import for_sharded_model
 from shardline.hf.checkpoints import (
     export_pretrained,
     load_training_checkpoint,
+    record_rotations,
     require_checkpoint,
     save_training_checkpoint,
 )
@@ -84,6 +86,7 @@ class ShardlineTrainerMixin:
         self._shardline_verify = ckpt.VerifyLevel.parse(verify)
         self._shardline_saving = False
         self._shardline_parent: str | None = None
+        self._shardline_run_dir: str | None = None
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         training_args = bound.arguments.get("args")
         if training_args is not None:
@@ -142,6 +145,9 @@ class ShardlineTrainerMixin:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
         finally:
             self._shardline_saving = False
+        # Trainer's save_total_limit may have deleted older checkpoint-N folders: the ledger records it.
+        if self._shardline_run_dir is not None:
+            record_rotations(self._shardline_run_dir, "deleted by Trainer (save_total_limit)")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model: a consolidated Hugging Face folder ``from_pretrained`` loads (a collective: every rank).
@@ -165,6 +171,7 @@ class ShardlineTrainerMixin:
                 parent_manifest_hash=self._shardline_parent,
             )
             self._shardline_parent = info.manifest_hash
+            self._shardline_run_dir = os.path.dirname(os.path.abspath(output_dir))
             return
         os.makedirs(output_dir, exist_ok=True)
         export_pretrained(output_dir, model=self.model, step=int(self.state.global_step), adapters=_is_peft(self.model))
