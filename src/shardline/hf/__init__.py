@@ -1,0 +1,11 @@
+"""shardline for Hugging Face ``Trainer`` and TRL (``pip install 'shardline[hf]'``).
+
+``ShardlineTrainer`` is a ``transformers.Trainer`` whose model is sharded by shardline;
+``sharded(TrainerCls)`` gives any Trainer subclass (TRL's ``SFTTrainer``, ``DPOTrainer``) the
+same behaviour. See docs/hf_trainer.md.
+"""
+
+from shardline.hf.options import resolve_mixed_precision, resolve_wrap_policy
+from shardline.hf.trainer import ShardlineTrainer, ShardlineTrainerMixin, sharded
+
+__all__ = ["ShardlineTrainer", "ShardlineTrainerMixin", "resolve_mixed_precision", "resolve_wrap_policy", "sharded"]

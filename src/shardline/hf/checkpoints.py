@@ -1,0 +1,230 @@
+"""Trainer's checkpoints as shardline checkpoints, and ``save_model()`` as a consolidated Hugging Face folder.
+
+Layout of a periodic save (``save_steps``), inside Trainer's own ``checkpoint-N/``::
+
+    checkpoint-N/
+      shardline/            a shardline checkpoint: DCP shards of the model and optimizer, hashed
+                            while written, manifest.json + manifest.sha256, the learning-rate
+                            scheduler and the run's TrainingArguments, chained to its parent
+      trainer_state.json    Trainer's own (step, log history, callbacks' state)
+      rng_state_R.pth       Trainer's own, one per rank
+    lineage.sqlite          shardline's hash-chained ledger of the run (beside the checkpoint-N)
+
+Each save appends its commit row to ``lineage.sqlite`` (rank 0). Trainer deletes old
+``checkpoint-N`` folders itself (``save_total_limit``); after each save, every checkpoint the
+ledger records that is gone is recorded with a tombstone row, so the chain still verifies.
+
+Resuming (``train(resume_from_checkpoint=...)``) verifies every byte of ``shardline/`` against
+its manifest before anything is loaded, then loads the model, optimizer and scheduler at any
+world size; Trainer restores its own state and RNG files as usual.
+
+``save_model(out)`` writes the model the way ``save_pretrained`` would -- ``model.safetensors``
+and ``config.json``, or for a PEFT model ``adapter_model.safetensors`` and
+``adapter_config.json`` -- without gathering it: every rank writes its own shards to a
+staging checkpoint inside ``out``, then rank 0 streams them into the export
+(``shardline.checkpoint.consolidate``, a small batch of tensors at a time), and the staging
+checkpoint is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardline.checkpoint as ckpt
+from shardline.errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "export_pretrained",
+    "load_training_checkpoint",
+    "record_commit",
+    "record_rotations",
+    "require_checkpoint",
+    "save_training_checkpoint",
+]
+
+CHECKPOINT_DIR = "shardline"
+SCHEDULER_KEY = "lr_scheduler"
+LEDGER_FILE = "lineage.sqlite"  # the name shardline's ledger has beside every run's checkpoints
+_TOMBSTONE = "tombstone"
+T = TypeVar("T")
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``obj`` from rank ``src`` on every rank (itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _on_rank0(work: Callable[[], T]) -> T:
+    """Run ``work`` on rank 0; every rank gets its result, or raises its error (so no rank waits on a failed one)."""
+    result: Any = None
+    failure: tuple[str, str] | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = work()
+        except Exception as e:
+            failure = (type(e).__name__, str(e))
+            if not dist.is_initialized() or dist.get_world_size() == 1:
+                raise
+    failure, result = broadcast_object((failure, result))
+    if failure is not None:
+        raise CheckpointError(f"rank 0 failed: {failure[0]}: {failure[1]}")
+    return result
+
+
+def save_training_checkpoint(
+    output_dir: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    step: int,
+    config: Mapping[str, Any],
+    parent_manifest_hash: str | None,
+) -> ckpt.CheckpointInfo:
+    """Write ``output_dir/shardline`` (a collective): model shards, optimizer (if given) and scheduler state.
+
+    The commit is recorded in ``lineage.sqlite`` in ``output_dir``'s parent (the run directory).
+    """
+    path = Path(broadcast_object(os.fspath(Path(output_dir).absolute()))) / CHECKPOINT_DIR
+    state: dict[str, Any] = {"trainer": "transformers.Trainer"}
+    if scheduler is not None and optimizer is not None:
+        state[SCHEDULER_KEY] = scheduler.state_dict()
+    info = ckpt.save(
+        path,
+        model=model,
+        optimizer=optimizer,
+        state=state,
+        step=step,
+        config=dict(config),
+        parent_manifest_hash=parent_manifest_hash,
+    )
+    record_commit(path.parent.parent, path, info)
+    return info
+
+
+def require_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
+    """``checkpoint_dir/shardline``, the same path on every rank.
+
+    Raises:
+        CheckpointNotFoundError: ``checkpoint_dir`` holds no shardline checkpoint (e.g. it was
+            written by a plain Trainer).
+    """
+    path = Path(broadcast_object(os.fspath(Path(checkpoint_dir).absolute())))
+    if not broadcast_object((path / CHECKPOINT_DIR / "manifest.json").is_file()):
+        raise CheckpointNotFoundError(
+            f"{path} holds no shardline checkpoint ({CHECKPOINT_DIR}/manifest.json is missing): ShardlineTrainer "
+            "resumes from the checkpoint-N folders it wrote itself. To start from weights saved by another "
+            "Trainer, load them into the model before building the ShardlineTrainer (from_pretrained)."
+        )
+    return path / CHECKPOINT_DIR
+
+
+def record_commit(run_dir: Path, checkpoint: Path, info: ckpt.CheckpointInfo) -> None:
+    """Append the commit row of ``checkpoint`` to ``run_dir/lineage.sqlite`` (a collective: rank 0 writes)."""
+
+    def append() -> None:
+        ckpt.Ledger(run_dir / LEDGER_FILE).append(
+            step=info.step,
+            tag=None,
+            checkpoint=os.path.relpath(checkpoint, run_dir),
+            manifest_sha256=info.manifest_hash,
+            parent_manifest_sha256=info.parent_manifest_hash,
+            world_size=info.world_size,
+        )
+
+    _on_rank0(append)
+
+
+def record_rotations(run_dir: str | os.PathLike, reason: str) -> int:
+    """Tombstone rows for recorded checkpoints that are gone from ``run_dir`` (a collective); how many."""
+    run = Path(broadcast_object(os.fspath(Path(run_dir).absolute())))
+
+    def bury() -> int:
+        ledger = ckpt.Ledger(run / LEDGER_FILE)
+        if not ledger.path.is_file():
+            return 0
+        rows = ledger.rows()
+        buried = {(r.checkpoint, r.manifest_sha256) for r in rows if r.event == _TOMBSTONE}
+        appended = 0
+        for row in rows:
+            if not row.is_commit or (row.checkpoint, row.manifest_sha256) in buried or (run / row.checkpoint).exists():
+                continue
+            ledger.append(
+                step=row.step,
+                tag=row.tag,
+                checkpoint=row.checkpoint,
+                manifest_sha256=row.manifest_sha256,
+                parent_manifest_sha256=row.parent_manifest_sha256,
+                world_size=row.world_size,
+                event=_TOMBSTONE,
+                detail={"checkpoint": row.checkpoint, "reason": reason, "commit_row": row.seq},
+            )
+            buried.add((row.checkpoint, row.manifest_sha256))
+            appended += 1
+        return appended
+
+    return _on_rank0(bury)
+
+
+def load_training_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    verify: ckpt.VerifyLevel | str,
+) -> str:
+    """Verify and load ``checkpoint_dir/shardline`` into the model (and optimizer, scheduler); its manifest hash.
+
+    Raises:
+        CheckpointNotFoundError: ``checkpoint_dir`` holds no shardline checkpoint (e.g. it was
+            written by a plain Trainer).
+    """
+    target = require_checkpoint(checkpoint_dir)
+    manifest, digest = _on_rank0(lambda: ckpt.read_manifest(target))
+    has_optimizer = bool(manifest.get("contents", {}).get("optimizer"))
+    state = ckpt.load(target, model=model, optimizer=optimizer if has_optimizer else None, verify=verify, strict=True)
+    if scheduler is not None and has_optimizer and SCHEDULER_KEY in state:
+        scheduler.load_state_dict(state[SCHEDULER_KEY])
+    return digest
+
+
+def export_pretrained(output_dir: str | os.PathLike, *, model: nn.Module, step: int, adapters: bool) -> list[str]:
+    """Write the model's weights as a Hugging Face folder into ``output_dir`` (a collective); the file names.
+
+    ``adapters``: a PEFT model's adapter (``adapter_model.safetensors`` + ``adapter_config.json``),
+    else the whole model (``model.safetensors`` + ``config.json``). Files of the same name in
+    ``output_dir`` are replaced, as ``save_pretrained`` does; nothing else there is touched.
+    """
+    out = Path(broadcast_object(os.fspath(Path(output_dir).absolute())))
+    stage = out / broadcast_object(f".shardline-export-{uuid.uuid4().hex[:12]}")
+    try:
+        ckpt.save(stage / "checkpoint", model=model, step=step)
+
+        def publish() -> list[str]:
+            ckpt.consolidate(stage / "checkpoint", stage / "export", adapters=adapters)
+            names = sorted(p.name for p in (stage / "export").iterdir())
+            for name in names:
+                os.replace(stage / "export" / name, out / name)
+            return names
+
+        return _on_rank0(publish)
+    finally:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(stage, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()

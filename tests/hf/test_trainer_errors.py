@@ -1,0 +1,89 @@
+"""Bad input to ``ShardlineTrainer`` fails at construction with one error that names the fix (no process group needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("trl")
+
+from transformers import Trainer, TrainingArguments
+
+from shardline import MixedPrecision
+from shardline.errors import ConfigurationError
+from shardline.hf import ShardlineTrainer, resolve_mixed_precision, resolve_wrap_policy, sharded
+from shardline.hf.options import refused_arguments
+from shardline.models.hf import tiny_llama
+
+
+class Plain(nn.Module):
+    """A model with no ``_no_split_modules``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return {"loss": self.body(x).pow(2).mean()}
+
+
+def _args(tmp_path: Path, **kw: object) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+
+
+def test_sharding_conflicts_are_one_error_at_construction(tmp_path: Path) -> None:
+    args = _args(tmp_path, fsdp="full_shard", torch_compile=True, load_best_model_at_end=True,
+                 eval_strategy="steps", save_strategy="steps", metric_for_best_model="loss")  # fmt: skip
+    with pytest.raises(ConfigurationError) as info:
+        ShardlineTrainer(model=tiny_llama(), args=args)
+    message = str(info.value)
+    assert message.startswith("ShardlineTrainer cannot train with these TrainingArguments:")
+    for fix in ("remove fsdp=", "remove torch_compile", "load_best_model_at_end=True"):
+        assert fix in message, message
+    # deepspeed= needs the deepspeed package to build TrainingArguments at all: checked on the value.
+    plain = _args(tmp_path)
+    plain.deepspeed = "ds_config.json"
+    (problem,) = refused_arguments(plain)
+    assert "deepspeed= is set" in problem
+    assert "'shard_grad_op' is ZeRO-2" in problem
+
+
+def test_no_split_modules_missing_names_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"declares no _no_split_modules.*Pass auto_wrap_policy="):
+        ShardlineTrainer(model=Plain(), args=_args(tmp_path))
+    policy = resolve_wrap_policy(Plain(), nn.Linear)
+    assert policy(nn.Linear(1, 1))
+    assert not policy(nn.ReLU())
+    llama = resolve_wrap_policy(tiny_llama(), None)
+    assert [type(m).__name__ for m in tiny_llama().modules() if llama(m)] == ["LlamaDecoderLayer"] * 2
+    with pytest.raises(ConfigurationError, match="auto_wrap_policy must be"):
+        resolve_wrap_policy(Plain(), 3)
+
+
+def test_mixed_precision_follows_bf16(tmp_path: Path) -> None:
+    assert resolve_mixed_precision(_args(tmp_path), None) is None
+    bf16 = resolve_mixed_precision(_args(tmp_path, bf16=True), None)
+    assert bf16 == MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    given = MixedPrecision(param_dtype=torch.float16)
+    assert resolve_mixed_precision(_args(tmp_path, bf16=True), given) is given
+
+
+def test_sharded_makes_trainer_subclasses() -> None:
+    from trl import SFTTrainer
+
+    assert sharded(Trainer) is ShardlineTrainer
+    cls = sharded(SFTTrainer)
+    assert issubclass(cls, SFTTrainer)
+    assert cls is sharded(SFTTrainer)
+    assert sharded(cls) is cls
+    with pytest.raises(ConfigurationError, match=r"takes a transformers\.Trainer subclass"):
+        sharded(nn.Module)
+
+
+def test_model_init_is_refused(tmp_path: Path) -> None:
+    """Trainer would rebuild the model, unsharded, inside train(): refused when the trainer is built."""
+    with pytest.raises(ConfigurationError, match=r"model_init= is set: Trainer would build a new, unsharded model"):
+        ShardlineTrainer(model_init=lambda: tiny_llama(), args=_args(tmp_path))
