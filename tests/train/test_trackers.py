@@ -221,7 +221,8 @@ def test_a_missing_tracker_package_is_one_error_naming_the_extra(
     for name in ("mlflow", "wandb"):
         err = refused(f"+callbacks.{name}._target_={target[name]}")
         assert (
-            f'callbacks.{name} needs the {name} package, which is not installed: pip install "shardline[{name}]"' in err
+            f'error: callbacks.{name}: needs the {name} package, which is not installed: pip install "shardline[{name}]"'
+            in err
         )
 
 

@@ -73,11 +73,12 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _require(module: str, extra: str, what: str) -> None:
+def _require(module: str, extra: str) -> None:
+    """Raise unless ``module`` is importable (the launcher prefixes the message with ``callbacks.NAME: ``)."""
     if not _installed(module):
         raise ConfigurationError(
-            f'{what} needs the {module} package, which is not installed: pip install "shardline[{extra}]" (or '
-            f"remove the callback: ~callbacks.{extra})"
+            f'needs the {module} package, which is not installed: pip install "shardline[{extra}]" (or remove the '
+            f"callback: ~callbacks.{extra})"
         )
 
 
@@ -219,7 +220,7 @@ class MLflow(_Tracker):
         self, *, tracking_uri: str | None = None, experiment_name: str | None = None, run_name: str | None = None
     ) -> None:
         super().__init__()
-        _require("mlflow", "mlflow", "callbacks.mlflow")
+        _require("mlflow", "mlflow")
         if tracking_uri is not None and (not isinstance(tracking_uri, str) or not tracking_uri.strip()):
             raise ConfigurationError(f"callbacks.mlflow.tracking_uri={tracking_uri!r}; give a tracking URI or null")
         if tracking_uri is not None and _is_file_store(tracking_uri) and not _file_store_allowed():
@@ -329,7 +330,7 @@ class WandB(_Tracker):
         name: str | None = None,
     ) -> None:
         super().__init__()
-        _require("wandb", "wandb", "callbacks.wandb")
+        _require("wandb", "wandb")
         if mode not in WANDB_MODES:
             raise ConfigurationError(f"callbacks.wandb.mode={mode!r}; use one of {', '.join(WANDB_MODES)}")
         self.mode = mode
