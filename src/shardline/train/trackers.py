@@ -114,7 +114,9 @@ class _Tracker:
         run_dir = Path(trainer.run_dir)
         self._ledger = Ledger(run_dir / LEDGER_NAME)
         self._ledger_seq = max((r.seq for r in self._ledger_rows()), default=0)
-        self._saved_seen = trainer.checkpoints.last_saved_step
+        self._saved_seen = trainer.checkpoints.last_saved_step  # the checkpoint resumed from: not this attempt's
+        if self._saved_seen is not None:
+            self._tagged_steps.add(self._saved_seen)
         self._every = max(1, int(trainer.cfg.trainer.log_every_n_steps))
         tags = {
             "shardline.run_dir": str(run_dir.absolute()),
