@@ -113,6 +113,8 @@ def test_hf_mistakes_are_one_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
             check_data_config(hf_cfg(path=str(path)))
     with pytest.raises(ConfigurationError, match=r"data.path is not set"):
         check_data_config(hf_cfg(path=None))
+    with pytest.raises(ConfigurationError, match=r"data.split='train' applies to data.name=hf .* not data.name=jsonl"):
+        check_data_config(hf_cfg(name="jsonl", path=str(tmp_path / "mixed" / "b.csv"), split="train"))
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(ConfigurationError, match=r"broken.parquet: the datasets library cannot read it"):
         load_corpus(hf_cfg(path=str(tmp_path / "broken.parquet")))

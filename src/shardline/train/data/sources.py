@@ -43,6 +43,11 @@ def check_data_config(data: Any) -> None:
             or tokenizer.
     """
     check_source(data.name)
+    if data.name != "hf" and getattr(data, "split", None) is not None:
+        raise ConfigurationError(
+            f"data.split={data.split!r} applies to data.name=hf (a Hugging Face dataset), not data.name={data.name}; "
+            "remove data.split"
+        )
     if data.name in ("text", "jsonl"):
         expand_paths(data.path, "data.path")
         if data.val_path is not None:
