@@ -254,3 +254,28 @@ def test_only_rank_0_talks_to_the_tracker(tmp_path: Path) -> None:
         tracker.on_exception(rank1, RuntimeError("x"))
         tracker.on_fit_end(rank1, SimpleNamespace(to_dict=dict))
     assert not list(tmp_path.iterdir())
+
+
+def test_a_tracker_that_fails_ends_the_run_naming_it(capsys, tmp_path: Path) -> None:
+    """The tracker works on a background thread; its failure is raised on rank 0 at the next hook: exit 1, named."""
+    from shardline.train.launcher import train
+    from tests.train.test_cli import GPT_SMALL, SMALL
+
+    (tmp_path / "a-file").write_text("not a folder")
+    code = train(
+        [
+            f"trainer.run_root={tmp_path / 'runs'}",
+            *SMALL,
+            *GPT_SMALL,
+            "trainer.devices=1",
+            "trainer.strategy=single_device",
+            "~callbacks.tensorboard",
+            "~callbacks.loss_plot",
+            "~callbacks.diagnostics",
+            f"+callbacks.mlflow._target_={MLFLOW}",
+            f"+callbacks.mlflow.tracking_uri=sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "rank 0 failed: TrackerError: callbacks.mlflow: " in err.splitlines()[0], err

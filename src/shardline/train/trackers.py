@@ -24,6 +24,13 @@ everywhere), and the launcher builds it once more before any worker starts, so a
 or a bad setting is one error there (exit 2). ``__init__`` therefore only checks: it imports
 nothing heavy and writes nothing.
 
+Note: a tracker never holds up rank 0. Opening a tracker run takes seconds (MLflow's SQLite store
+checks its schema, W&B starts its service process) while the other ranks already wait in the
+first collective, which ``trainer.collective_timeout_s`` bounds. So every call to the tracker
+runs on one background thread per tracker, in the order made; the hooks only queue work. A call
+that fails stops the queue, and its error is raised on rank 0 at the next hook (which ends the
+job like any worker error) or, at the end, by ``on_fit_end``, which waits for the queue to drain.
+
 Note: where checkpoint hashes come from. The trainer saves after it reports a step, and an async
 save commits in the background, so the tracker reads the run's lineage ledger -- the record of
 what committed -- each time it flushes, and at the end, after the last save finished. A
@@ -32,12 +39,16 @@ checkpoint is tagged only once it is in the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
+import queue
 import re
 import sys
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -45,7 +56,7 @@ from shardline.checkpoint.ledger import Ledger
 from shardline.errors import ConfigurationError
 from shardline.train.records import CONFIG_FILE, LEDGER_NAME, SUMMARY_FILE
 
-__all__ = ["WANDB_MODES", "MLflow", "WandB", "WandBMode", "flatten_config"]
+__all__ = ["WANDB_MODES", "MLflow", "RunInfo", "TrackerError", "WandB", "WandBMode", "flatten_config"]
 
 log = logging.getLogger("shardline.train")
 
@@ -82,11 +93,31 @@ def _require(module: str, extra: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What a tracker run is told about the shardline run (taken from the trainer on rank 0)."""
+
+    run_dir: Path
+    experiment: str
+    start_step: int
+    config_yaml: str
+
+
+class TrackerError(RuntimeError):
+    """A call to an experiment tracker failed (raised on rank 0; the job stops like on any worker error)."""
+
+
 class _Tracker:
-    """What both trackers share: rank 0 only, metrics buffered to each read interval, checkpoints from the ledger."""
+    """What both trackers share: rank 0 only, metrics buffered to each read interval, checkpoints from the ledger,
+    and every tracker call on a background thread (see the module docstring)."""
+
+    name = "tracker"
 
     def __init__(self) -> None:
         self._active = False
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         self._pending: list[tuple[int, dict[str, float]]] = []
         self._ledger: Ledger | None = None
         self._ledger_seq = 0
@@ -94,8 +125,8 @@ class _Tracker:
         self._tagged_steps: set[int] = set()
         self._every = 1
 
-    # -- what each tracker implements
-    def _start(self, trainer: Any, params: dict[str, str], tags: dict[str, str]) -> None:
+    # -- what each tracker implements (called on the background thread, in order)
+    def _start(self, run: RunInfo, params: dict[str, str], tags: dict[str, str]) -> None:
         raise NotImplementedError
 
     def _log_metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
@@ -104,8 +135,35 @@ class _Tracker:
     def _log_checkpoints(self, hashes: dict[str, str]) -> None:
         raise NotImplementedError
 
-    def _finish(self, trainer: Any, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
+    def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
         raise NotImplementedError
+
+    # -- the background thread
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._raise_if_failed()
+        self._jobs.put((fn, args))
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args = job
+            if self._error is None:  # after a failure the rest is dropped
+                try:
+                    fn(*args)
+                except BaseException as e:
+                    self._error = e
+
+    def _drain(self) -> None:
+        """Wait until every queued call ran; stop the thread."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._active = False
+            raise TrackerError(f"callbacks.{self.name}: {type(error).__name__}: {error}") from error
 
     # -- trainer hooks
     def on_fit_start(self, trainer: Any) -> None:
@@ -124,12 +182,22 @@ class _Tracker:
             "shardline.world_size": str(trainer.info.world_size),
             "shardline.resumed_from_step": str(trainer.start_step),
         }
-        self._start(trainer, flatten_config(trainer.cfg.to_dict()), tags)
+        from shardline.train.config import to_yaml
+
+        self._run = RunInfo(
+            run_dir=run_dir.absolute(),
+            experiment=str(trainer.experiment),
+            start_step=int(trainer.start_step),
+            config_yaml=to_yaml(trainer.cfg),
+        )
+        self._thread = threading.Thread(target=self._work, name=f"shardline-{self.name}", daemon=True)
+        self._thread.start()
         self._active = True
+        self._submit(self._start, self._run, flatten_config(trainer.cfg.to_dict()), tags)
 
     def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
         if self._active and step == 0:  # later evaluations arrive with their step's metrics
-            self._log_metrics([(0, {"val_loss": float(val_loss)})])
+            self._submit(self._log_metrics, [(0, {"val_loss": float(val_loss)})])
 
     def on_step_end(self, trainer: Any, m: Any) -> None:
         if not self._active:
@@ -143,24 +211,30 @@ class _Tracker:
     def on_fit_end(self, trainer: Any, summary: Any) -> None:
         if not self._active:
             return
-        self._flush(trainer, force=True)
-        self._active = False
-        self._finish(trainer, summary.to_dict(), None)
-
-    def on_exception(self, trainer: Any, error: BaseException) -> None:
-        if not self._active:
-            return
-        self._active = False
         try:
             self._flush(trainer, force=True)
+            self._submit(self._finish, self._run, summary.to_dict(), None)
         finally:
-            self._finish(trainer, None, error)
+            self._active = False
+            self._drain()
+        self._raise_if_failed()
+
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        if self._thread is None:
+            return
+        if self._active:
+            self._active = False
+            with contextlib.suppress(TrackerError):  # the training error is the one reported
+                self._flush(trainer, force=True)
+            self._jobs.put((self._finish, (self._run, None, error)))
+        self._drain()
+        self._raise_if_failed()
 
     # -- shared machinery
     def _flush(self, trainer: Any, *, force: bool = False) -> None:
         if self._pending:
             rows, self._pending = self._pending, []
-            self._log_metrics(rows)
+            self._submit(self._log_metrics, rows)
         saved = trainer.checkpoints.last_saved_step
         if force or saved != self._saved_seen or self._awaiting_commit:
             self._saved_seen = saved
@@ -182,15 +256,10 @@ class _Tracker:
             return
         self._ledger_seq = max(r.seq for r in rows)
         self._tagged_steps.update(r.step for r in rows)
-        self._log_checkpoints(
-            {f"checkpoint/{Path(r.checkpoint).name}/manifest_sha256": r.manifest_sha256 for r in rows}
+        self._submit(
+            self._log_checkpoints,
+            {f"checkpoint/{Path(r.checkpoint).name}/manifest_sha256": r.manifest_sha256 for r in rows},
         )
-
-
-def _config_yaml(trainer: Any) -> str:
-    from shardline.train.config import to_yaml
-
-    return to_yaml(trainer.cfg)
 
 
 def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
@@ -218,6 +287,8 @@ class MLflow(_Tracker):
         run_name: Default: the run directory's name (plus ``resume@N`` for a resumed attempt).
     """
 
+    name = "mlflow"
+
     def __init__(
         self, *, tracking_uri: str | None = None, experiment_name: str | None = None, run_name: str | None = None
     ) -> None:
@@ -237,10 +308,10 @@ class MLflow(_Tracker):
         self._client: Any = None
         self._run_id: str | None = None
 
-    def _start(self, trainer: Any, params: dict[str, str], tags: dict[str, str]) -> None:
+    def _start(self, run: RunInfo, params: dict[str, str], tags: dict[str, str]) -> None:
         from mlflow.tracking import MlflowClient
 
-        run_dir = Path(trainer.run_dir).absolute()
+        run_dir = run.run_dir
         artifacts = None
         uri = self.tracking_uri
         if uri is None:
@@ -249,16 +320,15 @@ class MLflow(_Tracker):
             artifacts = (run_dir / "mlflow" / "artifacts").as_uri()
         self.resolved_uri = uri
         self._client = MlflowClient(tracking_uri=uri)
-        name = self.experiment_name or str(trainer.experiment)
+        name = self.experiment_name or run.experiment
         experiment = self._client.get_experiment_by_name(name)
         experiment_id = (
             experiment.experiment_id
             if experiment is not None
             else self._client.create_experiment(name, artifact_location=artifacts)
         )
-        run_name = self.run_name or run_dir.name + (f" resume@{trainer.start_step}" if trainer.start_step else "")
-        run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
-        self._run_id = run.info.run_id
+        run_name = self.run_name or run_dir.name + (f" resume@{run.start_step}" if run.start_step else "")
+        self._run_id = self._client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
         from mlflow.entities import Param
 
         items = [
@@ -283,11 +353,11 @@ class MLflow(_Tracker):
 
         self._client.log_batch(self._run_id, tags=[RunTag(k, v) for k, v in hashes.items()])
 
-    def _finish(self, trainer: Any, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
+    def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
         try:
             if summary is not None:
                 self._client.log_dict(self._run_id, summary, SUMMARY_FILE)
-            self._client.log_text(self._run_id, _config_yaml(trainer), CONFIG_FILE)
+            self._client.log_text(self._run_id, run.config_yaml, CONFIG_FILE)
         finally:
             status = "FINISHED" if failed is None else ("KILLED" if isinstance(failed, KeyboardInterrupt) else "FAILED")
             self._client.set_terminated(self._run_id, status=status)
@@ -323,6 +393,8 @@ class WandB(_Tracker):
         name: Default: the run directory's name (plus ``resume@N`` for a resumed attempt).
     """
 
+    name = "wandb"
+
     def __init__(
         self,
         *,
@@ -338,43 +410,42 @@ class WandB(_Tracker):
         self.mode = mode
         self.project = project
         self.entity = entity
-        self.name = name
-        self._run: Any = None
+        self.run_name = name
+        self._wb: Any = None
 
-    def _start(self, trainer: Any, params: dict[str, str], tags: dict[str, str]) -> None:
+    def _start(self, run: RunInfo, params: dict[str, str], tags: dict[str, str]) -> None:
         import wandb
 
-        run_dir = Path(trainer.run_dir).absolute()
-        self._run = wandb.init(
+        self._wb = wandb.init(
             mode=self.mode,
-            dir=str(run_dir),
-            project=self.project or str(trainer.experiment),
+            dir=str(run.run_dir),
+            project=self.project or run.experiment,
             entity=self.entity,
-            name=self.name or run_dir.name + (f" resume@{trainer.start_step}" if trainer.start_step else ""),
+            name=self.run_name or run.run_dir.name + (f" resume@{run.start_step}" if run.start_step else ""),
             config=params,
-            tags=[f"resumed@{trainer.start_step}"] if trainer.start_step else None,
+            tags=[f"resumed@{run.start_step}"] if run.start_step else None,
             settings=wandb.Settings(silent=True, console="off"),
         )
-        self._run.summary.update(tags)
-        log.info("wandb: run %s (%s) in %s", self._run.id, self.mode, run_dir / "wandb")
+        self._wb.summary.update(tags)
+        log.info("wandb: run %s (%s) in %s", self._wb.id, self.mode, run.run_dir / "wandb")
 
     def _log_metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         for step, values in rows:
-            self._run.log(values, step=step)
+            self._wb.log(values, step=step)
 
     def _log_checkpoints(self, hashes: dict[str, str]) -> None:
-        self._run.summary.update(hashes)
+        self._wb.summary.update(hashes)
 
-    def _finish(self, trainer: Any, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
+    def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
         import wandb
 
         try:
             if summary is not None:
-                artifact = wandb.Artifact(f"{self._run.id}-summary", type="run-report")
+                artifact = wandb.Artifact(f"{self._wb.id}-summary", type="run-report")
                 with artifact.new_file(SUMMARY_FILE) as f:
                     f.write(json.dumps(summary, indent=2, default=str) + "\n")
                 with artifact.new_file(CONFIG_FILE) as f:
-                    f.write(_config_yaml(trainer))
-                self._run.log_artifact(artifact)
+                    f.write(run.config_yaml)
+                self._wb.log_artifact(artifact)
         finally:
-            self._run.finish(exit_code=0 if failed is None else 1)
+            self._wb.finish(exit_code=0 if failed is None else 1)
