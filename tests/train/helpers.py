@@ -141,3 +141,14 @@ class RaiseEverywhere:
     def on_step_end(self, trainer: Any, metrics: Any) -> None:
         if metrics.step == self.step:
             raise RuntimeError(f"injected failure on every rank at step {self.step}")
+
+
+class CrashOnStepEnd:
+    """Raise on one rank in ``on_step_end`` of a step, after the callbacks before it recorded that step's metrics."""
+
+    def __init__(self, rank: int = 0, step: int = 3) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, trainer: Any, metrics: Any) -> None:
+        if trainer.info.rank == self.rank and metrics.step == self.step:
+            raise RuntimeError(f"injected failure on rank {self.rank} after step {self.step} was reported")

@@ -171,3 +171,29 @@ def test_config_dir_mistakes_are_one_clear_error(tmp_path: Path, config_dir: Pat
         compose_config(["experiment=no_header"], config_dirs=[config_dir])
     with pytest.raises(ConfigurationError, match=r"unknown experiment 'my_ml' \(did you mean 'my_lm'\?\)"):
         compose_config(["experiment=my_ml"], config_dirs=[config_dir])
+
+
+@pytest.mark.parametrize("where", ["by path, no package line", "by path, with package line", "config dir"])
+def test_malformed_yaml_is_one_line_naming_your_file(capsys, tmp_path: Path, config_dir: Path, where: str) -> None:
+    """A YAML syntax error names the user's file (never the temporary copy Hydra reads), line and column: exit 2."""
+    from shardline.train.launcher import train
+
+    broken = "model:\n  width: [16\n  vocab: 300\n"  # the flow sequence opened on line 2 meets ':' on line 3
+    if where == "config dir":
+        path = _write(config_dir / "experiment" / "broken.yaml", "# @package _global_\n" + broken)
+        args, line = ["experiment=broken"], 4
+    elif where == "by path, with package line":
+        path = _write(tmp_path / "broken.yaml", "# @package _global_\n" + broken)
+        args, line = [f"experiment=[tiny_gpt,{path}]"], 4
+    else:
+        path = _write(tmp_path / "broken.yaml", broken)
+        args, line = [f"experiment={path}"], 3
+    code = train([f"trainer.run_root={tmp_path / 'runs'}", *args], config_dirs=[config_dir])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1, f"one line, got:\n{err}"
+    assert err.startswith(f"error: {path}, line {line}, column 8: invalid YAML: expected ',' or ']', but got ':'"), err
+    assert f"(while parsing a flow sequence at line {line - 1}, column 10)" in err, err
+    assert "shardline-experiments-" not in err, "never the temporary copy"
+    assert "_file0_" not in err, "never the temporary copy"
+    assert not (tmp_path / "runs").exists(), "nothing started"

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -29,7 +30,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from shardline.checkpoint.manager import is_auto_resume
 from shardline.checkpoint.retention import RetentionPolicy
 from shardline.engine import ShardingStrategy, hybrid_degrees
-from shardline.errors import ConfigurationError
+from shardline.errors import ConfigurationError, error_chain
 from shardline.train.config_layers import DEFAULT_EXPERIMENT, ConfigPlan, apply_model_replacement, prepare, suggest
 from shardline.train.data.sources import check_data_config
 from shardline.train.schema import ACCELERATORS, TrainConfig, register_schemas
@@ -92,7 +93,10 @@ def compose_config(overrides: Sequence[str] = (), *, config_dirs: Sequence[str |
     with prepare(rewrite_overrides(overrides), config_dirs) as plan:
         try:
             cfg = _compose(plan.overrides)
-        except _HYDRA_ERRORS as exc:
+        except (yaml.YAMLError, *_HYDRA_ERRORS) as exc:
+            bad_yaml = next((e for e in error_chain(exc) if isinstance(e, yaml.YAMLError)), None)
+            if bad_yaml is not None:
+                raise ConfigurationError(plan.yaml_error(bad_yaml)) from None
             raise ConfigurationError(_explain(exc, plan)) from None
         apply_model_replacement(cfg, plan)
     try:

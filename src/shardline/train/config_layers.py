@@ -14,6 +14,12 @@ private temporary root (as ``experiment/_file<i>_<stem>.yaml``, a name no user f
 for the duration of the composition. An experiment is always a ``# @package _global_`` overlay;
 a copied file without a package line gets that one. Error messages name the original path.
 
+Note: YAML errors in a copied file. The YAML parser names the file it read -- for a file given
+by path, the temporary copy, whose lines are shifted by one when a package line was added. The
+plan keeps each copy's original and that shift (:attr:`ConfigPlan.copies`), and
+:meth:`ConfigPlan.yaml_error` turns the parser's error into one line naming the user's own file,
+line and column (files under ``--config-dir`` are read in place and need no mapping).
+
 Note: replacing the model node. Hydra merges every layer's ``model`` node into the previous
 one, so an experiment that swaps the model class would inherit the default model's keyword
 arguments (``unexpected keyword argument 'n_heads'``). shardline's rule: a layer -- an
@@ -34,6 +40,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -91,6 +98,35 @@ class ConfigPlan:
     experiments: list[ExperimentRef]
     search_dirs: list[Path]
     cli_model_layers: list[dict[str, Any]] = field(default_factory=list)
+    copies: dict[Path, tuple[Path, int]] = field(default_factory=dict)
+    """Each temporary copy of a file given by path -> (the user's file, lines added at its top)."""
+
+    def yaml_error(self, exc: yaml.YAMLError) -> str:
+        """One line for a YAML syntax error: the user's own file (never a temporary copy), line, column, problem."""
+        problem = getattr(exc, "problem", None)
+        mark = getattr(exc, "problem_mark", None)
+        if problem is None or mark is None:  # an error without a position (e.g. a reader error): its own words
+            return "invalid YAML in a config file: " + " ".join(str(exc).split())
+        path, shift = self._original(mark.name)
+        text = f"{path}, line {mark.line + 1 - shift}, column {mark.column + 1}: invalid YAML: {problem}"
+        context = getattr(exc, "context", None)
+        context_mark = getattr(exc, "context_mark", None)
+        if context:
+            where = ""
+            if context_mark is not None and (context_mark.line, context_mark.column) != (mark.line, mark.column):
+                where = f" at line {context_mark.line + 1 - shift}, column {context_mark.column + 1}"
+            text += f" ({context}{where})"
+        return text + ". Fix the file and run again."
+
+    def _original(self, name: str) -> tuple[str, int]:
+        try:
+            copy = Path(name).resolve()
+        except (OSError, ValueError):
+            return name, 0
+        for tmp, (original, shift) in self.copies.items():
+            if tmp.resolve() == copy:
+                return str(original), shift
+        return name, 0
 
     @property
     def run_name(self) -> str:
@@ -151,11 +187,20 @@ def _quote(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _copy_experiment(src: Path, dst: Path) -> None:
-    text = src.read_text(encoding="utf-8")
+def _copy_experiment(src: Path, dst: Path) -> int:
+    """Copy ``src`` to ``dst`` as a global package; returns the lines added at the top (0 or 1)."""
+    try:
+        text = src.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(
+            f"experiment={src}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); save it as UTF-8 YAML"
+        ) from None
+    added = 0
     if not _PACKAGE_LINE.search(text):
         text = "# @package _global_\n" + text
+        added = 1
     dst.write_text(text, encoding="utf-8")
+    return added
 
 
 @contextlib.contextmanager
@@ -172,6 +217,7 @@ def prepare(overrides: Sequence[str], config_dirs: Sequence[str | Path] = ()) ->
     extra_search: list[str] = []
     experiments: list[ExperimentRef] = []
     cli_layers: list[dict[str, Any]] = []
+    copies: dict[Path, tuple[Path, int]] = {}
     selected = False
     with tempfile.TemporaryDirectory(prefix="shardline-experiments-") as tmp:
         root = Path(tmp)
@@ -197,7 +243,8 @@ def prepare(overrides: Sequence[str], config_dirs: Sequence[str | Path] = ()) ->
                         stem = re.sub(r"[^A-Za-z0-9_]", "_", src.stem)
                         name = f"{_FILE_PREFIX}{i}_{stem}"
                         (root / "experiment").mkdir(exist_ok=True)
-                        _copy_experiment(src, root / "experiment" / f"{name}.yaml")
+                        copy = root / "experiment" / f"{name}.yaml"
+                        copies[copy] = (src.absolute(), _copy_experiment(src, copy))
                         experiments.append(ExperimentRef(name, item, src.absolute()))
                     else:
                         name = item
@@ -217,7 +264,11 @@ def prepare(overrides: Sequence[str], config_dirs: Sequence[str | Path] = ()) ->
         hydra_overrides = [o for o in out if o]
         hydra_overrides.append(f"hydra.searchpath=[{','.join(entries)}]")
         yield ConfigPlan(
-            overrides=hydra_overrides, experiments=experiments, search_dirs=search, cli_model_layers=cli_layers
+            overrides=hydra_overrides,
+            experiments=experiments,
+            search_dirs=search,
+            cli_model_layers=cli_layers,
+            copies=copies,
         )
 
 

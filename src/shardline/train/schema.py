@@ -172,13 +172,18 @@ class DataConfig:
 
     name: str = "stdlib"
     """Source: stdlib (this Python's standard library sources, offline), text (text files), jsonl (JSON lines),
-    tokens (a pre-tokenized .bin/.npy array, memory-mapped)."""
+    tokens (a pre-tokenized .bin/.npy array, memory-mapped), hf (a local Hugging Face dataset)."""
     path: Any = None
-    """text/jsonl: a glob of your files (or a list of globs; ** recurses); tokens: the .bin or .npy file."""
+    """text/jsonl: a glob of your files (or a list of globs; ** recurses); tokens: the .bin or .npy file; hf: a
+    save_to_disk folder, or parquet/arrow/jsonl/json/csv files (a glob, a list, or a folder of them)."""
     val_path: Any = None
     """Validation data of the same kind; default: hold out about one document (tokens: the last part) in val_every."""
     text_field: str = "text"
     """jsonl: the field of each JSON object that holds the text."""
+    text_column: str = "text"
+    """hf: the column that holds the text (one row, one document)."""
+    split: Any = None
+    """hf: the split of data.path to read (default: train, or the dataset's only split)."""
     tokenizer: Any = None
     """A tokenizer.json file or a folder for transformers.AutoTokenizer (local, nothing downloaded); null: bytes."""
     eos_token: Any = None

@@ -395,6 +395,17 @@ class Trainer:
             if method is not None:
                 method(self, *args)
 
+    def _call_on_exception(self, error: BaseException) -> None:
+        """Tell callbacks the run failed (``on_exception``); their own errors are logged, never raised over it."""
+        for callback in self.callbacks:
+            method = getattr(callback, "on_exception", None)
+            if method is None:
+                continue
+            try:
+                method(self, error)
+            except Exception as e:
+                log.error("callback %s failed in on_exception: %s: %s", type(callback).__name__, type(e).__name__, e)
+
     def fit(self) -> Summary:
         """Train up to ``trainer.max_steps`` steps (from the resumed step), evaluating and saving on schedule."""
         cfg = self.cfg.trainer
@@ -451,12 +462,14 @@ class Trainer:
                 self.checkpoints.after_step(self, done, last=last)
                 interval_start = time.perf_counter()
             self.checkpoints.close()
-        except TrainingDiverged:
+        except TrainingDiverged as exc:
             self.optimizer.zero_grad(set_to_none=True)
             self.checkpoints.on_divergence(self, done)
+            self._call_on_exception(exc)
             raise
-        except BaseException:
+        except BaseException as exc:
             self.checkpoints.finish_queued()  # a queued async save is completed, not abandoned
+            self._call_on_exception(exc)
             raise
         wall = time.perf_counter() - start
         summary = self._summary(wall)

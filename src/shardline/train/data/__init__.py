@@ -3,11 +3,13 @@
 from shardline.train.data.batches import Batches, PackedBatches, make_batches
 from shardline.train.data.corpus import Corpus, stream_length, take_windows
 from shardline.train.data.files import build_text_corpus, build_token_corpus, expand_paths
+from shardline.train.data.hf_dataset import HF_BUILDERS, build_hf_corpus
 from shardline.train.data.sources import SOURCES, DataSource, check_data_config, check_source, check_vocab, load_corpus
 from shardline.train.data.stdlib import build_stdlib_corpus
 from shardline.train.data.tokenizer import ByteEncoder, HFEncoder, TextEncoder, load_encoder
 
 __all__ = [
+    "HF_BUILDERS",
     "SOURCES",
     "Batches",
     "ByteEncoder",
@@ -16,6 +18,7 @@ __all__ = [
     "HFEncoder",
     "PackedBatches",
     "TextEncoder",
+    "build_hf_corpus",
     "build_stdlib_corpus",
     "build_text_corpus",
     "build_token_corpus",

@@ -35,7 +35,7 @@ from shardline.errors import ConfigurationError
 from shardline.train.data.corpus import Corpus
 from shardline.train.data.tokenizer import TextEncoder
 
-__all__ = ["build_text_corpus", "build_token_corpus", "expand_paths"]
+__all__ = ["build_text_corpus", "build_token_corpus", "expand_paths", "text_stream"]
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
@@ -103,7 +103,8 @@ def _documents(files: Sequence[Path], kind: str, text_field: str) -> Iterator[tu
             raise ConfigurationError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def _stream(pieces: list[list[int]], separator: list[int]) -> torch.Tensor:
+def text_stream(pieces: list[list[int]], separator: list[int]) -> torch.Tensor:
+    """Token ids of documents joined into one int32 stream, each followed by ``separator``."""
     flat: list[int] = []
     for piece in pieces:
         flat.extend(piece)
@@ -142,8 +143,8 @@ def build_text_corpus(
             "both splits need at least one. Add documents, lower data.val_every, or pass data.val_path."
         )
     return Corpus(
-        train=_stream(encoder.encode_batch(texts["train"]), encoder.separator),
-        val=_stream(encoder.encode_batch(texts["val"]), encoder.separator),
+        train=text_stream(encoder.encode_batch(texts["train"]), encoder.separator),
+        val=text_stream(encoder.encode_batch(texts["val"]), encoder.separator),
         fingerprint=digest.hexdigest(),
         source=f"{kind} {path}" + (f" (tokenizer {encoder.name})" if encoder.name != "bytes" else ""),
         files_train=len(texts["train"]),

@@ -1,4 +1,5 @@
-"""``data.name`` -> a corpus: the built-in one, or your text, JSONL or token files (see ``files.py``)."""
+"""``data.name`` -> a corpus: the built-in one, your text, JSONL or token files (``files.py``), or a local
+Hugging Face dataset (``hf_dataset.py``)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from torch import nn
 from shardline.errors import ConfigurationError
 from shardline.train.data.corpus import Corpus
 from shardline.train.data.files import TOKEN_SUFFIXES, build_text_corpus, build_token_corpus, expand_paths
+from shardline.train.data.hf_dataset import build_hf_corpus, check_hf_path
 from shardline.train.data.stdlib import build_stdlib_corpus
 from shardline.train.data.tokenizer import load_encoder
 
 __all__ = ["SOURCES", "DataSource", "check_data_config", "check_source", "check_vocab", "load_corpus"]
 
-DataSource = Literal["stdlib", "text", "jsonl", "tokens"]
-"""``data.name``: the built-in corpus, text files, JSON lines, or a pre-tokenized array."""
+DataSource = Literal["stdlib", "text", "jsonl", "tokens", "hf"]
+"""``data.name``: the built-in corpus, text files, JSON lines, a pre-tokenized array, or a local Hugging Face
+dataset."""
 SOURCES: tuple[str, ...] = get_args(DataSource)
 
 
@@ -40,10 +43,19 @@ def check_data_config(data: Any) -> None:
             or tokenizer.
     """
     check_source(data.name)
+    if data.name != "hf" and getattr(data, "split", None) is not None:
+        raise ConfigurationError(
+            f"data.split={data.split!r} applies to data.name=hf (a Hugging Face dataset), not data.name={data.name}; "
+            "remove data.split"
+        )
     if data.name in ("text", "jsonl"):
         expand_paths(data.path, "data.path")
         if data.val_path is not None:
             expand_paths(data.val_path, "data.val_path")
+    if data.name == "hf":
+        check_hf_path(data.path, "data.path")
+        if data.val_path is not None:
+            check_hf_path(data.val_path, "data.val_path")
     if data.name == "tokens":
         for key in ("path", "val_path"):
             value = getattr(data, key)
@@ -66,7 +78,8 @@ def load_corpus(data: Any) -> Corpus:
     if data.name == "stdlib":
         if data.tokenizer is not None:
             raise ConfigurationError(
-                "data.tokenizer applies to your own text (data.name=text or jsonl); the built-in stdlib corpus is bytes"
+                "data.tokenizer applies to your own text (data.name=text, jsonl or hf); the built-in stdlib corpus is "
+                "bytes"
             )
         return build_stdlib_corpus(max_bytes=data.max_bytes, val_every=data.val_every, root=data.root)
     if data.name == "tokens":
@@ -77,6 +90,15 @@ def load_corpus(data: Any) -> Corpus:
             val_every=data.val_every,
             token_dtype=data.token_dtype,
             vocab_size=vocab,
+        )
+    if data.name == "hf":
+        return build_hf_corpus(
+            path=data.path,
+            val_path=data.val_path,
+            split=data.split,
+            text_column=data.text_column,
+            val_every=data.val_every,
+            encoder=load_encoder(data.tokenizer, eos_token=data.eos_token),
         )
     return build_text_corpus(
         kind=data.name,
