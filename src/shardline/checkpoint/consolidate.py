@@ -33,6 +33,7 @@ from shardline.checkpoint.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.dcp_io import MODEL_KEY, TRAINER_KEY, MetadataReader, SafeLoadPlanner, decode_state, key_paths
 from shardline.checkpoint.fsutil import fsync_dir
 from shardline.checkpoint.hf_export import export_layout
+from shardline.checkpoint.objects import as_location
 from shardline.checkpoint.opening import open_checkpoint
 from shardline.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
 from shardline.checkpoint.verify import VerifyLevel
@@ -185,7 +186,7 @@ def consolidate(
         CheckpointError: ``out`` cannot be created.
         ConfigurationError: ``adapters`` for a checkpoint without a PEFT adapter shardline exports.
     """
-    src = Path(checkpoint)
+    src = as_location(checkpoint)  # a local directory or an object-store URL
     dst = Path(out).absolute()
     max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     cast = parse_dtype(dtype) if dtype is not None else None

@@ -29,6 +29,7 @@ import hashlib
 import io
 import math
 import os
+import posixpath
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shardline import _torch_compat
+from shardline.checkpoint.objects import ObjectPath
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.parallelism import AUTO, available_cores, files_for_share, resolve_files_per_rank
 from shardline.errors import CheckpointError, IntegrityError
@@ -68,11 +70,11 @@ class FileDigest:
         return {"path": self.path, "rank": self.rank, "bytes": self.bytes, "sha256": self.sha256}
 
 
-def sha256_file(path: Path) -> tuple[int, str]:
-    """``(size, hex sha256)`` of a file, read in chunks (for verification, never during a save)."""
+def sha256_file(path: Path | ObjectPath) -> tuple[int, str]:
+    """``(size, hex sha256)`` of a file or object, read in chunks (for verification, never during a save)."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
+    with path.open("rb") if isinstance(path, ObjectPath) else open(path, "rb") as f:
         while chunk := f.read(_READ_CHUNK):
             h.update(chunk)
             size += len(chunk)
@@ -198,8 +200,9 @@ class HashingFileSystem(FileSystem):
     full disk does); ``rank`` names the writing rank to it.
     """
 
-    def __init__(self, observer: SaveObserver = NO_OBSERVER) -> None:
+    def __init__(self, observer: SaveObserver = NO_OBSERVER, *, objects: Any = None) -> None:
         super().__init__()
+        self._objects = objects  # an fsspec file system: write objects to it instead of local files
         self._lock = threading.Lock()
         self._digests: dict[str, tuple[int, str]] = {}
         self._errors: list[OSError] = []
@@ -236,7 +239,10 @@ class HashingFileSystem(FileSystem):
             self._active += 1
         try:
             try:
-                raw = open(key, "wb")  # noqa: SIM115 -- closed by the stream, whose close may itself fail
+                if self._objects is not None:  # an upload; close() completes it
+                    raw = self._objects.open(key, "wb")
+                else:
+                    raw = open(key, "wb")  # noqa: SIM115 -- closed by the stream, whose close may itself fail
             except OSError as e:
                 failed(e)
                 raise
@@ -270,14 +276,33 @@ class HashingFileSystem(FileSystem):
             self._abandoned = True
             self._open.wait_for(lambda: self._active == 0, timeout=timeout)
 
+    # Path operations DCP's writer asks for: on an object store, keys ("bucket/prefix/name") through fsspec.
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> Any:
+        if self._objects is None:
+            return super().concat_path(path, suffix)
+        return posixpath.join(str(path), suffix)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        if self._objects is None:
+            super().mkdir(path)  # an object store has no directories to make
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return bool(self._objects.exists(str(path))) if self._objects is not None else super().exists(path)
+
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
+        if self._objects is not None:
+            self._objects.mv(str(path), str(new_path))  # a server-side copy, then a delete (DCP's .metadata)
+        else:
+            super().rename(path, new_path)
         with self._lock:
             if str(Path(path)) in self._digests:
                 self._digests[str(Path(new_path))] = self._digests.pop(str(Path(path)))
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        super().rm_file(path)
+        if self._objects is not None:
+            self._objects.rm(str(path))
+        else:
+            super().rm_file(path)
         with self._lock:
             self._digests.pop(str(Path(path)), None)
 
@@ -331,17 +356,21 @@ class HashingWriter(FileSystemWriter):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | ObjectPath,
         *,
-        final_path: str | os.PathLike | None = None,
+        final_path: str | os.PathLike | ObjectPath | None = None,
         observer: SaveObserver = NO_OBSERVER,
         check_written: Callable[[Path, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
         files_per_rank: int = AUTO,
     ) -> None:
         resolve_files_per_rank(files_per_rank)
         self.files_per_rank = files_per_rank
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
-        self._hfs = HashingFileSystem(observer)
+        # An object store: DCP works on the bucket-relative key, our file system uploads through fsspec, and
+        # nothing is fsynced (an upload is durable once the store acknowledges it; there is no descriptor).
+        objects = path.fs if isinstance(path, ObjectPath) else None
+        target = path.key if isinstance(path, ObjectPath) else path
+        super().__init__(target, single_file_per_rank=True, sync_files=objects is None, thread_count=1, overwrite=False)
+        self._hfs = HashingFileSystem(observer, objects=objects)
         self._observer = observer
         _torch_compat.set_writer_filesystem(self, self._hfs)
         self._final_path = final_path

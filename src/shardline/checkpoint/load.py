@@ -30,11 +30,11 @@ update rule.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ from shardline.checkpoint.dcp_io import (
     subtree,
 )
 from shardline.checkpoint.model_state import param_index
+from shardline.checkpoint.objects import Location, as_location
 from shardline.checkpoint.opening import (
     CheckedManifest,
     check_manifest,
@@ -97,11 +98,13 @@ def opt_in_note(checked: CheckedManifest) -> str | None:
     )
 
 
-def _checked(path: Path, level: VerifyLevel, expected: str | None, group: dist.ProcessGroup | None) -> CheckedManifest:
+def _checked(
+    path: Location, level: VerifyLevel, expected: str | None, group: dist.ProcessGroup | None
+) -> CheckedManifest:
     data = coord.rank0_decides(
         lambda: check_manifest(path, level=level, expected_manifest_hash=expected).to_json(), group
     )
-    checked = CheckedManifest.from_json(data)
+    checked = dataclasses.replace(CheckedManifest.from_json(data), path=path)  # this rank's storage options
     note = opt_in_note(checked)
     if note is not None and coord.group_rank(group) == 0:
         warnings.warn(note, CheckpointWarning, stacklevel=3)
@@ -114,6 +117,7 @@ def check_checkpoint(
     verify: VerifyLevel | str = VerifyLevel.FULL,
     expected_manifest_hash: str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Verify a checkpoint without loading it (a collective); return its manifest, or None for plain DCP.
 
@@ -125,7 +129,7 @@ def check_checkpoint(
         CheckpointNotFoundError, IntegrityError: on every rank.
     """
     level = VerifyLevel.parse(verify)
-    checked = _checked(Path(path), level, expected_manifest_hash, process_group)
+    checked = _checked(as_location(path, storage_options=storage_options), level, expected_manifest_hash, process_group)
     if level is VerifyLevel.FULL:
         rank, world = coord.group_rank(process_group), coord.group_size(process_group)
 
@@ -138,7 +142,7 @@ def check_checkpoint(
     return checked.manifest
 
 
-def _mismatch(path: Path, problems: list[str]) -> CheckpointMismatchError:
+def _mismatch(path: Location, problems: list[str]) -> CheckpointMismatchError:
     shown = "; ".join(problems[:_SHOW]) + (f"; ... ({len(problems) - _SHOW} more)" if len(problems) > _SHOW else "")
     return CheckpointMismatchError(
         f"checkpoint {path} does not fit this model/optimizer -- {shown}. Load it into the model architecture it "
@@ -238,7 +242,7 @@ def _optim_targets(
     return build_tree(placed)
 
 
-def _dcp_error(path: Path, error: CheckpointException) -> ShardlineError:
+def _dcp_error(path: Location, error: CheckpointException) -> ShardlineError:
     """One error for every rank from DCP's gathered per-rank failures: the lowest failing rank's."""
 
     # Note: a rank that could not deserialize an item of a file another rank hashes reports only that;
@@ -263,6 +267,7 @@ def load(
     strict: bool = True,
     expected_manifest_hash: str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Verify a checkpoint and load it into ``model`` (and ``optimizer``) at any world size and strategy.
 
@@ -270,13 +275,16 @@ def load(
     every rank (see the module note).
 
     Args:
-        path: A committed checkpoint directory (a plain DCP directory only with ``verify="none"``).
+        path: A committed checkpoint directory (a plain DCP directory only with ``verify="none"``), local or
+            an object-store URL (``s3://bucket/prefix/step-100``; each rank streams and hashes its share).
         verify: ``"full"`` (default: every byte hashed against the manifest, spread over the ranks
             while reading), or the opt-ins ``"sizes"`` (file sizes only) and ``"none"``; an opt-in
             is reported with a :class:`CheckpointWarning`.
         strict: Model keys must match exactly (shapes always must).
         expected_manifest_hash: The manifest hash to trust (e.g. from the lineage ledger); without
             it the manifest is checked against ``manifest.sha256`` in the directory.
+        storage_options: Options of the fsspec file system of a URL ``path`` (endpoint, credentials);
+            default: the standard AWS environment.
 
     Returns:
         The trainer state saved with it (rank 0's), plus ``"per_rank"``: the entry this rank
@@ -288,7 +296,7 @@ def load(
         IntegrityError: a file missing, unexpected, or not matching the manifest (named); nothing loaded.
         CheckpointMismatchError: keys or shapes that do not fit; nothing is loaded then.
     """
-    path = Path(path)
+    path = as_location(path, storage_options=storage_options)
     level = VerifyLevel.parse(verify)
     checked = _checked(path, level, expected_manifest_hash, process_group)
     rank = coord.group_rank(process_group)

@@ -29,6 +29,7 @@ from torch import nn
 from shardline._version import __version__
 from shardline.checkpoint.canonical import HASH_ALGORITHM, canonical_json, manifest_hash, sha256_hex
 from shardline.checkpoint.hashing import FileDigest
+from shardline.checkpoint.objects import as_location
 from shardline.engine import subtree_units
 from shardline.errors import CheckpointNotFoundError, CheckpointReadError, IntegrityError
 
@@ -185,7 +186,7 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], str]:
         CheckpointReadError: a file exists but cannot be read (``EIO``, ``ESTALE``, ``EACCES``...):
             not damage, so callers must not treat the checkpoint as damaged.
     """
-    path = Path(path)
+    path = as_location(path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint: no such directory")
     file = path / MANIFEST

@@ -40,6 +40,8 @@ from shardline.checkpoint.manifest import (
     manifest_files,
     read_checkpoint_file,
 )
+from shardline.checkpoint.objects import ObjectPath, as_location
+from shardline.checkpoint.reading import VerifyingReader
 from shardline.checkpoint.verify import (
     FileProblem,
     VerifyLevel,
@@ -92,7 +94,11 @@ class CheckedManifest:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CheckedManifest:
         return cls(
-            Path(data["path"]), data["manifest"], data["manifest_hash"], data["anchor"], VerifyLevel(data["level"])
+            as_location(data["path"]),
+            data["manifest"],
+            data["manifest_hash"],
+            data["anchor"],
+            VerifyLevel(data["level"]),
         )
 
 
@@ -160,7 +166,7 @@ def check_manifest(
     """
     level = VerifyLevel.parse(level)
     expected = check_expected_hash(expected_manifest_hash)
-    path = Path(path)
+    path = as_location(path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint: no such directory")
     if is_tmp_name(path.name):
@@ -232,6 +238,8 @@ class OpenedCheckpoint:
 
     def reader(self) -> MetadataReader:
         """A DCP storage reader over the (already checked) files, serving the checked metadata."""
+        if isinstance(self.path, ObjectPath):  # DCP's own FileSystemReader reads local paths only
+            return VerifyingReader(self.path, self.metadata, to_hash=())
         return MetadataReader(self.path, self.metadata)
 
 

@@ -42,6 +42,7 @@ from torch.futures import Future
 from shardline.checkpoint.dcp_io import MetadataReader
 from shardline.checkpoint.hashing import hasher_pool
 from shardline.checkpoint.manifest import read_error, read_manifest
+from shardline.checkpoint.objects import ObjectPath
 from shardline.checkpoint.parallelism import cores_per_rank
 from shardline.checkpoint.tensor_record import decode_tensor
 from shardline.checkpoint.verify import FileProblem
@@ -99,7 +100,9 @@ class VerifyingReader(MetadataReader):
     """
 
     def __init__(self, path: str | os.PathLike, metadata: Metadata, *, to_hash: Sequence[Mapping[str, Any]]) -> None:
-        super().__init__(path, metadata)
+        super().__init__(str(path), metadata)
+        self._root = path if isinstance(path, ObjectPath) else Path(path)
+        self.path = self._root  # DCP's reader keeps a Path; an object-store URL must not become one
         self._to_hash = {str(e["path"]): e for e in to_hash}
         self.hashed: dict[str, str] = {}
         # The planner fills nested containers of the state dict; files read on several threads take turns in it.
@@ -148,7 +151,7 @@ class VerifyingReader(MetadataReader):
             except FileNotFoundError:
                 problems.append(FileProblem(name, "missing", "listed in the checkpoint but not present"))
             except OSError as e:  # EIO, ESTALE, EACCES: the file system failed; that shows nothing about the bytes
-                raise read_error(Path(self.path) / name, e) from e
+                raise read_error(self._root / name, e) from e
 
         names = sorted(set(per_file) | mine)
         threads = min(len(names), cores_per_rank())
@@ -176,6 +179,11 @@ class VerifyingReader(MetadataReader):
         fut.set_result(None)
         return fut
 
+    def _open(self, name: str) -> Any:
+        """``name`` opened for unbuffered reading (a local file) or ranged streaming reads (an object)."""
+        file = self._root / name
+        return file.open("rb") if isinstance(file, ObjectPath) else open(file, "rb", buffering=0)
+
     def _groups(self, items: list[ReadItem]) -> list[tuple[int, int, list[ReadItem]]]:
         """Items by byte range, in file order (DCP never writes overlapping ranges)."""
         ranges: dict[tuple[int, int], list[ReadItem]] = {}
@@ -185,7 +193,7 @@ class VerifyingReader(MetadataReader):
         return [(off, length, group) for (off, length), group in sorted(ranges.items())]
 
     def _read_items(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
-        with open(Path(self.path) / name, "rb", buffering=0) as f:
+        with self._open(name) as f:
             for offset, length, group in self._groups(items):
                 f.seek(offset)
                 data = f.read(length)
@@ -236,7 +244,7 @@ class VerifyingReader(MetadataReader):
         # file order and hashing overlaps both decoding and I/O.
         pending: Any = None
         try:
-            with open(Path(self.path) / name, "rb", buffering=0) as f:
+            with self._open(name) as f:
                 for offset, length, group in self._groups(items):
                     if offset < pos:
                         problems.append(FileProblem(name, "altered", f"items overlap at byte {offset}"))
@@ -264,7 +272,7 @@ class VerifyingReader(MetadataReader):
                     pos = self._hash_span(f, digest, pos, None)
         finally:
             _settle(pending)
-        size = os.path.getsize(Path(self.path) / name)
+        size = (self._root / name).stat().st_size
         actual = digest.hexdigest()
         self.hashed[name] = actual
         if short or size != int(entry["bytes"]):

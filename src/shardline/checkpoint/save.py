@@ -32,6 +32,7 @@ else, so the previous checkpoints stay as they were.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import functools
@@ -64,6 +65,7 @@ from shardline.checkpoint.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
+from shardline.checkpoint.objects import Location, ObjectPath, as_location, check_access, describe, is_url
 from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.provenance import STATEMENT_FILE, build_statement
@@ -81,7 +83,7 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 class CheckpointInfo:
     """A committed checkpoint, as every rank learns it from rank 0 at the end of a save."""
 
-    path: Path
+    path: Location
     step: int
     manifest_hash: str
     tag: str | None
@@ -130,7 +132,21 @@ def _prepare(final: Path) -> Path:
     return tmp
 
 
-def preflight(path: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None) -> Path:
+def _prepare_objects(final: ObjectPath) -> None:
+    check_access(final)
+    if final.exists():
+        raise CheckpointExistsError(
+            f"checkpoint {final} already exists (objects under that prefix); shardline never overwrites a checkpoint. "
+            "Save under a new step or prefix, or remove the old objects first."
+        )
+
+
+def preflight(
+    path: str | os.PathLike | ObjectPath,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Location:
     """Step 1 of the protocol (a collective): check the target on rank 0 and create the temp directory.
 
     Returns the temporary directory on every rank.
@@ -139,6 +155,12 @@ def preflight(path: str | os.PathLike, *, process_group: dist.ProcessGroup | Non
         CheckpointExistsError: the final directory exists (on every rank, nothing written).
         CheckpointError: the path is not writable or not visible from every rank.
     """
+    if is_url(path):
+        # An object store: no temporary prefix (nothing renames it); the manifest written last commits.
+        target = as_location(path, storage_options=storage_options)
+        coord.rank0_decides(lambda: _prepare_objects(target), process_group)
+        coord.all_agree(lambda: check_access(target), process_group, what="reach the checkpoint bucket")
+        return target
     final = Path(path).absolute()
     tmp = Path(coord.rank0_decides(lambda: str(_prepare(final)), process_group))
 
@@ -200,8 +222,13 @@ def stage_agreed(
     return replace(staged, total_bytes=sum(sizes))
 
 
-def _discard(tmp: Path) -> None:
-    """Rank 0, after a failed save: remove the temporary directory, then its lock."""
+def _discard(tmp: Location) -> None:
+    """Rank 0, after a failed save: remove the temporary directory, then its lock (on a store: the objects written)."""
+    if isinstance(tmp, ObjectPath):
+        # The store may be what failed; without a manifest the prefix is never a checkpoint anyway.
+        with contextlib.suppress(Exception):
+            tmp.remove_tree()
+        return
     shutil.rmtree(tmp, ignore_errors=True)
     release_tmp(tmp)
 
@@ -225,12 +252,12 @@ def _first_line(error: BaseException) -> str:
     return type(error).__name__
 
 
-def _failure_message(final: Path, staged: StagedCheckpoint, error: BaseException, last_good: Path | None) -> str:
+def _failure_message(final: Location, staged: StagedCheckpoint, error: BaseException, last_good: Path | None) -> str:
     """Rank 0, after a failed write: one line naming the cause (for a full disk: bytes needed vs free)."""
     previous = f"the last good checkpoint is {last_good}" if last_good else "no earlier checkpoint is known here"
     full = disk_full_cause(error)
-    if full is None:
-        return f"writing checkpoint {final} failed ({_first_line(error)}); nothing was committed; {previous}"
+    if full is None or isinstance(final, ObjectPath):
+        return f"writing checkpoint {describe(final)} failed ({_first_line(error)}); nothing was committed; {previous}"
     try:
         free = human_bytes(shutil.disk_usage(final.parent).free)
     except OSError:
@@ -294,7 +321,10 @@ def write_and_commit(
         done: dict[str, Any] = {}  # _finalize fills it once the rename happened
         try:
             digests = writer.file_digests or []
-            manifest_digest, files, statement_digest = _finalize(staged, tmp, final, digests, observer, done)
+            if isinstance(final, ObjectPath):
+                manifest_digest, files, statement_digest = _finalize_objects(staged, final, digests, observer, done)
+            else:
+                manifest_digest, files, statement_digest = _finalize(staged, tmp, final, digests, observer, done)
         except Exception as e:
             if not done:
                 _discard(tmp)
@@ -390,49 +420,10 @@ def _finalize(
     """
     crash_point("save.shards_written")
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
-    listed = {d.path for d in digests}
-    present = {p.name for p in tmp.iterdir()}
-    if present != listed:
-        raise CheckpointError(
-            f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "
-            f"{sorted(listed - present)}; another process may be writing into it"
-        )
-    created = datetime.datetime.now(datetime.timezone.utc)
-    statement = canonical_json(
-        build_statement(
-            files=[d.to_json() for d in digests],
-            step=staged.step,
-            tag=staged.tag,
-            kind=staged.kind,
-            created_at=created.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            config=staged.config,
-            config_sha256=staged.config_sha256,
-            data_fingerprint=staged.data_fingerprint,
-            parent_manifest_sha256=staged.parent_manifest_hash,
-            world_size=staged.world_size,
-            units=staged.units,
-        )
-    )
+    _check_listing(tmp, digests)
+    statement, statement_digest, files, data, digest = _records(staged, digests)
     _write_durable(tmp / STATEMENT_FILE, statement)
     crash_point("save.statement_written")
-    statement_digest = sha256_hex(statement)
-    files = sorted([*digests, FileDigest(path=STATEMENT_FILE, rank=0, bytes=len(statement), sha256=statement_digest)])
-    manifest = build_manifest(
-        step=staged.step,
-        tag=staged.tag,
-        kind=staged.kind,
-        world_size=staged.world_size,
-        units=staged.units,
-        model_info=staged.model_info,
-        contents=staged.contents,
-        config_sha256=staged.config_sha256,
-        data_fingerprint=staged.data_fingerprint,
-        parent_manifest_sha256=staged.parent_manifest_hash,
-        files=files,
-        created=created,
-    )
-    data = canonical_json(manifest)
-    digest = sha256_hex(data)
     _write_durable(tmp / MANIFEST, data)
     crash_point("save.manifest_written")
     _write_durable(tmp / MANIFEST_HASH_FILE, render_manifest_hash_file(digest))
@@ -452,18 +443,99 @@ def _finalize(
     return digest, files, statement_digest
 
 
+def _finalize_objects(
+    staged: StagedCheckpoint, final: ObjectPath, digests: list[FileDigest], observer: SaveObserver, done: dict[str, Any]
+) -> tuple[str, list[FileDigest], str]:
+    """Rank 0, on an object store: provenance statement, hash files, then ``manifest.json`` -- the commit record.
+
+    Note: an object store has no rename, so the data objects were written under their final
+    prefix; what makes them a checkpoint is ``manifest.json``, uploaded last, once every object it
+    lists (and the two files derived from it) is acknowledged. Until then the prefix is not a
+    checkpoint to anything that lists, loads or resumes (``directory.scan``, ``open_checkpoint``).
+    A PUT is atomic: readers see the whole manifest or none.
+    """
+    crash_point("save.shards_written")
+    observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
+    _check_listing(final, digests)
+    statement, statement_digest, files, data, digest = _records(staged, digests)
+    (final / STATEMENT_FILE).write_bytes(statement)
+    crash_point("save.statement_written")
+    (final / MANIFEST_HASH_FILE).write_bytes(render_manifest_hash_file(digest))
+    crash_point("save.hash_file_written")
+    (final / SUMS_FILE).write_bytes(render_sums(digest, [d.to_json() for d in files]))
+    crash_point("save.sums_written")
+    observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
+    (final / MANIFEST).write_bytes(data)
+    done.update(hash=digest, files=files, provenance=statement_digest)
+    crash_point("save.committed")
+    observer.on_phase(SavePhase.AFTER_RENAME, 0)
+    return digest, files, statement_digest
+
+
+def _check_listing(tmp: Location, digests: list[FileDigest]) -> None:
+    """Every file in ``tmp`` is one a rank reported writing, and every reported one is there."""
+    listed = {d.path for d in digests}
+    present = {p.name for p in tmp.iterdir()}
+    if present != listed:
+        raise CheckpointError(
+            f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "
+            f"{sorted(listed - present)}; another process may be writing into it"
+        )
+
+
+def _records(staged: StagedCheckpoint, digests: list[FileDigest]) -> tuple[bytes, str, list[FileDigest], bytes, str]:
+    """(statement, its sha256, every listed file, manifest bytes, manifest hash) of the files ``digests``."""
+    created = datetime.datetime.now(datetime.timezone.utc)
+    statement = canonical_json(
+        build_statement(
+            files=[d.to_json() for d in digests],
+            step=staged.step,
+            tag=staged.tag,
+            kind=staged.kind,
+            created_at=created.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            config=staged.config,
+            config_sha256=staged.config_sha256,
+            data_fingerprint=staged.data_fingerprint,
+            parent_manifest_sha256=staged.parent_manifest_hash,
+            world_size=staged.world_size,
+            units=staged.units,
+        )
+    )
+    statement_digest = sha256_hex(statement)
+    files = sorted([*digests, FileDigest(path=STATEMENT_FILE, rank=0, bytes=len(statement), sha256=statement_digest)])
+    manifest = build_manifest(
+        step=staged.step,
+        tag=staged.tag,
+        kind=staged.kind,
+        world_size=staged.world_size,
+        units=staged.units,
+        model_info=staged.model_info,
+        contents=staged.contents,
+        config_sha256=staged.config_sha256,
+        data_fingerprint=staged.data_fingerprint,
+        parent_manifest_sha256=staged.parent_manifest_hash,
+        files=files,
+        created=created,
+    )
+    data = canonical_json(manifest)
+    return statement, statement_digest, files, data, sha256_hex(data)
+
+
 def commit(
-    path: str | os.PathLike,
+    path: str | os.PathLike | ObjectPath,
     request: SaveRequest,
     *,
     parent_manifest_hash: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     observer: SaveObserver = NO_OBSERVER,
     files_per_rank: int = AUTO,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Save ``request`` into the new directory ``path`` and commit it atomically (a collective; see :func:`save`)."""
     resolve_files_per_rank(files_per_rank)  # a bad count fails before anything is created
-    tmp = preflight(path, process_group=process_group)
+    tmp = preflight(path, process_group=process_group, storage_options=storage_options)
+    if isinstance(tmp, ObjectPath):
+        path = tmp  # written in place; staging records this location (with its storage options)
     staged = stage_agreed(
         request, path=path, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
     )
@@ -485,6 +557,7 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     observer: SaveObserver | None = None,
     files_per_rank: int = AUTO,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Save a checkpoint into the new directory ``path`` and commit it atomically (a collective).
 
@@ -492,12 +565,16 @@ def save(
     ``observer`` and ``files_per_rank`` make a :class:`~.staging.SaveRequest` (see it for their meaning).
 
     Args:
-        path: The final checkpoint directory (e.g. ``run/checkpoints/step-100``); must not exist.
+        path: The final checkpoint directory (e.g. ``run/checkpoints/step-100``), or an object-store URL
+            (``s3://bucket/prefix/step-100``: written in place, committed by its manifest, uploaded last);
+            must not exist.
         parent_manifest_hash: Manifest hash of the checkpoint this training state descends from.
         process_group: Group the save runs over (default: the world).
         observer: Told of each phase and write (tests inject faults with one; default: none).
         files_per_rank: Files each rank writes, each hashed by its own writer thread and verified on
             its own reader thread (0, the default: the cores each rank has on its node, at most 8).
+        storage_options: Options of the fsspec file system of a URL ``path`` (``endpoint_url``, ``key``,
+            ``secret``...); default: the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...).
 
     Returns:
         The committed checkpoint's :class:`CheckpointInfo`, identical on every rank.
@@ -506,6 +583,8 @@ def save(
         CheckpointExistsError: ``path`` exists (nothing is written).
         DiskFullError: the file system filled up (nothing is committed; the message says how much was needed).
         CheckpointError: unwritable path, or the write failed (nothing is committed).
+        StorageAccessError: a URL whose bucket does not exist, whose credentials are refused, or whose endpoint
+            does not answer (nothing is written).
         ConfigurationError: ``files_per_rank`` is not a count (nothing is written).
     """
     request = SaveRequest(
@@ -525,4 +604,5 @@ def save(
         process_group=process_group,
         observer=observer or NO_OBSERVER,
         files_per_rank=files_per_rank,
+        storage_options=storage_options,
     )

@@ -14,7 +14,6 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from shardline.checkpoint.hf_export import hf_metadata
 from shardline.checkpoint.host_staging import HostBuffers
 from shardline.checkpoint.manifest import describe_units
 from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
+from shardline.checkpoint.objects import Location, as_location
 from shardline.checkpoint.optim_state import optimizer_state_dict
 from shardline.checkpoint.staged_check import StagedDigester
 from shardline.engine import buffer_original_dtypes, registered_state_dict
@@ -86,7 +86,7 @@ class SaveRequest:
 class StagedCheckpoint:
     """Everything a save writes, captured at one instant (see :func:`stage`)."""
 
-    final: Path
+    final: Location
     step: int
     tag: str | None
     kind: str
@@ -273,7 +273,7 @@ def stage(
         buffers.finish()
         source_device = buffers.source_device
     return StagedCheckpoint(
-        final=Path(path),
+        final=as_location(path),
         step=request.step,
         tag=request.tag,
         kind=kind,

@@ -33,6 +33,7 @@ from shardline.checkpoint.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
+from shardline.checkpoint.objects import as_location, check_access
 from shardline.checkpoint.parallelism import MIN_AUTO_FILE_BYTES, available_cores
 from shardline.errors import ConfigurationError
 
@@ -248,7 +249,11 @@ def derived_and_unexpected(
 
 
 def verify_checkpoint(
-    path: str | os.PathLike, *, level: VerifyLevel | str = "full", expected_manifest_hash: str | None = None
+    path: str | os.PathLike,
+    *,
+    level: VerifyLevel | str = "full",
+    expected_manifest_hash: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check every file of the checkpoint at ``path`` against its manifest.
 
@@ -256,15 +261,20 @@ def verify_checkpoint(
     from the lineage ledger or a release note) additionally pins the manifest itself: without
     it, a consistent rewrite of manifest, hashes and data cannot be told from the original.
 
+    ``path`` may be an object-store URL (``s3://bucket/prefix/step-100``); ``storage_options`` then go
+    to its fsspec file system (default: the standard AWS environment).
+
     Raises:
         ConfigurationError: ``level`` is not ``full`` or ``sizes``, or ``expected_manifest_hash``
             is not a SHA-256 in hex.
+        StorageAccessError: a URL whose bucket does not exist, credentials are refused, or endpoint is down.
     """
     level = VerifyLevel.parse(level)
     if level is VerifyLevel.NONE:
         raise ConfigurationError("verify_checkpoint checks files: use level 'full' (default) or 'sizes'")
     expected_manifest_hash = check_expected_hash(expected_manifest_hash)
-    root = Path(path)
+    root = as_location(path, storage_options=storage_options)
+    check_access(root)
     base = {"path": str(root), "level": level.value}
     if not root.is_dir():
         return VerifyReport(**base, manifest_hash=None, step=None, files_checked=0, bytes_checked=0,
