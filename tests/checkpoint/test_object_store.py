@@ -112,6 +112,8 @@ def test_flipped_byte_is_named_and_never_loaded(s3_env: S3Server, capsys: pytest
     data[len(data) // 2] ^= 0x01
     fs.pipe_file(key, bytes(data))
 
+    assert cli.main(["inspect", "--json", url]) == 0  # the manifest alone: still readable
+    assert json.loads(capsys.readouterr().out)["step"] == 2
     assert cli.main(["verify", "--json", url]) == 1
     report = json.loads(capsys.readouterr().out)
     assert [(p["path"], p["problem"]) for p in report["problems"]] == [("__0_0.distcp", "altered")]

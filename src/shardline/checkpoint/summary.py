@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint.manifest import manifest_files, read_manifest
+from shardline.checkpoint.objects import as_location, check_access
 from shardline.checkpoint.provenance import STATEMENT_FILE
 
 __all__ = ["human_bytes", "render_summary", "summarize"]
@@ -34,8 +34,10 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         CheckpointNotFoundError, IntegrityError: as :func:`~shardline.checkpoint.manifest.read_manifest`.
+        StorageAccessError: a URL whose bucket, credentials or endpoint cannot be used.
     """
-    root = Path(path)
+    root = as_location(path)  # a local directory or an object-store URL
+    check_access(root)
     manifest, digest = read_manifest(root)
     listed = manifest_files(manifest)
     files = [f for f in listed if f["path"] != STATEMENT_FILE]
