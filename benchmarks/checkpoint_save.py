@@ -31,7 +31,7 @@ from torch import nn
 
 import shardline
 import shardline.checkpoint as ckpt
-from shardline.checkpoint.parallelism import resolve_files_per_rank
+from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
 
 
 def build(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -6,7 +6,7 @@ Endpoint and credentials reach the ranks through the standard AWS environment (t
 from __future__ import annotations
 
 import shardline.checkpoint as ckpt
-from shardline.checkpoint.fault import KillAtPhase
+from shardline.checkpoint.faults.fault import KillAtPhase
 from tests.checkpoint.ranks import CONFIG, build, catch, snapshot, train_step, trainer_state
 
 

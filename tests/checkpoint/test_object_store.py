@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 import shardline.checkpoint as ckpt
 from shardline import cli
-from shardline.checkpoint.directory import scan
-from shardline.checkpoint.objects import as_location
+from shardline.checkpoint.provenance.directory import scan
+from shardline.checkpoint.storage.objects import as_location
 from shardline.errors import IntegrityError, StorageAccessError
 from shardline.testing import RankFailedError, run_distributed
 from tests.checkpoint import object_ranks, ranks

@@ -39,7 +39,7 @@ def _os_error(error: Exception) -> str:
 
 def sha256_arg(text: str) -> str:
     """argparse type of ``--expect``: a SHA-256 in hex, or a usage error naming the argument."""
-    from shardline.checkpoint.verify import check_expected_hash
+    from shardline.checkpoint.integrity.verify import check_expected_hash
 
     try:
         return str(check_expected_hash(text, where="--expect"))

@@ -1,4 +1,4 @@
-"""``shardline sign``: argument parsing for :func:`shardline.checkpoint.signing.sign` (verification is
+"""``shardline sign``: argument parsing for :func:`shardline.checkpoint.provenance.signing.sign` (verification is
 ``shardline verify CKPT --public-key PUB.pem``, in :mod:`.checkpoint`)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _password(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_sign(args: argparse.Namespace) -> int:
-    from shardline.checkpoint.signing import sign
+    from shardline.checkpoint.provenance.signing import sign
 
     try:
         result = sign(
