@@ -24,6 +24,9 @@ from pathlib import Path
 
 ACCESS_KEY = "shardline-test-key"
 SECRET_KEY = "shardline-test-secret"
+# A second identity that may read and list but not write (a store refusing uploads, as a quota or policy would).
+READONLY_KEY = "shardline-readonly-key"
+READONLY_SECRET = "shardline-readonly-secret"
 _RUNNING: dict[int, subprocess.Popen] = {}
 
 
@@ -45,7 +48,9 @@ class S3Server:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
 
-    def storage_options(self) -> dict[str, object]:
+    def storage_options(self, *, readonly: bool = False) -> dict[str, object]:
+        if readonly:
+            return {"endpoint_url": self.endpoint, "key": READONLY_KEY, "secret": READONLY_SECRET}
         return {"endpoint_url": self.endpoint, "key": ACCESS_KEY, "secret": SECRET_KEY}
 
     def filesystem(self):
@@ -96,7 +101,12 @@ def start(root: Path, *, timeout: float = 60.0) -> S3Server:
                         "name": "shardline",
                         "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                    }
+                    },
+                    {
+                        "name": "shardline-readonly",
+                        "credentials": [{"accessKey": READONLY_KEY, "secretKey": READONLY_SECRET}],
+                        "actions": ["Read", "List"],
+                    },
                 ]
             }
         )

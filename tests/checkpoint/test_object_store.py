@@ -149,3 +149,16 @@ def test_bad_bucket_url_or_credentials_fail_before_writing(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
     assert cli.main(["verify", url]) == 2
     assert "refused" in capsys.readouterr().err
+
+
+def test_a_store_refusing_writes_is_named(s3_env: S3Server) -> None:
+    """Credentials that may list but not write: the save ends with one line naming the endpoint; nothing committed."""
+    url = f"{_prefix()}/step-1"
+    readonly = s3_env.storage_options(readonly=True)
+    results = run_distributed(object_ranks.try_save, 2, args=(url, readonly), timeout=90, env=s3_env.env)
+    for kind, message in results:
+        assert kind == "CheckpointError"
+        assert message.startswith(f"the object store at {s3_env.endpoint} refused writing checkpoint {url}")
+        assert "nothing was committed" in message
+        assert "\n" not in message
+    assert not s3_env.filesystem().exists(f"{url.removeprefix('s3://')}/manifest.json")

@@ -167,6 +167,8 @@ def check_manifest(
     level = VerifyLevel.parse(level)
     expected = check_expected_hash(expected_manifest_hash)
     path = as_location(path)
+    if isinstance(path, ObjectPath):
+        path = path.snapshot()  # one LIST answers every "present? what size?" below (see objects.py)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint: no such directory")
     if is_tmp_name(path.name):

@@ -101,7 +101,8 @@ class VerifyingReader(MetadataReader):
 
     def __init__(self, path: str | os.PathLike, metadata: Metadata, *, to_hash: Sequence[Mapping[str, Any]]) -> None:
         super().__init__(str(path), metadata)
-        self._root = path if isinstance(path, ObjectPath) else Path(path)
+        # On an object store, one listing gives every file's size (no HEAD request per file; objects.py).
+        self._root = path.snapshot() if isinstance(path, ObjectPath) else Path(path)
         self.path = self._root  # DCP's reader keeps a Path; an object-store URL must not become one
         self._to_hash = {str(e["path"]): e for e in to_hash}
         self.hashed: dict[str, str] = {}

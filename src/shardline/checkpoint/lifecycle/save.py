@@ -133,8 +133,16 @@ def _prepare(final: Path) -> Path:
 
 
 def _prepare_objects(final: ObjectPath) -> None:
-    check_access(final)
-    if final.exists():
+    # One LIST of the parent both proves access and shows whether the checkpoint's prefix is taken; only
+    # when it fails is the bucket itself checked, for an error that names what is wrong.
+    try:
+        parent = final.parent.snapshot()
+    except Exception:
+        check_access(final)
+        raise
+    if not parent.exists():  # an empty or new prefix, or no such bucket: which one, check_access says
+        check_access(final)
+    if (parent / final.name).exists():
         raise CheckpointExistsError(
             f"checkpoint {final} already exists (objects under that prefix); shardline never overwrites a checkpoint. "
             "Save under a new step or prefix, or remove the old objects first."
@@ -159,7 +167,13 @@ def preflight(
         # An object store: no temporary prefix (nothing renames it); the manifest written last commits.
         target = as_location(path, storage_options=storage_options)
         coord.rank0_decides(lambda: _prepare_objects(target), process_group)
-        coord.all_agree(lambda: check_access(target), process_group, what="reach the checkpoint bucket")
+        if coord.group_size(process_group) > 1:  # rank 0 has reached it already; the others check their own access
+
+            def reach() -> None:
+                if coord.group_rank(process_group) != 0:
+                    check_access(target)
+
+            coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
         return target
     final = Path(path).absolute()
     tmp = Path(coord.rank0_decides(lambda: str(_prepare(final)), process_group))
@@ -255,9 +269,18 @@ def _first_line(error: BaseException) -> str:
 def _failure_message(final: Location, staged: StagedCheckpoint, error: BaseException, last_good: Path | None) -> str:
     """Rank 0, after a failed write: one line naming the cause (for a full disk: bytes needed vs free)."""
     previous = f"the last good checkpoint is {last_good}" if last_good else "no earlier checkpoint is known here"
-    full = disk_full_cause(error)
-    if full is None or isinstance(final, ObjectPath):
+    if isinstance(final, ObjectPath):
+        refused = next((e for e in error_chain(error) if isinstance(e, PermissionError)), None)
+        if refused is not None:
+            return (
+                f"the object store at {final.endpoint} refused writing checkpoint {final} ({_first_line(refused)}); "
+                f"nothing was committed; {previous}. Give the credentials write access to bucket "
+                f"{final.bucket!r} (or raise its quota), then resume."
+            )
         return f"writing checkpoint {describe(final)} failed ({_first_line(error)}); nothing was committed; {previous}"
+    full = disk_full_cause(error)
+    if full is None:
+        return f"writing checkpoint {final} failed ({_first_line(error)}); nothing was committed; {previous}"
     try:
         free = human_bytes(shutil.disk_usage(final.parent).free)
     except OSError:
@@ -458,11 +481,14 @@ def _finalize_objects(
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
     _check_listing(final, digests)
     statement, statement_digest, files, data, digest = _records(staged, digests)
-    (final / STATEMENT_FILE).write_bytes(statement)
-    crash_point("save.statement_written")
-    (final / MANIFEST_HASH_FILE).write_bytes(render_manifest_hash_file(digest))
-    crash_point("save.hash_file_written")
-    (final / SUMS_FILE).write_bytes(render_sums(digest, [d.to_json() for d in files]))
+    # The three files the manifest implies go up at once (concurrent PUTs); the manifest only after all three.
+    final.fs.pipe(
+        {
+            (final / STATEMENT_FILE).key: statement,
+            (final / MANIFEST_HASH_FILE).key: render_manifest_hash_file(digest),
+            (final / SUMS_FILE).key: render_sums(digest, [d.to_json() for d in files]),
+        }
+    )
     crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
     (final / MANIFEST).write_bytes(data)

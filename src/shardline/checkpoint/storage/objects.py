@@ -122,18 +122,31 @@ class _Stat:
     st_size: int
 
 
+_ABSENT = ("absent", 0)
+
+
 class ObjectPath:
     """A location in an object store: ``protocol://key``, with the subset of ``pathlib.Path`` checkpoints use.
 
     Build one with :func:`as_location`. Equal when protocol and key are equal.
     """
 
-    __slots__ = ("_fs", "key", "protocol")
+    __slots__ = ("_entry", "_fs", "_listing", "key", "protocol")
 
-    def __init__(self, fs: Any, protocol: str, key: str) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        protocol: str,
+        key: str,
+        *,
+        listing: dict[str, tuple[str, int]] | None = None,
+        entry: tuple[str, int] | None = None,
+    ) -> None:
         self._fs = fs
         self.protocol = protocol
         self.key = key.strip("/")
+        self._listing = listing  # a snapshot's children: name -> (type, size)
+        self._entry = entry  # this object's (type, size) in its parent's snapshot; ("absent", 0) if not there
 
     # ------------------------------------------------------------------ naming
     def __str__(self) -> str:
@@ -152,7 +165,30 @@ class ObjectPath:
         return hash((self.protocol, self.key))
 
     def __truediv__(self, name: str | os.PathLike) -> ObjectPath:
-        return ObjectPath(self._fs, self.protocol, posixpath.join(self.key, os.fspath(name)))
+        name = os.fspath(name)
+        entry = None
+        if self._listing is not None and "/" not in name.strip("/"):
+            entry = self._listing.get(name.strip("/"), _ABSENT)
+        return ObjectPath(self._fs, self.protocol, posixpath.join(self.key, name), entry=entry)
+
+    def snapshot(self) -> ObjectPath:
+        """This prefix with one listing of its children taken now (one LIST request).
+
+        Note: a checkpoint is checked file by file (present? its size?), which on an object store
+        would cost a HEAD request per file per question. A snapshot answers those from a single
+        listing; bytes are still read from the store, and hashed, so a file replaced after the
+        listing shows as altered, never as intact.
+        """
+        listing: dict[str, tuple[str, int]] = {}
+        try:
+            entries = self._fs.ls(self.key, detail=True)
+        except FileNotFoundError:
+            entries = []
+        for e in entries:
+            name = posixpath.basename(str(e["name"]).rstrip("/"))
+            if name:
+                listing[name] = (str(e.get("type") or "file"), int(e.get("size") or 0))
+        return ObjectPath(self._fs, self.protocol, self.key, listing=listing, entry=self._entry)
 
     @property
     def fs(self) -> Any:
@@ -184,22 +220,40 @@ class ObjectPath:
 
     # ------------------------------------------------------------------ queries
     def exists(self) -> bool:
+        if self._listing is not None:
+            return bool(self._listing)
+        if self._entry is not None:
+            return self._entry is not _ABSENT
         return bool(self._fs.exists(self.key))
 
     def is_dir(self) -> bool:
+        if self._listing is not None:
+            return bool(self._listing)
+        if self._entry is not None:
+            return self._entry[0] == "directory"
         return bool(self._fs.isdir(self.key))
 
     def is_file(self) -> bool:
+        if self._entry is not None and self._listing is None:
+            return self._entry[0] == "file"
         return bool(self._fs.isfile(self.key))
 
     def is_symlink(self) -> bool:
         return False
 
     def stat(self) -> _Stat:
+        if self._entry is not None and self._listing is None:
+            if self._entry is _ABSENT:
+                raise FileNotFoundError(2, "no such object", str(self))
+            return _Stat(self._entry[1])
         info = self._fs.info(self.key)
         return _Stat(int(info.get("size") or 0))
 
     def iterdir(self) -> Iterator[ObjectPath]:
+        if self._listing is not None:
+            for name in sorted(self._listing):
+                yield self / name
+            return
         for entry in self._fs.ls(self.key, detail=False):
             name = posixpath.basename(str(entry).rstrip("/"))
             if name:
@@ -210,9 +264,12 @@ class ObjectPath:
         if "b" not in mode:
             raise ValueError("object-store checkpoint files are opened in binary mode only")
         if "r" in mode:
-            # Streaming reads: each read() is one ranged GET of what was asked (no read-ahead of bytes
-            # a resharded load skips); the verified reader asks for whole items or 8 MiB spans.
-            kwargs.setdefault("cache_type", "none")
+            # Streaming reads in 8 MiB ranged GETs ahead of the reader (a resharded load seeks past
+            # what it skips, so only the blocks it needs are fetched); the size from a snapshot saves a HEAD.
+            kwargs.setdefault("cache_type", "readahead")
+            kwargs.setdefault("block_size", 8 << 20)
+            if self._entry is not None and self._entry is not _ABSENT and self._listing is None:
+                kwargs.setdefault("size", self._entry[1])
         return self._fs.open(self.key, mode, **kwargs)
 
     def read_bytes(self) -> bytes:
