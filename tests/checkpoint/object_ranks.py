@@ -5,7 +5,11 @@ Endpoint and credentials reach the ranks through the standard AWS environment (t
 
 from __future__ import annotations
 
+import os
+import signal
+
 import shardline.checkpoint as ckpt
+from shardline.checkpoint import SaveObserver, SavePhase
 from shardline.checkpoint.faults.fault import KillAtPhase
 from tests.checkpoint.ranks import CONFIG, build, catch, snapshot, train_step, trainer_state
 
@@ -44,3 +48,32 @@ def try_load(rank: int, world: int, path: str) -> tuple[str, str]:
 def try_save(rank: int, world: int, path: str, options: dict | None) -> tuple[str, str]:
     model, optimizer = build()
     return catch(ckpt.save, path, model=model, optimizer=optimizer, step=1, storage_options=options)
+
+
+class _StopServer(SaveObserver):
+    """Kill the S3 server (its whole process group) once rank 0 has written its shards."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def on_phase(self, phase: SavePhase, rank: int) -> None:
+        if phase == SavePhase.AFTER_SHARDS and rank == 0:
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+def save_then_lose_store(rank: int, world: int, root: str, server_pid: int) -> tuple[str, str]:
+    """Commit ``root/step-1``; the server dies during the save of ``root/step-2``: that save's error."""
+    model, optimizer = build()
+    train_step(model, optimizer, 0, rank, world)
+    ckpt.save(f"{root}/step-1", model=model, optimizer=optimizer, state=trainer_state(1), step=1, config=CONFIG)
+    train_step(model, optimizer, 1, rank, world)
+    return catch(
+        ckpt.save,
+        f"{root}/step-2",
+        model=model,
+        optimizer=optimizer,
+        state=trainer_state(2),
+        step=2,
+        config=CONFIG,
+        observer=_StopServer(server_pid),
+    )

