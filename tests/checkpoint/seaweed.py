@@ -117,6 +117,8 @@ def start(root: Path, *, timeout: float = 60.0) -> S3Server:
         binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
         "-s3", f"-s3.port={s3}", f"-s3.config={identities}",
+        # Side servers on fixed default ports would collide between two servers (e.g. a test's private one).
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

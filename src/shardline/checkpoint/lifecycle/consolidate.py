@@ -43,7 +43,7 @@ from shardline.checkpoint.format.safetensors_io import SafetensorsWriter, Tensor
 from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.storage.fsutil import fsync_dir
-from shardline.checkpoint.storage.objects import as_location
+from shardline.checkpoint.storage.objects import as_location, check_access
 from shardline.errors import CheckpointError, CheckpointExistsError, CheckpointWarning, ConfigurationError
 
 __all__ = ["SIDECAR", "ConsolidationResult", "consolidate", "parse_dtype", "parse_size", "strip_wrapper_prefixes"]
@@ -194,6 +194,7 @@ def consolidate(
         ConfigurationError: ``adapters`` for a checkpoint without a PEFT adapter shardline exports.
     """
     src = as_location(checkpoint)  # a local directory or an object-store URL
+    check_access(src)
     dst = Path(out).absolute()
     max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     cast = parse_dtype(dtype) if dtype is not None else None
