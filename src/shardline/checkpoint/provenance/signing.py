@@ -40,7 +40,8 @@ from shardline.checkpoint.integrity.export_verify import is_export, verify_expor
 from shardline.checkpoint.integrity.hashing import sha256_file
 from shardline.checkpoint.integrity.manifest import MANIFEST
 from shardline.checkpoint.integrity.verify import VerifyLevel, VerifyReport, verify_checkpoint
-from shardline.errors import SignatureError
+from shardline.checkpoint.storage.objects import is_url
+from shardline.errors import SignatureError, StorageAccessError
 
 __all__ = [
     "INSTALL_HINT",
@@ -216,7 +217,14 @@ def sign(
     Raises:
         SignatureError: the extra is missing, the key is unusable, the content does not verify,
             the signature would land inside the directory, or it exists and ``overwrite`` is False.
+        StorageAccessError: ``path`` is an object-store URL (signing reads and writes local files).
     """
+    if is_url(path):
+        raise StorageAccessError(
+            f"cannot sign {path} in place: signing reads and writes local files. Copy the checkpoint to a local "
+            f"directory (e.g. `aws s3 cp --recursive {path} DIR`), run `shardline verify DIR` and `shardline sign "
+            "DIR`, then upload DIR.sig beside it"
+        )
     root = Path(path)
     kind = _kind(root)
     sig = Path(signature) if signature is not None else default_signature_path(root)
