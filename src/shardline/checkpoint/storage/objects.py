@@ -325,7 +325,7 @@ def check_access(location: Any) -> None:
         return
     where = f"bucket {location.bucket!r} at {location.endpoint}"
     try:
-        location.fs.ls(location.bucket, detail=False)
+        location.fs.info(location.bucket)  # one HEAD of the bucket (a listing could be long)
     except PermissionError as e:
         raise StorageAccessError(
             f"access to {where} was refused ({_first_line(e)}) for {location}: check the credentials "
