@@ -48,7 +48,7 @@ from shardline.checkpoint.integrity.verify import (
     derived_and_unexpected,
 )
 from shardline.checkpoint.storage.fsutil import is_tmp_name
-from shardline.checkpoint.storage.objects import ObjectPath, as_location
+from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location
 from shardline.errors import CheckpointNotFoundError, IntegrityError
 
 __all__ = [
@@ -67,7 +67,7 @@ _SHOW = 5
 class CheckedManifest:
     """Steps 1-2 passed: the manifest (None for a plain DCP directory), its hash and what anchored it."""
 
-    path: Path
+    path: Location
     manifest: dict[str, Any] | None
     manifest_hash: str | None
     anchor: str
@@ -235,7 +235,7 @@ class OpenedCheckpoint:
     metadata: Metadata
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Location:
         return self.checked.path
 
     def reader(self) -> MetadataReader:

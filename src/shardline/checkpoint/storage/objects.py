@@ -35,7 +35,7 @@ from typing import Any
 
 from shardline.errors import ConfigurationError, StorageAccessError
 
-__all__ = ["ObjectPath", "as_location", "check_access", "describe", "is_url", "split_url"]
+__all__ = ["Location", "ObjectPath", "as_location", "check_access", "describe", "is_url", "split_url"]
 
 _SCHEME_SEP = "://"
 # Protocols whose fsspec client ships in an extra of ours, and that extra's name.
@@ -289,9 +289,10 @@ class ObjectPath:
 
 
 Location = Path | ObjectPath
+"""Where a checkpoint (or a directory of them) lives: a local path, or a location in an object store."""
 
 
-def as_location(path: str | os.PathLike | ObjectPath, *, storage_options: Mapping[str, Any] | None = None) -> Any:
+def as_location(path: str | os.PathLike | ObjectPath, *, storage_options: Mapping[str, Any] | None = None) -> Location:
     """``path`` as a :class:`pathlib.Path` (local) or an :class:`ObjectPath` (``proto://bucket/prefix``).
 
     ``storage_options`` go to the fsspec file system of a URL (ignored for a local path).
