@@ -106,6 +106,7 @@ def _rank(rank: int, world: int, root: str, mib: int, reps: int, cold: bool, fil
             runs[name].append(_timed(fn, cpu[name], evict))
     result: dict[str, object] = {name: statistics.median(times) for name, times in runs.items()}
     result.update({f"{name}_cpu": statistics.median(times) for name, times in cpu.items()})
+    result.update({f"{name}_range": (min(times), max(times)) for name, times in runs.items()})
     result["bytes"] = sum(f.stat().st_size for f in files)
     result["files"] = len(files)
     return result
@@ -126,6 +127,8 @@ def _report(r: dict[str, object], world: int, reps: int, cache: str) -> dict[str
         "sha256_of_one_rank_share_s": r["sha256_share"],
         "plain_cpu_s_rank0": r["plain_cpu"],
         "verified_cpu_s_rank0": r["verified_cpu"],
+        "plain_range": r["plain_range"],
+        "verified_range": r["verified_range"],
         "verified_over_plain": ratio,
         "target": target,
         "target_met": ratio <= target,
@@ -143,8 +146,16 @@ def _print(out: dict[str, object]) -> None:
         f"{out['world_size']} ranks, {out['reps']} alternating runs, medians"
     )
     ms = {k: float(v) * 1e3 for k, v in out.items() if k.endswith(("_s", "_s_rank0"))}  # type: ignore[arg-type]
-    print(f"  plain torch.distributed.checkpoint.load        : {ms['plain_dcp_load_s']:8.1f} ms")
-    print(f"  shardline.checkpoint.load (verify=full)        : {ms['shardline_verified_load_s']:8.1f} ms")
+    lo, hi = (float(x) * 1e3 for x in out["plain_range"])  # type: ignore[union-attr]
+    print(
+        f"  plain torch.distributed.checkpoint.load        : {ms['plain_dcp_load_s']:8.1f} ms  "
+        f"(min {lo:.1f}, max {hi:.1f})"
+    )
+    lo, hi = (float(x) * 1e3 for x in out["verified_range"])  # type: ignore[union-attr]
+    print(
+        f"  shardline.checkpoint.load (verify=full)        : {ms['shardline_verified_load_s']:8.1f} ms  "
+        f"(min {lo:.1f}, max {hi:.1f})"
+    )
     print(
         f"  verified / plain                               : {out['verified_over_plain']:8.2f}x "
         f"(target <= {out['target']}x: {out['target_met']})"

@@ -31,7 +31,7 @@ from torch import nn
 
 import shardline
 import shardline.checkpoint as ckpt
-from shardline.checkpoint.parallelism import resolve_files_per_rank
+from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
 
 
 def build(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -130,6 +130,8 @@ def main() -> None:
         "extra_s": med(ours) - med(plain),
         "shardline_over_plain": med(ours) / med(plain),
         "target_met": med(ours) / med(plain) <= 1.03,
+        "plain_range_s": (min(plain), max(plain)),
+        "shardline_range_s": (min(ours), max(ours)),
         "sha256_pass_s": med(hashing),
         "sha256_GBps": nbytes / med(hashing) / 1e9,
         "extra_within_one_sha256_pass": med(ours) - med(plain) <= med(hashing),
@@ -142,8 +144,16 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"state dict: {nbytes / 2**20:.0f} MiB in {files} file(s), {args.reps} alternating runs, medians")
-    print(f"  plain torch.distributed.checkpoint.save : {result['plain_dcp_save_s'] * 1e3:8.1f} ms")
-    print(f"  shardline.checkpoint.save (lineage)     : {result['shardline_save_s'] * 1e3:8.1f} ms")
+    lo, hi = (x * 1e3 for x in result["plain_range_s"])
+    print(
+        f"  plain torch.distributed.checkpoint.save : {result['plain_dcp_save_s'] * 1e3:8.1f} ms  "
+        f"(min {lo:.1f}, max {hi:.1f})"
+    )
+    lo, hi = (x * 1e3 for x in result["shardline_range_s"])
+    print(
+        f"  shardline.checkpoint.save (lineage)     : {result['shardline_save_s'] * 1e3:8.1f} ms  "
+        f"(min {lo:.1f}, max {hi:.1f})"
+    )
     print(f"  extra                                   : {result['extra_s'] * 1e3:8.1f} ms")
     print(
         f"  shardline / plain                       : {result['shardline_over_plain']:8.3f}x "

@@ -253,3 +253,16 @@ def elastic_launch_config(**kwargs: Any) -> Any:
 
     known = LaunchConfig.__dataclass_fields__
     return LaunchConfig(**{k: v for k, v in kwargs.items() if k in known})
+
+
+def fsspec_storage(*, reader: bool) -> Any:
+    """torch DCP's fsspec ``FsspecReader`` (``reader=True``) or ``FsspecWriter`` class.
+
+    torch 2.13 keeps them in the private module ``torch.distributed.checkpoint._fsspec_filesystem``
+    (``dcp.save(checkpoint_id="s3://...")`` picks the writer itself, but with ``sync_files=True``,
+    which on an object store falls back to a machine-wide ``os.sync()``). The benchmarks compare
+    against them as plain DCP on an object store.
+    """
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    return _fsspec_filesystem.FsspecReader if reader else _fsspec_filesystem.FsspecWriter

@@ -28,6 +28,7 @@ __all__ = [
     "ShardlineError",
     "SignatureError",
     "StateDictError",
+    "StorageAccessError",
     "error_chain",
 ]
 
@@ -38,6 +39,10 @@ class ShardlineError(Exception):
 
 class ConfigurationError(ShardlineError, ValueError):
     """A value passed by the user is not valid (unknown strategy, mismatched mesh, bad dtype...)."""
+
+
+class StorageAccessError(ConfigurationError):
+    """An object-store checkpoint location cannot be used: no such bucket, refused credentials, no endpoint."""
 
 
 class PolicyMatchError(ConfigurationError):

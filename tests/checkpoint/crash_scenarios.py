@@ -20,10 +20,10 @@ import torch
 
 import shardline.checkpoint as ckpt
 from shardline import cli
-from shardline.checkpoint import crashpoints
-from shardline.checkpoint.directory import read_latest, scan
-from shardline.checkpoint.lineage import audit, start_new_chain
-from shardline.checkpoint.retention import signature_path_for
+from shardline.checkpoint.faults import crashpoints
+from shardline.checkpoint.provenance.directory import read_latest, scan
+from shardline.checkpoint.provenance.lineage import audit, start_new_chain
+from shardline.checkpoint.provenance.retention import signature_path_for
 from shardline.errors import LineageError
 
 KEEP = 2  # keep_last_n of every manager here: the save scenario deletes one checkpoint
@@ -216,7 +216,7 @@ def hold_a_save(directory: str, ready_file: str) -> None:
     """Run in a child process: start a save (its temporary directory exists) and stay inside it until killed."""
     import time
 
-    from shardline.checkpoint.save import preflight
+    from shardline.checkpoint.lifecycle.save import preflight
 
     tmp = preflight(Path(directory) / "step-5")
     ready = Path(ready_file)

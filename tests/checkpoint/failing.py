@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import shardline.checkpoint as ckpt
-from shardline.checkpoint.fault import FailWrites
-from shardline.checkpoint.rng import restore_rng_state
+from shardline.checkpoint.faults.fault import FailWrites
+from shardline.checkpoint.state.rng import restore_rng_state
 from tests.checkpoint import ranks
 
 

@@ -15,8 +15,8 @@ import torch
 
 import shardline
 import shardline.checkpoint as ckpt
-from shardline.checkpoint.fault import KillAtPhase
-from shardline.checkpoint.rng import capture_rng_state, restore_rng_state
+from shardline.checkpoint.faults.fault import KillAtPhase
+from shardline.checkpoint.state.rng import capture_rng_state, restore_rng_state
 from tests.models import Block, ParityModel, batch, local_slice, loss_fn
 
 CONFIG = {"model": "parity", "lr": 0.01, "betas": [0.9, 0.95], "steps": 6}
@@ -294,7 +294,7 @@ def load_failing_on_one_rank(rank: int, world: int, path: str) -> tuple[str, str
     """Load a checkpoint while the trainer state does not decode on rank 1 alone (after DCP's agreed read)."""
     import importlib
 
-    load_module = importlib.import_module("shardline.checkpoint.load")  # the package's `load` is the function
+    load_module = importlib.import_module("shardline.checkpoint.lifecycle.load")  # the package's `load` is the function
     model, optimizer = build(seed=123)
     if rank == 1:
 
@@ -353,8 +353,8 @@ def async_host_staging(rank: int, world: int, directory: str) -> dict[str, Any]:
 
     from torch.distributed.tensor import DTensor
 
-    from shardline.checkpoint import staged_check
-    from shardline.checkpoint.observer import NO_OBSERVER, SaveObserver
+    from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver
+    from shardline.checkpoint.integrity import staged_check
 
     class Hold(SaveObserver):
         def __init__(self) -> None:

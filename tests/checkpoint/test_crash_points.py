@@ -3,7 +3,7 @@
 For each scenario (``crash_scenarios.py``) a child process first traces the crash points it
 passes; then, for every point and every time it is reached, a fresh copy of the scenario's run
 directory is crashed there (``os._exit`` in a child, armed through
-:mod:`shardline.checkpoint.crashpoints`), and the next run is checked: it opens without
+:mod:`shardline.checkpoint.faults.crashpoints`), and the next run is checked: it opens without
 ``--new-chain`` (except before a new chain's own commit point, where the user runs it again),
 resumes the newest committed step (nothing lost but the step being saved, nothing moved aside
 that was not damaged), ``shardline lineage`` verifies with no problem, ``latest`` verifies, and
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.checkpoint.crashpoints import CRASH_EXIT_CODE, CRASH_POINTS
+from shardline.checkpoint.faults.crashpoints import CRASH_EXIT_CODE, CRASH_POINTS
 from tests.checkpoint import crash_scenarios as sc
 
 
@@ -67,7 +67,7 @@ def test_every_crash_point_is_survived(tmp_path: Path) -> None:
 
 
 def test_crash_points_are_armed_by_name_only() -> None:
-    from shardline.checkpoint import crashpoints
+    from shardline.checkpoint.faults import crashpoints
 
     with pytest.raises(ValueError, match=r"unknown crash point 'save\.nowhere'"):
         crashpoints.arm("save.nowhere")

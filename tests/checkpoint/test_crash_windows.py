@@ -21,13 +21,13 @@ import torch
 
 import shardline.checkpoint as ckpt
 from shardline import cli
-from shardline.checkpoint import manager as manager_module
-from shardline.checkpoint import reading
-from shardline.checkpoint.crashpoints import CRASH_EXIT_CODE
-from shardline.checkpoint.fsutil import fsync_dir
-from shardline.checkpoint.lineage import audit
-from shardline.checkpoint.observer import SaveObserver, SavePhase
-from shardline.checkpoint.retention import signature_path_for
+from shardline.checkpoint.faults.crashpoints import CRASH_EXIT_CODE
+from shardline.checkpoint.faults.observer import SaveObserver, SavePhase
+from shardline.checkpoint.integrity import reading
+from shardline.checkpoint.lifecycle import manager as manager_module
+from shardline.checkpoint.provenance.lineage import audit
+from shardline.checkpoint.provenance.retention import signature_path_for
+from shardline.checkpoint.storage.fsutil import fsync_dir
 from shardline.errors import CheckpointReadError, CheckpointWarning, IntegrityError, LineageError, PublishError
 from tests.checkpoint import crash_scenarios as sc
 
@@ -159,7 +159,7 @@ class _SlowClock:
 
 
 def test_a_clock_behind_does_not_reorder_checkpoints(tmp_path: Path, monkeypatch) -> None:
-    save_module = importlib.import_module("shardline.checkpoint.save")  # the package's `save` is the function
+    save_module = importlib.import_module("shardline.checkpoint.lifecycle.save")  # the package's `save` is the function
     directory = tmp_path / "checkpoints"
     model, opt = _model()
     m = ckpt.CheckpointManager(directory, keep_last_n=2)

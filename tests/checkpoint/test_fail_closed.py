@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import shardline.checkpoint as ckpt
 from shardline import cli
-from shardline.checkpoint.canonical import canonical_json
+from shardline.checkpoint.format.canonical import canonical_json
 from shardline.errors import IntegrityError, LineageError
 from shardline.testing import run_distributed
 from tests.checkpoint import failing, ranks
@@ -306,7 +306,7 @@ def test_sizes_only_export_is_recorded(saved_run: Path, tmp_path: Path, capsys) 
 
 
 def test_hashing_shares_are_disjoint_and_cover_every_file() -> None:
-    from shardline.checkpoint.reading import assign_hashing
+    from shardline.checkpoint.integrity.reading import assign_hashing
 
     files = {"__0_0.distcp": 100, "__1_0.distcp": 100, "__2_0.distcp": 10}
     reads = [{"__0_0.distcp": 60, "__1_0.distcp": 40}, {"__1_0.distcp": 60}, {}]

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import shardline.checkpoint as ckpt
-from shardline.checkpoint import verify as verify_module
-from shardline.checkpoint.parallelism import files_for_share, resolve_files_per_rank
+from shardline.checkpoint.coordination.parallelism import files_for_share, resolve_files_per_rank
+from shardline.checkpoint.integrity import verify as verify_module
 from shardline.errors import ConfigurationError
 from shardline.testing import run_distributed
 from tests.checkpoint import ranks

@@ -13,7 +13,7 @@ import torch
 
 from shardline import cli
 from shardline.checkpoint import Ledger
-from shardline.checkpoint.provenance import (
+from shardline.checkpoint.provenance.statement import (
     PREDICATE_TYPE,
     STATEMENT_FILE,
     git_commit,

@@ -23,7 +23,7 @@ pytest.importorskip("model_signing", reason="the [signing] extra is not installe
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from shardline.checkpoint.signing import sign
+from shardline.checkpoint.provenance.signing import sign
 
 LOSSES = [5.5 - 0.5 * i for i in range(1, 7)]
 

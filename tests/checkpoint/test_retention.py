@@ -16,7 +16,7 @@ import torch
 
 import shardline.checkpoint as ckpt
 from shardline import cli
-from shardline.checkpoint.retention import RetentionPolicy
+from shardline.checkpoint.provenance.retention import RetentionPolicy
 from shardline.errors import ConfigurationError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "verification.md"
@@ -119,7 +119,7 @@ def test_deleted_by_hand_is_a_problem_until_recorded(tmp_path: Path, capsys) -> 
 
 
 def test_an_interrupted_deletion_is_finished_without_a_second_row(tmp_path: Path, monkeypatch) -> None:
-    from shardline.checkpoint import retention
+    from shardline.checkpoint.provenance import retention
 
     directory = tmp_path / "checkpoints"
     model, _opt = _model()

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from shardline import cli
 from shardline.checkpoint import consolidate
-from shardline.checkpoint.signing import sign, verify_signature
+from shardline.checkpoint.provenance.signing import sign, verify_signature
 from shardline.errors import SignatureError
 
 CLI = shutil.which("model_signing", path=str(Path(sys.executable).parent)) or shutil.which("model_signing")

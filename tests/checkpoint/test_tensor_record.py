@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardline.checkpoint.tensor_record import decode_tensor
+from shardline.checkpoint.format.tensor_record import decode_tensor
 
 
 def _saved(obj: object) -> bytes:
@@ -190,7 +190,7 @@ def test_a_view_past_its_record_raises_instead_of_reading_out_of_bounds() -> Non
     """A pickle whose size overruns its storage must raise, never read past the buffer (child process)."""
     script = (
         "import io, torch\n"
-        "from shardline.checkpoint.tensor_record import decode_tensor\n"
+        "from shardline.checkpoint.format.tensor_record import decode_tensor\n"
         "from tests.checkpoint.test_tensor_record import _saved, _rewritten, _pickle_of\n"
         "data = _saved(torch.arange(7.0))\n"
         "pkl = _pickle_of(data)\n"

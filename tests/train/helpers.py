@@ -74,7 +74,7 @@ class DiskFullAt:
 
     def on_train_batch_end(self, trainer: Any, step: int) -> None:
         if step == self.step:
-            from shardline.checkpoint.fault import FailWrites
+            from shardline.checkpoint.faults.fault import FailWrites
 
             trainer.checkpoints.manager.observer = FailWrites(ranks={self.rank}, after_bytes=1000)
 
@@ -122,7 +122,7 @@ class SlowCheckpointFiles:
     def __init__(self, seconds: float = 1.0) -> None:
         import importlib
 
-        module = importlib.import_module("shardline.checkpoint.save")  # the package's `save` is the function
+        module = importlib.import_module("shardline.checkpoint.lifecycle.save")  # the package's `save` is the function
         real = module._write_durable
 
         def slow(path: Any, data: bytes) -> None:

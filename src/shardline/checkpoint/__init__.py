@@ -4,23 +4,23 @@ See docs/checkpoints.md (usage, format, commit protocol) and docs/verification.m
 checkpoint with standard tools).
 """
 
-from shardline.checkpoint.canonical import canonical_json, config_hash, manifest_hash
-from shardline.checkpoint.consolidate import ConsolidationResult, consolidate
-from shardline.checkpoint.fault import FAULT_EXIT_CODE
-from shardline.checkpoint.ledger import Ledger, LedgerRow, LineageReport
-from shardline.checkpoint.lineage import audit
-from shardline.checkpoint.load import check_checkpoint, load, load_config, load_trainer_state
-from shardline.checkpoint.manager import CheckpointManager, CommittedCheckpoint
-from shardline.checkpoint.manifest import read_manifest
-from shardline.checkpoint.model_state import StateDictKind, load_model_state_dict, model_state_dict
-from shardline.checkpoint.observer import SaveObserver, SavePhase
-from shardline.checkpoint.opening import OpenedCheckpoint, open_checkpoint
-from shardline.checkpoint.optim_state import load_optimizer_state_dict, optimizer_state_dict
-from shardline.checkpoint.rng import capture_rng_state, restore_rng_state
-from shardline.checkpoint.save import CheckpointInfo, save
-from shardline.checkpoint.staging import SaveRequest
-from shardline.checkpoint.summary import summarize
-from shardline.checkpoint.verify import FileProblem, VerifyLevel, VerifyReport, verify_checkpoint
+from shardline.checkpoint.faults.fault import FAULT_EXIT_CODE
+from shardline.checkpoint.faults.observer import SaveObserver, SavePhase
+from shardline.checkpoint.format.canonical import canonical_json, config_hash, manifest_hash
+from shardline.checkpoint.integrity.manifest import read_manifest
+from shardline.checkpoint.integrity.opening import OpenedCheckpoint, open_checkpoint
+from shardline.checkpoint.integrity.verify import FileProblem, VerifyLevel, VerifyReport, verify_checkpoint
+from shardline.checkpoint.lifecycle.consolidate import ConsolidationResult, consolidate
+from shardline.checkpoint.lifecycle.load import check_checkpoint, load, load_config, load_trainer_state
+from shardline.checkpoint.lifecycle.manager import CheckpointManager, CommittedCheckpoint
+from shardline.checkpoint.lifecycle.save import CheckpointInfo, save
+from shardline.checkpoint.lifecycle.staging import SaveRequest
+from shardline.checkpoint.lifecycle.summary import summarize
+from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.provenance.lineage import audit
+from shardline.checkpoint.state.model_state import StateDictKind, load_model_state_dict, model_state_dict
+from shardline.checkpoint.state.optim_state import load_optimizer_state_dict, optimizer_state_dict
+from shardline.checkpoint.state.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
     "FAULT_EXIT_CODE",

@@ -13,7 +13,7 @@ import sys
 import warnings
 from typing import Any
 
-from shardline.checkpoint.verify import VerifyLevel
+from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.cli.common import emit_json, fail, sha256_arg
 from shardline.errors import ShardlineError, SignatureError
 
@@ -21,9 +21,9 @@ __all__ = ["register"]
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from shardline.checkpoint.export_verify import is_export, verify_export
-    from shardline.checkpoint.signing import verify_signature
-    from shardline.checkpoint.verify import verify_checkpoint
+    from shardline.checkpoint.integrity.export_verify import is_export, verify_export
+    from shardline.checkpoint.integrity.verify import verify_checkpoint
+    from shardline.checkpoint.provenance.signing import verify_signature
 
     export = is_export(args.checkpoint)
     signed, sig_error = None, None
@@ -67,7 +67,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from shardline.checkpoint.summary import render_summary, summarize
+    from shardline.checkpoint.lifecycle.summary import render_summary, summarize
 
     try:
         summary = summarize(args.checkpoint)
@@ -81,8 +81,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from shardline.checkpoint.consolidate import consolidate
-    from shardline.checkpoint.summary import human_bytes
+    from shardline.checkpoint.lifecycle.consolidate import consolidate
+    from shardline.checkpoint.lifecycle.summary import human_bytes
 
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -134,10 +134,10 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
-    from shardline.checkpoint.ledger import Ledger
-    from shardline.checkpoint.lineage import audit, describe_event, find_ledger
-    from shardline.checkpoint.provenance import chain_statements
-    from shardline.checkpoint.retention import record_deletions
+    from shardline.checkpoint.provenance.ledger import Ledger
+    from shardline.checkpoint.provenance.lineage import audit, describe_event, find_ledger
+    from shardline.checkpoint.provenance.retention import record_deletions
+    from shardline.checkpoint.provenance.statement import chain_statements
 
     try:
         ledger = Ledger(find_ledger(args.run_dir))
@@ -196,7 +196,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
-    from shardline.checkpoint.lineage import start_new_chain
+    from shardline.checkpoint.provenance.lineage import start_new_chain
 
     if report.ok:
         print(f"error: the ledger {ledger.path} verifies; there is no break to record", file=sys.stderr)

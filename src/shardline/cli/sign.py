@@ -1,4 +1,4 @@
-"""``shardline sign``: argument parsing for :func:`shardline.checkpoint.signing.sign` (verification is
+"""``shardline sign``: argument parsing for :func:`shardline.checkpoint.provenance.signing.sign` (verification is
 ``shardline verify CKPT --public-key PUB.pem``, in :mod:`.checkpoint`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import sys
 
 from shardline.cli.common import sha256_arg
-from shardline.errors import ShardlineError
+from shardline.errors import ShardlineError, StorageAccessError
 
 __all__ = ["register"]
 
@@ -24,7 +24,7 @@ def _password(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_sign(args: argparse.Namespace) -> int:
-    from shardline.checkpoint.signing import sign
+    from shardline.checkpoint.provenance.signing import sign
 
     try:
         result = sign(
@@ -41,7 +41,7 @@ def _cmd_sign(args: argparse.Namespace) -> int:
             print(json.dumps({"ok": False, "error": message, "error_type": type(e).__name__}, indent=2))
         else:
             print(f"error: {message}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, StorageAccessError) else 1
     if args.json:
         print(json.dumps({"ok": True, **result.to_json()}, indent=2, sort_keys=True))
         return 0

@@ -42,11 +42,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import shardline
 import shardline.checkpoint as ckpt
-from shardline.checkpoint import coord
-from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
-from shardline.checkpoint.model_state import SAVE_KINDS, SaveKind
-from shardline.checkpoint.retention import retire
-from shardline.checkpoint.verify import VerifyLevel
+from shardline.checkpoint.coordination import coord
+from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
+from shardline.checkpoint.provenance.retention import retire
+from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind
 from shardline.engine import MixedPrecision, ShardingStrategy
 from shardline.errors import CheckpointError, CheckpointExistsError, ConfigurationError, PublishError
 from shardline.lightning.clipping import clip_globally, log_metric

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardline.checkpoint.ledger import Ledger, LedgerRow, LineageReport
-from shardline.checkpoint.lineage import audit, find_ledger
-from shardline.checkpoint.provenance import chain_statements
-from shardline.checkpoint.retention import signature_path_for, tombstone_detail
-from shardline.checkpoint.summary import render_summary, summarize
-from shardline.checkpoint.verify import VerifyLevel, verify_checkpoint
+from shardline.checkpoint.integrity.verify import VerifyLevel, verify_checkpoint
+from shardline.checkpoint.lifecycle.summary import render_summary, summarize
+from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.provenance.lineage import audit, find_ledger
+from shardline.checkpoint.provenance.retention import signature_path_for, tombstone_detail
+from shardline.checkpoint.provenance.statement import chain_statements
 from shardline.errors import CheckpointNotFoundError, ShardlineError
 from shardline.train.records import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
 
@@ -114,7 +114,7 @@ def _check_signature(facts: CheckpointFacts, public_key: Path | None) -> None:
     if public_key is None:
         facts.signature_status = "signed (signature file present; not checked: no public key was given to the report)"
         return
-    from shardline.checkpoint.signing import verify_signature
+    from shardline.checkpoint.provenance.signing import verify_signature
 
     try:
         verify_signature(facts.path, public_key=public_key, signature=sig)

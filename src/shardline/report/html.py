@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from shardline._version import __version__
-from shardline.checkpoint.lineage import describe_event
-from shardline.checkpoint.summary import human_bytes
+from shardline.checkpoint.lifecycle.summary import human_bytes
+from shardline.checkpoint.provenance.lineage import describe_event
 from shardline.report.collect import CheckpointFacts, RunFacts, Status, collect_run
 from shardline.report.svg import STATUS_COLORS, lineage_svg, loss_svg
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
-from shardline.checkpoint.directory import has_manifest
-from shardline.checkpoint.manager import ON_EXCEPTION, is_auto_resume
+from shardline.checkpoint.lifecycle.manager import ON_EXCEPTION, is_auto_resume
+from shardline.checkpoint.provenance.directory import has_manifest
 from shardline.errors import CheckpointNotFoundError
 from shardline.train.records import CHECKPOINTS_DIR, LEDGER_NAME, METRICS_FILE
 from shardline.train.schema import TrainConfig

@@ -27,8 +27,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from shardline.checkpoint.manager import is_auto_resume
-from shardline.checkpoint.retention import RetentionPolicy
+from shardline.checkpoint.lifecycle.manager import is_auto_resume
+from shardline.checkpoint.provenance.retention import RetentionPolicy
 from shardline.engine import ShardingStrategy, hybrid_degrees
 from shardline.errors import ConfigurationError, error_chain
 from shardline.train.config_layers import DEFAULT_EXPERIMENT, ConfigPlan, apply_model_replacement, prepare, suggest

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shardline.checkpoint.consolidate import consolidate
-from shardline.checkpoint.verify import VerifyLevel
+from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.consolidate import consolidate
 
 __all__ = ["Export"]
 

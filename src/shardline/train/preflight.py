@@ -24,14 +24,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardline.checkpoint.dcp_io import MODEL_KEY, key_paths
-from shardline.checkpoint.directory import CHECKPOINTS_DIR, scan
-from shardline.checkpoint.ledger import LEDGER_NAME, Ledger
-from shardline.checkpoint.lineage import order
-from shardline.checkpoint.manager import is_auto_resume, no_resume
-from shardline.checkpoint.opening import check_manifest, read_checked_metadata
-from shardline.checkpoint.staging import dtype_name
-from shardline.checkpoint.verify import VerifyLevel
+from shardline.checkpoint.format.dcp_io import MODEL_KEY, key_paths
+from shardline.checkpoint.integrity.opening import check_manifest, read_checked_metadata
+from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.manager import is_auto_resume, no_resume
+from shardline.checkpoint.lifecycle.staging import dtype_name
+from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, scan
+from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
+from shardline.checkpoint.provenance.lineage import order
 from shardline.errors import CheckpointError, ConfigurationError
 from shardline.train.build import build_model
 from shardline.train.data import load_corpus, make_batches

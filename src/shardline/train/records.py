@@ -8,8 +8,8 @@ A run directory (``trainer.run_dir``, or ``<run_root>/<experiment>/<timestamp>``
     loss.png            the loss curve (with the [plot] extra)
     memory_phases.csv   memory per step phase (the diagnostics callback)
     logs/               rank<N>.log per rank; workers/ holds torch's launcher logs
-    checkpoints/        step-N checkpoints (:mod:`shardline.checkpoint.directory`)
-    lineage.sqlite      the hash-chained ledger of those checkpoints (:mod:`shardline.checkpoint.ledger`)
+    checkpoints/        step-N checkpoints (:mod:`shardline.checkpoint.provenance.directory`)
+    lineage.sqlite      the hash-chained ledger of those checkpoints (:mod:`shardline.checkpoint.provenance.ledger`)
 
 These names are defined here, once: the callbacks write them, the launcher and resume read them,
 and ``shardline report`` reads them back.
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardline.checkpoint.directory import CHECKPOINTS_DIR
-from shardline.checkpoint.ledger import LEDGER_NAME
+from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR
+from shardline.checkpoint.provenance.ledger import LEDGER_NAME
 
 __all__ = [
     "CHECKPOINTS_DIR",

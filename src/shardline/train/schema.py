@@ -12,8 +12,8 @@ accept member names only (``FULL_SHARD``), not the values and aliases users type
 ``__post_init__`` of its dataclass -- when the composed config becomes a ``TrainConfig`` --
 against the one definition of its choices: a ``Literal`` here for the settings this module
 owns (:data:`Accelerator`, :data:`InitDevice`), and the owner's enum or ``Literal`` otherwise
-(:class:`~shardline.engine.ShardingStrategy`, :data:`~shardline.checkpoint.model_state.SaveKind`,
-:data:`~shardline.train.precision.Precision`, :class:`~shardline.checkpoint.verify.VerifyLevel`,
+(:class:`~shardline.engine.ShardingStrategy`, :data:`~shardline.checkpoint.state.model_state.SaveKind`,
+:data:`~shardline.train.precision.Precision`, :class:`~shardline.checkpoint.integrity.verify.VerifyLevel`,
 :data:`~shardline.train.data.sources.DataSource`).
 """
 
@@ -25,9 +25,9 @@ from typing import Any, Literal, get_args
 
 from hydra.core.config_store import ConfigStore
 
-from shardline.checkpoint.model_state import SAVE_KINDS
-from shardline.checkpoint.parallelism import resolve_files_per_rank
-from shardline.checkpoint.verify import VerifyLevel
+from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
+from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.state.model_state import SAVE_KINDS
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 from shardline.train.data.sources import check_source

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardline.checkpoint import coord
-from shardline.checkpoint.manager import is_auto_resume
+from shardline.checkpoint.coordination import coord
+from shardline.checkpoint.lifecycle.manager import is_auto_resume
 from shardline.distributed import init_distributed
 from shardline.errors import ConfigurationError
 from shardline.train.build import build_callbacks, build_policies

@@ -1,0 +1,460 @@
+"""A DCP ``StorageWriter`` that SHA-256-hashes every file in the same pass that writes it.
+
+Note: how it plugs into torch.distributed.checkpoint.
+
+* ``FileSystemWriter`` opens every file it writes -- each rank's ``__{rank}_{n}.distcp`` and the
+  coordinator's ``.metadata`` -- through its ``FileSystem``'s ``create_stream``. We give it a
+  :class:`HashingFileSystem` whose write streams feed each buffer to a SHA-256 hasher on its way
+  to the file, so no file is ever read back. DCP only writes sequentially (it asks ``tell()``
+  for offsets, never seeks); a seek raises, since the digest would no longer describe the file.
+* DCP writes a rank's items into ``thread_count`` files, one writer thread each
+  (:mod:`.parallelism` picks the count); each thread's stream hashes its own file. DCP's extra
+  threads end silently on an error, so the streams keep every ``OSError`` they raise and
+  ``write_data`` raises the first one (and checks that every planned item was written): a full
+  disk is named as such even where torch.save's C++ writer would report only "unexpected pos".
+* ``write_data`` returns DCP's ``WriteResult`` list, which DCP already gathers to the
+  coordinator for ``finish``. We append one extra ``WriteResult`` per file written, whose
+  index is ``__shardline_file_digest__/<file name>`` and whose ``storage_data`` is a plain dict
+  ``{path, rank, bytes, sha256}``: the digests ride to rank 0 in that gather, with no extra
+  collective.
+* ``finish`` (coordinator only) takes the digest records out again before handing the
+  results to DCP's own ``finish``, so ``.metadata`` holds exactly what plain torch writes and
+  stays loadable without shardline. ``.metadata`` itself is written through the hashing
+  file system, so its digest is known too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import os
+import posixpath
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from shardline import _torch_compat
+from shardline.checkpoint.coordination.parallelism import AUTO, available_cores, files_for_share, resolve_files_per_rank
+from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.storage.objects import ObjectPath
+from shardline.errors import CheckpointError, IntegrityError
+
+__all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "hasher_pool", "sha256_file"]
+
+DIGEST_INDEX_PREFIX = "__shardline_file_digest__/"
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, order=True)
+class FileDigest:
+    """One checkpoint file as written: name relative to the checkpoint, writing rank, size, SHA-256."""
+
+    path: str
+    rank: int
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "rank": self.rank, "bytes": self.bytes, "sha256": self.sha256}
+
+
+def sha256_file(path: Path | ObjectPath) -> tuple[int, str]:
+    """``(size, hex sha256)`` of a file or object, read in chunks (for verification, never during a save)."""
+    h = hashlib.sha256()
+    size = 0
+    with path.open("rb") if isinstance(path, ObjectPath) else open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+# Buffers at least this large are hashed on a helper thread while the calling thread writes them.
+_OVERLAP_MIN = 1 << 20
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def hasher_pool() -> ThreadPoolExecutor:
+    """The process's SHA-256 helper threads (shared by saves and verified loads).
+
+    One per core this process may use, at least two: each of a rank's writer or reader threads
+    hands its large buffers to them, so several files are hashed at once (threads start lazily).
+    """
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=max(2, available_cores()), thread_name_prefix="shardline-sha256")
+        return _POOL
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only stream that hashes every byte it passes on to ``raw``.
+
+    Note: hashing and writing overlap. For a large buffer, the digest update runs on a helper
+    thread while this thread copies the same buffer into the file; both release the GIL
+    (hashlib for updates over 2 KiB, the file write in the kernel), so on two cores the save
+    takes about max(hash, write) instead of their sum. ``write`` waits for the digest before
+    returning, so the caller may reuse its buffer and digest updates stay in file order.
+    """
+
+    def __init__(
+        self, raw: Any, on_close: Any, hasher_pool: ThreadPoolExecutor, before_write: Any, on_error: Any
+    ) -> None:
+        super().__init__()
+        self._raw = raw
+        self._on_close = on_close
+        self._pool = hasher_pool
+        self._before_write = before_write
+        self._on_error = on_error
+        self._hash = hashlib.sha256()
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            self._before_write(len(view))
+        except OSError as e:
+            self._on_error(e)
+            raise
+        pending = self._pool.submit(self._hash.update, view) if len(view) >= _OVERLAP_MIN else None
+        try:
+            written = 0
+            while written < len(view):
+                n = self._raw.write(view[written:])
+                if n is None or n <= 0:  # a non-blocking raw file would do this; ours never is
+                    raise OSError(f"short write to checkpoint file ({written} of {len(view)} bytes)")
+                written += n
+        except OSError as e:
+            # torch.save reaches this stream through C++, which swallows the exception and reports only
+            # "unexpected pos": the error is kept here so the writer can raise the real cause (a full disk).
+            self._on_error(e)
+            raise
+        finally:
+            if pending is not None:
+                pending.result()
+        if pending is None:
+            self._hash.update(view)
+        self._size += written
+        return written
+
+    def tell(self) -> int:
+        return self._size
+
+    def seek(self, *_args: Any) -> int:
+        raise io.UnsupportedOperation("checkpoint files are hashed while written and must be written sequentially")
+
+    def fileno(self) -> int:
+        # Callers ask for the descriptor to fsync it: Python's buffer must reach the OS first.
+        self._flush_raw()
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._flush_raw()
+
+    def _flush_raw(self) -> None:
+        try:
+            self._raw.flush()
+        except OSError as e:
+            self._on_error(e)
+            raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._flush_raw()
+            try:
+                self._raw.close()
+            except OSError as e:
+                self._on_error(e)
+                raise
+            self._on_close(self._size, self._hash.hexdigest())
+        finally:
+            super().close()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local ``FileSystem`` whose write streams record ``(bytes, sha256)`` of each file on close.
+
+    Every write is announced to ``observer.before_write`` first (a test may make it fail the way a
+    full disk does); ``rank`` names the writing rank to it.
+    """
+
+    def __init__(self, observer: SaveObserver = NO_OBSERVER, *, objects: Any = None) -> None:
+        super().__init__()
+        self._objects = objects  # an fsspec file system: write objects to it instead of local files
+        self._lock = threading.Lock()
+        self._digests: dict[str, tuple[int, str]] = {}
+        self._errors: list[OSError] = []
+        self._open = threading.Condition(self._lock)
+        self._active = 0  # write streams open now
+        self._abandoned = False
+        self.observer = observer
+        self.rank = 0
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        key = str(Path(path))
+
+        def record(size: int, digest: str) -> None:
+            with self._lock:
+                self._digests[key] = (size, digest)
+
+        def before_write(nbytes: int) -> None:
+            self.observer.before_write(key, nbytes, self.rank)
+
+        def failed(error: OSError) -> None:
+            if error.filename is None:
+                error.filename = key
+            with self._lock:
+                self._errors.append(error)
+
+        with self._open:
+            if self._abandoned:
+                raise CheckpointError(f"not writing {key}: another writer thread of this save failed")
+            self._active += 1
+        try:
+            try:
+                if self._objects is not None:  # an upload; close() completes it
+                    raw = self._objects.open(key, "wb")
+                else:
+                    raw = open(key, "wb")  # noqa: SIM115 -- closed by the stream, whose close may itself fail
+            except OSError as e:
+                failed(e)
+                raise
+            stream = _HashingStream(raw, record, hasher_pool(), before_write, failed)
+            try:
+                yield stream
+            finally:
+                try:
+                    stream.close()
+                finally:
+                    raw.close()  # a no-op once the stream closed it; after a failed flush it frees the descriptor
+        finally:
+            with self._open:
+                self._active -= 1
+                self._open.notify_all()
+
+    def start(self) -> None:
+        """Before a write: accept new files again, forget earlier errors and digests."""
+        with self._open:
+            self._abandoned = False
+            self._errors = []
+            self._digests = {}
+
+    def abandon(self, timeout: float = 300.0) -> None:
+        """After a failed write: refuse new files and wait until every open one is closed.
+
+        DCP raises the first writer thread's error without joining the others; the save removes
+        the temporary directory only once nothing writes into it any more.
+        """
+        with self._open:
+            self._abandoned = True
+            self._open.wait_for(lambda: self._active == 0, timeout=timeout)
+
+    # Path operations DCP's writer asks for: on an object store, keys ("bucket/prefix/name") through fsspec.
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> Any:
+        if self._objects is None:
+            return super().concat_path(path, suffix)
+        return posixpath.join(str(path), suffix)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        if self._objects is None:
+            super().mkdir(path)  # an object store has no directories to make
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return bool(self._objects.exists(str(path))) if self._objects is not None else super().exists(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        if self._objects is not None:
+            self._objects.mv(str(path), str(new_path))  # a server-side copy, then a delete (DCP's .metadata)
+        else:
+            super().rename(path, new_path)
+        with self._lock:
+            if str(Path(path)) in self._digests:
+                self._digests[str(Path(new_path))] = self._digests.pop(str(Path(path)))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        if self._objects is not None:
+            self._objects.rm(str(path))
+        else:
+            super().rm_file(path)
+        with self._lock:
+            self._digests.pop(str(Path(path)), None)
+
+    def take(self) -> dict[str, tuple[int, str]]:
+        """The digests recorded since the last ``take`` (full path -> (bytes, sha256)), and forget them."""
+        with self._lock:
+            out, self._digests = self._digests, {}
+        return out
+
+    def take_errors(self) -> list[OSError]:
+        """The OS errors raised by writes since the last call (first first), and forget them."""
+        with self._lock:
+            out, self._errors = self._errors, []
+        return out
+
+
+def _nbytes(item: WriteItem) -> int:
+    """The bytes of a tensor item (a bytes item, the trainer state or the config, counts as none)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _is_digest(result: WriteResult) -> bool:
+    return result.index.fqn.startswith(DIGEST_INDEX_PREFIX)
+
+
+class HashingWriter(FileSystemWriter):
+    """``FileSystemWriter`` (``files_per_rank`` files per rank, fsynced) that reports each file's SHA-256 to rank 0.
+
+    Each of a rank's files (``__{rank}_{n}.distcp``) is written by its own DCP writer thread,
+    which hashes it on the way (:mod:`.parallelism`).
+
+    After ``torch.distributed.checkpoint.save`` returns, :attr:`file_digests` holds, on the
+    coordinator only, every file of the checkpoint (``.metadata`` included), sorted by path.
+
+    Args:
+        path: The directory to write (the temporary directory of a save).
+        final_path: Where the directory will be renamed to; recorded as the checkpoint id in
+            ``.metadata``'s storage metadata instead of the temporary path.
+        observer: Told of every write and of the ``after_shards`` phase (tests inject faults here).
+        check_written: Called on each rank after its files are written, with (directory, plan, planner,
+            write results); returns problems, and any fails the save. An async save passes the check
+            that the bytes written are the bytes staged (:mod:`.staged_check`).
+        files_per_rank: Files each rank writes (0: automatic, from the cores each rank has and the
+            size of its share); never more than the rank has items.
+
+    Raises:
+        ConfigurationError: ``files_per_rank`` is not a count.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | ObjectPath,
+        *,
+        final_path: str | os.PathLike | ObjectPath | None = None,
+        observer: SaveObserver = NO_OBSERVER,
+        check_written: Callable[[Path, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
+        files_per_rank: int = AUTO,
+    ) -> None:
+        resolve_files_per_rank(files_per_rank)
+        self.files_per_rank = files_per_rank
+        # An object store: DCP works on the bucket-relative key, our file system uploads through fsspec, and
+        # nothing is fsynced (an upload is durable once the store acknowledges it; there is no descriptor).
+        objects = path.fs if isinstance(path, ObjectPath) else None
+        target = path.key if isinstance(path, ObjectPath) else path
+        super().__init__(target, single_file_per_rank=True, sync_files=objects is None, thread_count=1, overwrite=False)
+        self._hfs = HashingFileSystem(observer, objects=objects)
+        self._observer = observer
+        _torch_compat.set_writer_filesystem(self, self._hfs)
+        self._final_path = final_path
+        self._check_written = check_written
+        self.file_digests: list[FileDigest] | None = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self._final_path or self.path), save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._hfs.rank = self.rank or 0
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._hfs.start()
+        rank = self.rank or 0
+        # One file per writer thread (DCP's thread_count), as parallelism.py decides for this rank's share.
+        share = sum(_nbytes(item) for item in plan.items)
+        self.thread_count = files_for_share(self.files_per_rank, share_bytes=share, items=len(plan.items))
+        try:
+            results = list(super().write_data(plan, planner).wait())
+        except Exception:
+            self._hfs.abandon()
+            errors = self._hfs.take_errors()
+            if errors:  # the OS error behind DCP's (or torch.save's) own, e.g. "unexpected pos ..." for a full disk
+                raise errors[0] from None
+            raise
+        errors = self._hfs.take_errors()
+        if errors:  # DCP's extra writer threads end silently on an error: their files are incomplete
+            raise errors[0]
+        missing = {item.index for item in plan.items} - {r.index for r in results}
+        if missing:
+            first = min(missing, key=lambda index: index.fqn).fqn
+            raise CheckpointError(
+                f"rank {rank} wrote {len(plan.items) - len(missing)} of its {len(plan.items)} checkpoint items "
+                f"({first!r} among those missing): a writer thread failed, so this checkpoint is not committed"
+            )
+        written = self._hfs.take()
+        if self._check_written is not None:
+            problems = self._check_written(Path(self.path), plan, planner, results)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise IntegrityError(
+                    f"rank {rank} wrote bytes that differ from what it staged -- {problems[0]}{more}; the "
+                    "staged copy changed before it was written (a torn write), so this checkpoint is not committed"
+                )
+        self._observer.on_phase(SavePhase.AFTER_SHARDS, rank)
+        for full, (size, digest) in sorted(written.items()):
+            name = os.path.relpath(full, self.path)
+            record = FileDigest(path=name, rank=rank, bytes=size, sha256=digest)
+            results.append(
+                WriteResult(
+                    index=MetadataIndex(DIGEST_INDEX_PREFIX + name), size_in_bytes=size, storage_data=record.to_json()
+                )
+            )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        digests: dict[str, FileDigest] = {}
+        clean: list[list[WriteResult]] = []
+        for rank_results in results:
+            clean.append([r for r in rank_results if not _is_digest(r)])
+            for r in rank_results:
+                if _is_digest(r):
+                    record = FileDigest(**r.storage_data)
+                    if record.path in digests:
+                        raise CheckpointError(
+                            f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "
+                            f"{record.path!r}; checkpoint file names must be unique per rank"
+                        )
+                    digests[record.path] = record
+        self._hfs.take()
+        super().finish(metadata, clean)
+        for full, (size, digest) in self._hfs.take().items():
+            name = os.path.relpath(full, self.path)
+            digests[name] = FileDigest(path=name, rank=self.rank or 0, bytes=size, sha256=digest)
+        # Every file .metadata points into must be one we hashed.
+        referenced = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        unhashed = sorted(p for p in referenced if p is not None and p not in digests)
+        if unhashed or ".metadata" not in digests:
+            raise CheckpointError(
+                f"internal error: files written without a digest: {unhashed or ['.metadata']}; "
+                "the torch version may have changed how FileSystemWriter opens files"
+            )
+        self.file_digests = sorted(digests.values())

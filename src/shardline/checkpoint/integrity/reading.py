@@ -1,0 +1,331 @@
+"""A DCP ``StorageReader`` that verifies the checkpoint's data files in the pass that reads them.
+
+Note: how a verified load reads every byte once and hashes it once.
+
+* The coordinator's ``prepare_global_plan`` sees every rank's read plan. It gives each data
+  file to exactly one rank to hash -- the rank that reads the most of it (at the same world
+  size and layout, rank r hashes the file rank r wrote, which it reads whole anyway), ties
+  going to the rank with the least to hash -- so the ranks hash disjoint shares covering every
+  file, including files no rank reads anything from (a rank that wrote several files hashes all of them,
+  each on its own thread). The assignment rides to each rank in its
+  ``LoadPlan.storage_data``; DCP scatters the plans already, so this costs no collective.
+* ``read_data`` reads a file it must hash from start to end in one sequential pass: each item's
+  bytes are read once into memory, fed to SHA-256 (on a helper thread, overlapping the
+  deserialization of the same bytes and the read of the next item) and deserialized from that
+  memory; the gaps between items are read and hashed too. Files it need not hash are read item
+  by item.
+* A rank whose file differs from the manifest (or is short) raises ``IntegrityError`` at the end
+  of ``read_data``. DCP runs ``read_data`` inside an all-gather and re-raises any rank's error on
+  every rank, so that all-gather is the one agreement: either every rank learns that every
+  file verified, or every rank raises. Like plain DCP, ``load`` reads the model's shards in
+  place; buffers, 0-d parameters, the optimizer state and the trainer state are installed, and
+  ``load`` returns, only after that agreement (see the note in ``load.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from shardline.checkpoint.coordination.parallelism import cores_per_rank
+from shardline.checkpoint.format.dcp_io import MetadataReader
+from shardline.checkpoint.format.tensor_record import decode_tensor
+from shardline.checkpoint.integrity.hashing import hasher_pool
+from shardline.checkpoint.integrity.manifest import read_error, read_manifest
+from shardline.checkpoint.integrity.verify import FileProblem
+from shardline.checkpoint.storage.objects import ObjectPath
+from shardline.errors import CheckpointError, CheckpointReadError, IntegrityError
+
+__all__ = ["ASSIGNMENT_KEY", "VerifyingReader", "assign_hashing"]
+
+ASSIGNMENT_KEY = "shardline_hash_files"
+_CHUNK = 8 << 20
+_OVERLAP_MIN = 1 << 20
+
+
+def assign_hashing(files: Mapping[str, int], reads: Sequence[Mapping[str, int]]) -> list[list[str]]:
+    """Which files each rank hashes: each file to one rank, the one reading most of it, then the least loaded.
+
+    Args:
+        files: ``name -> size`` of every file to hash.
+        reads: Per rank, ``name -> bytes`` that rank reads from that file.
+    """
+    load = [0] * len(reads)
+    out: list[list[str]] = [[] for _ in reads]
+    for name, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
+        best = max(range(len(reads)), key=lambda r: (reads[r].get(name, 0), -load[r], -r))
+        out[best].append(name)
+        load[best] += size
+    return out
+
+
+def _settle(pending: Any) -> None:
+    """Wait for a digest update running on a helper thread (``None``: nothing pending)."""
+    if pending is not None:
+        pending.result()
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+class VerifyingReader(MetadataReader):
+    """DCP reader over checked metadata that hashes its share of ``to_hash`` while reading.
+
+    Args:
+        path: The checkpoint directory.
+        metadata: Its DCP metadata, already checked against the manifest.
+        to_hash: The manifest entries (``{path, bytes, sha256}``) of the data files to verify;
+            empty to read without hashing (level ``sizes``/``none``).
+    """
+
+    def __init__(self, path: str | os.PathLike, metadata: Metadata, *, to_hash: Sequence[Mapping[str, Any]]) -> None:
+        super().__init__(str(path), metadata)
+        # On an object store, one listing gives every file's size (no HEAD request per file; objects.py).
+        self._root = path.snapshot() if isinstance(path, ObjectPath) else Path(path)
+        self.path = self._root  # DCP's reader keeps a Path; an object-store URL must not become one
+        self._to_hash = {str(e["path"]): e for e in to_hash}
+        self.hashed: dict[str, str] = {}
+        # The planner fills nested containers of the state dict; files read on several threads take turns in it.
+        self._planner_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ planning (coordinator)
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().prepare_global_plan(plans)
+        if not self._to_hash:
+            return plans
+        reads: list[dict[str, int]] = []
+        for plan in plans:
+            per_file: dict[str, int] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                per_file[info.relative_path] = per_file.get(info.relative_path, 0) + int(info.length)
+            reads.append(per_file)
+        shares = assign_hashing({name: int(e["bytes"]) for name, e in self._to_hash.items()}, reads)
+        return [
+            dataclasses.replace(plan, storage_data={ASSIGNMENT_KEY: share})
+            for plan, share in zip(plans, shares, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ reading (every rank)
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assignment = plan.storage_data.get(ASSIGNMENT_KEY) if isinstance(plan.storage_data, dict) else None
+        if self._to_hash and assignment is None:
+            # Note: fail closed. Every rank's plan carries its share (possibly empty); a plan without one
+            # means the coordinator's assignment was lost on the way, and nothing would be verified.
+            raise CheckpointError(
+                f"reading checkpoint {self.path}: this rank's load plan carries no hashing assignment, so its "
+                "files would go unverified; this torch version may rebuild load plans (see checkpoint/reading.py)"
+            )
+        mine = set(assignment or ())
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        problems: list[FileProblem] = []
+
+        def read_file(name: str) -> None:
+            try:
+                if name in mine:
+                    self._read_hashing(name, per_file.get(name, []), planner, problems)
+                else:
+                    self._read_items(name, per_file[name], planner)
+            except FileNotFoundError:
+                problems.append(FileProblem(name, "missing", "listed in the checkpoint but not present"))
+            except OSError as e:  # EIO, ESTALE, EACCES: the file system failed; that shows nothing about the bytes
+                raise read_error(self._root / name, e) from e
+
+        names = sorted(set(per_file) | mine)
+        threads = min(len(names), cores_per_rank())
+        if threads > 1:
+            # Note: one thread per file (a rank written as several files is verified on several cores at
+            # once). Every file is waited for before the first error is raised, so nothing reads on after it.
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardline-read") as pool:
+                futures = [pool.submit(read_file, name) for name in names]
+            for done in futures:
+                done.result()
+        else:
+            for name in names:
+                read_file(name)
+        problems.sort(key=lambda p: (p.path, p.kind))
+        damage = [p for p in problems if p.kind != "unreadable"]
+        if damage:
+            listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in damage)
+            raise IntegrityError(
+                f"checkpoint {self.path} does not match its manifest -- {listing}; it was not loaded. Run "
+                f"`shardline verify {self.path}` for a full report."
+            )
+        if problems:
+            raise self._undecodable("; ".join(f"{p.path}: {p.detail}" for p in problems))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _open(self, name: str) -> Any:
+        """``name`` opened for unbuffered reading (a local file) or ranged streaming reads (an object)."""
+        file = self._root / name
+        return file.open("rb") if isinstance(file, ObjectPath) else open(file, "rb", buffering=0)
+
+    def _groups(self, items: list[ReadItem]) -> list[tuple[int, int, list[ReadItem]]]:
+        """Items by byte range, in file order (DCP never writes overlapping ranges)."""
+        ranges: dict[tuple[int, int], list[ReadItem]] = {}
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            ranges.setdefault((int(info.offset), int(info.length)), []).append(item)
+        return [(off, length, group) for (off, length), group in sorted(ranges.items())]
+
+    def _read_items(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        with self._open(name) as f:
+            for offset, length, group in self._groups(items):
+                f.seek(offset)
+                data = f.read(length)
+                if len(data) != length:
+                    raise IntegrityError(
+                        f"checkpoint {self.path}: {name} is truncated ({offset + len(data)} bytes where an item ends "
+                        f"at {offset + length}); it was not loaded"
+                    )
+                try:
+                    self._load(group, data, planner)
+                except Exception as e:
+                    raise self._undecodable(
+                        f"{name}: an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
+                    ) from None
+
+    def _undecodable(self, what: str) -> CheckpointReadError:
+        """Bytes this process cannot decode, where no hash showed damage: a reader's problem, not the checkpoint's.
+
+        Names the torch that wrote the checkpoint (from its manifest) and the one reading it, since a
+        torch upgrade that changed the serialization is the usual cause.
+        """
+        try:
+            versions = read_manifest(self.path)[0].get("versions") or {}
+            wrote = str(versions.get("torch", "an unrecorded version"))
+        except CheckpointError:
+            wrote = "an unknown version (the manifest could not be read)"
+        return CheckpointReadError(
+            f"checkpoint {self.path} could not be decoded -- {what}; its files match their recorded hashes (or were "
+            f"not hashed), so this is not damage and nothing was moved aside. It was written with torch {wrote}; "
+            f"this process runs torch {torch.__version__}. Load it with the torch version that wrote it (or a "
+            "compatible one), or report the decoding error."
+        )
+
+    def _read_hashing(
+        self, name: str, items: list[ReadItem], planner: LoadPlanner, problems: list[FileProblem]
+    ) -> None:
+        entry = self._to_hash.get(name)
+        if entry is None:
+            problems.append(FileProblem(name, "unexpected", "read by DCP but not listed in the manifest"))
+            return
+        digest = hashlib.sha256()
+        pool = hasher_pool()
+        pos = 0
+        short = False
+        unreadable: str | None = None  # once an item fails to deserialize, the rest is only hashed
+        # Note: the digest of item k runs on a helper thread while this thread deserializes item k and
+        # reads item k+1 from disk; it is waited for only before the next update, so updates stay in
+        # file order and hashing overlaps both decoding and I/O.
+        pending: Any = None
+        try:
+            with self._open(name) as f:
+                for offset, length, group in self._groups(items):
+                    if offset < pos:
+                        problems.append(FileProblem(name, "altered", f"items overlap at byte {offset}"))
+                        return
+                    if offset > pos:
+                        pending = _settle(pending)
+                        pos = self._hash_span(f, digest, pos, offset)
+                    data = f.read(length)
+                    if len(data) != length:
+                        short = True
+                        break
+                    pending = _settle(pending)
+                    if length >= _OVERLAP_MIN:
+                        pending = pool.submit(digest.update, data)
+                    else:
+                        digest.update(data)
+                    try:
+                        if unreadable is None:
+                            self._load(group, data, planner)
+                    except Exception as e:
+                        unreadable = f"an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
+                    pos += length
+                pending = _settle(pending)
+                if not short:
+                    pos = self._hash_span(f, digest, pos, None)
+        finally:
+            _settle(pending)
+        size = (self._root / name).stat().st_size
+        actual = digest.hexdigest()
+        self.hashed[name] = actual
+        if short or size != int(entry["bytes"]):
+            problems.append(FileProblem(name, "altered", f"size {size} bytes, manifest records {entry['bytes']}"))
+        elif actual != entry["sha256"]:
+            problems.append(FileProblem(name, "altered", f"sha256 {actual}, manifest records {entry['sha256']}"))
+        elif unreadable is not None:  # it matches the manifest, yet does not deserialize: a writer's bug, not damage
+            problems.append(FileProblem(name, "unreadable", unreadable))
+
+    @staticmethod
+    def _hash_span(f: Any, digest: Any, pos: int, end: int | None) -> int:
+        """Read and hash from ``pos`` to ``end`` (to the end of the file when None); returns the new position."""
+        while end is None or pos < end:
+            chunk = f.read(_CHUNK if end is None else min(_CHUNK, end - pos))
+            if not chunk:
+                break
+            digest.update(chunk)
+            pos += len(chunk)
+        return pos
+
+    def _load(self, group: list[ReadItem], data: bytes, planner: LoadPlanner) -> None:
+        # The group's items all read one stored tensor: decode it once, as a view of ``data`` (no copy,
+        # no torch.load; see tensor_record.py), or leave it None for torch.load when that declines.
+        decoded: torch.Tensor | None = None
+        tried = False
+        for item in group:
+            info = self.storage_data[item.storage_index]
+            stream: Any = io.BytesIO(data)
+            descriptors = getattr(info, "transform_descriptors", None) or ()
+            if descriptors:  # DCP extensions (e.g. compression); shardline writes none
+                stream = self.transforms.transform_load_stream(item, descriptors, stream)
+            if item.type == LoadItemType.BYTE_IO:
+                value = io.BytesIO(stream.read(-1))
+                with self._planner_lock:
+                    planner.load_bytes(item, value)
+                continue
+            if not tried and not descriptors:
+                decoded, tried = decode_tensor(data), True
+            if decoded is not None and not descriptors:
+                stored = decoded
+            else:
+                if not stream.seekable():
+                    stream = io.BytesIO(stream.read(-1))
+                stored = torch.load(stream, map_location="cpu", weights_only=True)
+            tensor = _narrow(stored, item.storage_offsets, item.lengths)
+            with self._planner_lock:
+                target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise IntegrityError(
+                    f"checkpoint {self.path}: item {item.storage_index.fqn} has shape {tuple(tensor.size())} where its "
+                    f"metadata promises {tuple(target.size())}"
+                )
+            target.copy_(tensor)  # items never overlap in their target, so files on other threads copy alongside
+            with self._planner_lock:
+                planner.commit_tensor(item, target)

@@ -1,0 +1,7 @@
+"""The lifecycle of a checkpoint, on top of everything else: what a save captures (``staging``,
+``host_staging``), ``save`` and its commit protocol, verified ``load``, the ``CheckpointManager``
+(resume, async saves, retention), and the read-only views: ``summary`` (``inspect``) and
+``consolidate`` (safetensors export).
+
+Nothing is re-exported here: the public names are :mod:`shardline.checkpoint`'s.
+"""

@@ -1,0 +1,387 @@
+"""``load``: verify a checkpoint, then load it into a model of any world size and strategy.
+
+Note: nothing unverified is used (see ``opening.py`` for the order of checks). Rank 0 anchors
+the manifest and checks the listing; every rank hashes ``.metadata`` before unpickling it and
+checks the model against it (one all-gather); DCP then reads the data through
+:class:`~.reading.VerifyingReader`, each rank hashing a disjoint share of the files in the pass
+that reads them, and DCP's read all-gather is the agreement. Nothing the load produced is used
+before it: buffers, 0-d parameters, the optimizer state (``load_state_dict``) and the trainer
+state are installed, and ``load`` returns, only once every rank knows every file verified.
+Cost: one SHA-256 pass over the checkpoint, spread over the ranks and overlapped with reading.
+
+Like plain DCP, the data is read in place into the model's shards (and into optimizer state
+tensors the optimizer already holds), so a load that raises leaves those values undefined:
+load a checkpoint that verifies (``CheckpointManager.load("auto")`` does) or rebuild them.
+Staging copies would keep them intact at the cost of a copy of every shard per load.
+
+Note: how resharding works. Every parameter target is the live shard exposed as a DTensor
+piece (``ManagedParam.to_dtensor``, no copy); DCP's planner intersects the pieces each rank
+asks for with the chunks each file holds and reads exactly the overlapping rows. So W -> W' and
+FULL_SHARD <-> NO_SHARD (a ``Replicate`` piece asks for all rows) need no gather, and a
+checkpoint saved with kind ``full`` (one chunk per tensor) loads the same way.
+
+Note: optimizer state is initialized from the checkpoint's own metadata, not by a dummy
+optimizer step: for each ``optim.state.<fqn>.<name>`` item we allocate an empty tensor shaped
+like this rank's shard (elementwise state, as a DTensor piece placed like the parameter) or a
+0-d tensor (scalar state), DCP fills them, and ``Optimizer.load_state_dict`` installs them
+(casting as torch does). No hyperparameter is touched and nothing depends on the optimizer's
+update rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from shardline.checkpoint.coordination import coord
+from shardline.checkpoint.format.dcp_io import (
+    CONFIG_KEY,
+    MODEL_KEY,
+    OPTIM_KEY,
+    PER_RANK_KEY,
+    TRAINER_KEY,
+    SafeLoadPlanner,
+    build_tree,
+    decode_state,
+    key_paths,
+    subtree,
+)
+from shardline.checkpoint.integrity.opening import (
+    CheckedManifest,
+    check_manifest,
+    integrity_error,
+    open_checkpoint,
+    read_checked_metadata,
+)
+from shardline.checkpoint.integrity.reading import VerifyingReader
+from shardline.checkpoint.integrity.verify import VerifyLevel, check_files
+from shardline.checkpoint.state.model_state import param_index
+from shardline.checkpoint.state.optim_state import load_optimizer_state_dict, optimizer_params
+from shardline.checkpoint.storage.objects import Location, as_location
+from shardline.engine import key_problems, registered_state_dict, release_all
+from shardline.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWarning,
+    ShardlineError,
+)
+
+__all__ = ["check_checkpoint", "load", "load_config", "load_trainer_state", "opt_in_note"]
+
+_SHOW = 10
+
+
+def opt_in_note(checked: CheckedManifest) -> str | None:
+    """The one line that says a checkpoint was used without hashing every byte (None at level ``full``)."""
+    if not checked.level.opt_in:
+        return None
+    if checked.manifest is None:
+        return (
+            f"{checked.path} is a plain torch.distributed.checkpoint directory without a shardline manifest: it has "
+            "no lineage and its files cannot be verified; loading it anyway (verify='none')"
+        )
+    what = "file sizes only" if checked.level is VerifyLevel.SIZES else "no file checks"
+    return (
+        f"checkpoint {checked.path} loaded with verify={checked.level.value!r} ({what}): its data files were not "
+        "hashed, so damaged bytes would go unnoticed; the default 'full' checks every byte"
+    )
+
+
+def _checked(
+    path: Location, level: VerifyLevel, expected: str | None, group: dist.ProcessGroup | None
+) -> CheckedManifest:
+    data = coord.rank0_decides(
+        lambda: check_manifest(path, level=level, expected_manifest_hash=expected).to_json(), group
+    )
+    checked = dataclasses.replace(CheckedManifest.from_json(data), path=path)  # this rank's storage options
+    note = opt_in_note(checked)
+    if note is not None and coord.group_rank(group) == 0:
+        warnings.warn(note, CheckpointWarning, stacklevel=3)
+    return checked
+
+
+def check_checkpoint(
+    path: str | os.PathLike,
+    *,
+    verify: VerifyLevel | str = VerifyLevel.FULL,
+    expected_manifest_hash: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Verify a checkpoint without loading it (a collective); return its manifest, or None for plain DCP.
+
+    ``full`` (default): the anchored manifest, the listing, and every file's SHA-256, the files
+    spread over the ranks. ``sizes``: no re-hashing of data files (a :class:`CheckpointWarning`
+    says so). ``none``: only that it is a checkpoint (the only level a plain DCP directory passes).
+
+    Raises:
+        CheckpointNotFoundError, IntegrityError: on every rank.
+    """
+    level = VerifyLevel.parse(verify)
+    checked = _checked(as_location(path, storage_options=storage_options), level, expected_manifest_hash, process_group)
+    if level is VerifyLevel.FULL:
+        rank, world = coord.group_rank(process_group), coord.group_size(process_group)
+
+        def hash_share() -> None:
+            problems, _ = check_files(checked.path, checked.entries()[rank::world], VerifyLevel.FULL)
+            if problems:
+                raise integrity_error(checked.path, problems, what="it must not be loaded")
+
+        coord.all_agree(hash_share, process_group, what=f"verify its share of {path}")
+    return checked.manifest
+
+
+def _mismatch(path: Location, problems: list[str]) -> CheckpointMismatchError:
+    shown = "; ".join(problems[:_SHOW]) + (f"; ... ({len(problems) - _SHOW} more)" if len(problems) > _SHOW else "")
+    return CheckpointMismatchError(
+        f"checkpoint {path} does not fit this model/optimizer -- {shown}. Load it into the model architecture it "
+        "was saved from (world size and sharding strategy may differ)."
+    )
+
+
+def _model_targets(
+    model: nn.Module, metadata: Metadata, prefix: tuple[Any, ...], strict: bool, problems: list[str]
+) -> tuple[dict[str, Any], list[Callable[[], None]]]:
+    stored = {path[0]: md for path, md in subtree(metadata, prefix) if len(path) == 1}
+    if not prefix:  # a flat (plain DCP) model state dict: tensors at the top level only
+        stored = {k: md for k, md in stored.items() if isinstance(md, TensorStorageMetadata)}
+    index = param_index(model)
+    local = registered_state_dict(model)
+    if strict:
+        problems += key_problems(local, stored, missing="the checkpoint lacks", unexpected="the model lacks")
+    targets: dict[str, Any] = {}
+    after: list[Callable[[], None]] = []
+    done: set[int] = set()
+    for key, value in local.items():
+        md = stored.get(key)
+        if md is None:
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{key}: the checkpoint holds a non-tensor object there")
+            continue
+        size = tuple(md.size)
+        found = index.get(id(value))
+        if found is None:
+            if size != tuple(value.shape):
+                problems.append(f"{key}: checkpoint shape {size} vs model {tuple(value.shape)}")
+                continue
+            temp = torch.empty(size, dtype=md.properties.dtype)
+            targets[key] = temp
+            after.append(lambda v=value, t=temp: v.data.copy_(t.to(device=v.device, dtype=v.dtype)))
+            continue
+        if id(found.shard) in done:
+            continue
+        if size == found.global_shape:
+            targets[key] = found.to_dtensor()
+        elif size == () and found.shape == ():
+            temp = torch.empty((), dtype=md.properties.dtype)
+            targets[key] = temp
+            after.append(lambda h=found, t=temp: h.load_full(t))
+        else:
+            problems.append(f"{key}: checkpoint shape {size} vs model {found.shape}")
+            continue
+        done.add(id(found.shard))
+    return targets, after
+
+
+def _optim_targets(
+    model: nn.Module, optimizer: torch.optim.Optimizer, metadata: Metadata, problems: list[str]
+) -> dict[str, Any]:
+    entries = subtree(metadata, (OPTIM_KEY,))
+    if not entries:
+        problems.append("an optimizer was passed but the checkpoint holds no optimizer state ('optim.*' keys)")
+        return {}
+    params = optimizer_params(model, optimizer)
+    by_fqn = {fqn: managed for _, fqn, managed in params}
+    # Note: state tensors the optimizer already holds (same shape, dtype and device) are read into
+    # in place, as plain DCP would; a fresh optimizer gets new tensors.
+    current = {fqn: optimizer.state.get(param, {}) for param, fqn, _ in params}
+    placed = []
+    for path, md in entries:
+        if not isinstance(md, TensorStorageMetadata):
+            placed.append((path, None))
+            continue
+        if len(path) != 3 or path[0] != "state":
+            problems.append(f"optimizer item {'.'.join(map(str, path))} is not in the FQN-keyed layout")
+            continue
+        fqn, name = path[1], path[2]
+        if fqn not in by_fqn:
+            problems.append(f"optimizer state for '{fqn}', which this optimizer does not hold")
+            continue
+        size, dtype, managed = tuple(md.size), md.properties.dtype, by_fqn[fqn]
+        if managed is None or size == ():
+            placed.append((path, torch.empty(size, dtype=dtype)))
+        elif size == managed.global_shape:
+            held = current[fqn].get(name)
+            device = managed.shard.device
+            fits = (
+                isinstance(held, torch.Tensor)
+                and held.dtype == dtype
+                and held.device == device
+                and held.is_contiguous()
+            )
+            local = held if fits and tuple(held.shape) == managed.local_shape else None
+            if local is None:
+                local = torch.empty(managed.local_shape, dtype=dtype, device=device)
+            placed.append((path, managed.to_dtensor(local)))
+        else:
+            problems.append(
+                f"optimizer state '{name}' of '{fqn}': checkpoint shape {size} vs parameter {managed.global_shape}"
+            )
+    return build_tree(placed)
+
+
+def _dcp_error(path: Location, error: CheckpointException) -> ShardlineError:
+    """One error for every rank from DCP's gathered per-rank failures: the lowest failing rank's."""
+
+    # Note: a rank that could not deserialize an item of a file another rank hashes reports only that;
+    # the hashing rank's "manifest records" verdict names the real cause, so it wins.
+    def precedence(item: tuple[int, Any]) -> tuple[int, int]:
+        rank, (exc, _trace) = item
+        return (0 if "manifest records" in str(exc) else 1 if isinstance(exc, ShardlineError) else 2, rank)
+
+    rank, (exc, _trace) = min(error.failures.items(), key=precedence)
+    if isinstance(exc, ShardlineError):
+        return coord.error_from_payload(coord.error_payload(exc))
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return CheckpointError(f"reading checkpoint {path} failed on rank {rank}: {type(exc).__name__}: {first}")
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    verify: VerifyLevel | str = VerifyLevel.FULL,
+    strict: bool = True,
+    expected_manifest_hash: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Verify a checkpoint and load it into ``model`` (and ``optimizer``) at any world size and strategy.
+
+    A collective. Nothing is installed into the model or optimizer unless every check passed on
+    every rank (see the module note).
+
+    Args:
+        path: A committed checkpoint directory (a plain DCP directory only with ``verify="none"``), local or
+            an object-store URL (``s3://bucket/prefix/step-100``; each rank streams and hashes its share).
+        verify: ``"full"`` (default: every byte hashed against the manifest, spread over the ranks
+            while reading), or the opt-ins ``"sizes"`` (file sizes only) and ``"none"``; an opt-in
+            is reported with a :class:`CheckpointWarning`.
+        strict: Model keys must match exactly (shapes always must).
+        expected_manifest_hash: The manifest hash to trust (e.g. from the lineage ledger); without
+            it the manifest is checked against ``manifest.sha256`` in the directory.
+        storage_options: Options of the fsspec file system of a URL ``path`` (endpoint, credentials);
+            default: the standard AWS environment.
+
+    Returns:
+        The trainer state saved with it (rank 0's), plus ``"per_rank"``: the entry this rank
+        saved, present only if the checkpoint has one for this rank (it was saved with at
+        least ``rank + 1`` ranks). Tensors come back on CPU.
+
+    Raises:
+        CheckpointNotFoundError: not a (committed) checkpoint.
+        IntegrityError: a file missing, unexpected, or not matching the manifest (named); nothing loaded.
+        CheckpointMismatchError: keys or shapes that do not fit; nothing is loaded then.
+    """
+    path = as_location(path, storage_options=storage_options)
+    level = VerifyLevel.parse(verify)
+    checked = _checked(path, level, expected_manifest_hash, process_group)
+    rank = coord.group_rank(process_group)
+    plan: dict[str, Any] = {}
+
+    def prepare() -> None:
+        metadata = read_checked_metadata(checked)
+        tops = {p[0] for p in key_paths(metadata).values()}
+        prefix: tuple[Any, ...] = (MODEL_KEY,) if MODEL_KEY in tops else ()
+        problems: list[str] = []
+        model_targets, after = _model_targets(model, metadata, prefix, strict, problems)
+        targets: dict[str, Any] = {MODEL_KEY: model_targets} if prefix else dict(model_targets)
+        if optimizer is not None:
+            targets[OPTIM_KEY] = _optim_targets(model, optimizer, metadata, problems)
+        if TRAINER_KEY in tops:
+            targets[TRAINER_KEY] = None
+        if str(rank) in {p[0] for p, _ in subtree(metadata, (PER_RANK_KEY,))}:
+            targets[PER_RANK_KEY] = {str(rank): None}
+        if problems:
+            raise _mismatch(path, problems)
+        plan.update(metadata=metadata, targets=targets, after=after)
+
+    # Every rank checked the same metadata against the same model; agree before DCP's collectives.
+    coord.all_agree(prepare, process_group, what=f"prepare to load {path}")
+    targets = plan["targets"]
+    to_hash = checked.data_entries() if level is VerifyLevel.FULL else []
+    reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash)
+    release_all(model)  # free gathered parameters, so nothing stale shadows the shards being read
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(
+                targets,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=process_group,
+                no_dist=not dist.is_initialized(),
+            )
+    except CheckpointException as e:
+        raise _dcp_error(path, e) from None
+    result: dict[str, Any] = {}
+
+    def install() -> None:
+        with torch.no_grad():
+            for fn in plan["after"]:
+                fn()
+        if optimizer is not None:
+            load_optimizer_state_dict(model, optimizer, targets[OPTIM_KEY], kind="sharded")
+        state = decode_state(targets[TRAINER_KEY]) if targets.get(TRAINER_KEY) is not None else {}
+        if not isinstance(state, dict):
+            raise CheckpointMismatchError(
+                f"checkpoint {path}: the trainer state is a {type(state).__name__}, not a dict"
+            )
+        if PER_RANK_KEY in targets:
+            state["per_rank"] = decode_state(targets[PER_RANK_KEY][str(rank)])
+        result["state"] = state
+
+    # Note: the steps after DCP's read (buffers, optimizer state, trainer state) can fail on one rank
+    # alone -- a per-rank entry that does not decode, say -- so every rank learns the outcome here
+    # instead of its peers waiting in the next collective until the timeout.
+    coord.all_agree(install, process_group, what=f"install the state read from {path}")
+    return result["state"]
+
+
+def _read_item(path: str | os.PathLike, key: str, verify: VerifyLevel | str) -> Any:
+    opened = open_checkpoint(path, verify=verify)
+    if key not in key_paths(opened.metadata):
+        return None
+    target: dict[str, Any] = {key: None}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(target, storage_reader=opened.reader(), planner=SafeLoadPlanner(), no_dist=True)
+    return target[key]
+
+
+def load_config(path: str | os.PathLike, *, verify: VerifyLevel | str = VerifyLevel.FULL) -> dict[str, Any] | None:
+    """The training config stored in a checkpoint (None if it has none), read after verifying it (no process group).
+
+    ``verify`` as for :func:`load` (``full`` hashes every file first).
+    """
+    text = _read_item(path, CONFIG_KEY, verify)
+    return None if text is None else json.loads(text)
+
+
+def load_trainer_state(path: str | os.PathLike, *, verify: VerifyLevel | str = VerifyLevel.FULL) -> dict[str, Any]:
+    """The shared trainer state stored in a checkpoint (rank 0's), read offline after verifying it; ``{}`` if none."""
+    data = _read_item(path, TRAINER_KEY, verify)
+    return {} if data is None else decode_state(data)

@@ -1,0 +1,593 @@
+"""``CheckpointManager``: a directory of checkpoints, its ``latest`` pointer and ledger, resume and async saves.
+
+See :mod:`.directory` for the layout. Every method is a collective; each decision is taken on
+rank 0 and reaches every rank through :func:`~.coord.rank0_decides`.
+
+Note: what "newest" means. Checkpoints are ordered by the ledger -- the sequence number of
+each one's commit row (:func:`.lineage.order`) -- never by a clock, so after an explicit resume
+from an older checkpoint the branch trained since is what ``auto`` resumes, not an abandoned one
+with a higher step, and a node whose clock is behind changes nothing. The commit point of a save
+is the rename of its directory; ``latest`` and the ledger follow it. If a crash falls between
+the rename and those updates, the checkpoint is still committed: the next manager on the
+directory appends its ledger row (marked ``recovered``) and repoints ``latest``. Retention runs
+after every rank has agreed on the commit, on rank 0 alone; its failure is a warning and never
+touches the chain or the next save's parent.
+
+Note: failing closed. Opening a manager checks the ledger's chain and compares it with the
+committed checkpoints on disk (:mod:`.lineage`); a chain that does not verify is refused --
+nothing is appended to it -- with the way to continue. ``load("auto")`` loads the newest
+checkpoint that verifies: one that does not is moved aside (``step-N.damaged-<time>``, so a
+later save of step N does not collide with it) and the next newest is tried. Only damage (a
+hash mismatch, a missing or an extra file) moves a checkpoint; an error reading it (``EIO``,
+``EACCES``, a decoder that refuses bytes matching their hashes) stops the load and moves nothing.
+
+Note: a quarantine records before it moves. The ``quarantine`` row names where the checkpoint
+will go; then the directory is renamed, its ``step-N.sig`` follows it, and ``latest`` is
+repointed if it named it. A crash after the row leaves a move the next manager finishes
+(:meth:`CheckpointManager._finish_quarantines`), so the ledger never meets a moved checkpoint
+it does not account for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardline import _torch_compat
+from shardline.checkpoint.coordination import coord
+from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
+from shardline.checkpoint.faults.crashpoints import crash_point
+from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.integrity.manifest import DCP_METADATA, read_manifest
+from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.host_staging import HostBuffers, bind_writer_device
+from shardline.checkpoint.lifecycle.load import load as load_checkpoint
+from shardline.checkpoint.lifecycle.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
+from shardline.checkpoint.lifecycle.staging import SaveRequest, StagedCheckpoint
+from shardline.checkpoint.provenance.directory import (
+    LATEST_FILE,
+    aside_path,
+    checkpoint_name,
+    clear_latest,
+    has_manifest,
+    move_aside,
+    read_latest,
+    scan,
+    step_of,
+    write_latest,
+)
+from shardline.checkpoint.provenance.directory import CommittedCheckpoint as CommittedCheckpoint
+from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow
+from shardline.checkpoint.provenance.lineage import order, unrecorded
+from shardline.checkpoint.provenance.retention import (
+    RetentionPolicy,
+    apply_retention,
+    signature_path_for,
+    tombstone_detail,
+)
+from shardline.checkpoint.provenance.statement import STATEMENT_FILE, read_statement
+from shardline.checkpoint.storage.fsutil import fsync_dir, is_tmp_lock_name, is_tmp_name, is_trash_name, tmp_in_use
+from shardline.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    IntegrityError,
+    LineageError,
+    PublishError,
+)
+
+__all__ = ["ON_EXCEPTION", "RESUME_AUTO", "CheckpointManager", "CommittedCheckpoint", "is_auto_resume", "no_resume"]
+
+log = logging.getLogger(__name__)
+
+ON_EXCEPTION = "on_exception"
+RESUME_AUTO = "auto"
+"""``resume`` value that picks the newest committed checkpoint that verifies (or none)."""
+
+
+class CheckpointManager:
+    """Saves ``directory/step-N`` checkpoints chained by parent manifest hash, with ``latest`` and a ledger.
+
+    Every method that touches checkpoints is a collective: call it on every rank.
+
+    Args:
+        directory: Where checkpoints live (created if needed).
+        ledger_path: The SQLite ledger (default ``directory/lineage.sqlite``).
+        async_save: Write checkpoints in a background thread. ``save`` returns once the state is
+            copied (staged) into host buffers the manager reuses from save to save (pinned when
+            the model is on CUDA; nothing extra on the model's device; :mod:`.host_staging`) and
+            freed by ``close``; the next ``save``, ``wait`` or ``close`` waits for the write and
+            raises its error, if any. The background thread talks over its own gloo group so
+            its collectives never interleave with training's.
+        process_group: Group of the ranks that save (default: the world).
+        observer: Told of each save's phases and writes (tests inject faults with one).
+        keep_last_n: Keep only the newest N regular checkpoints (0, the default, keeps all). Older
+            ones are deleted only after a newer one has committed, each recorded by a ``tombstone``
+            row in the ledger first (:mod:`.retention`), so the chain still verifies without them.
+        files_per_rank: Files each rank writes per checkpoint, each hashed by its own writer thread
+            (0, the default: the cores each rank has on its node, at most 8; :mod:`.parallelism`).
+
+    Raises:
+        ConfigurationError: ``keep_last_n`` or ``files_per_rank`` is negative.
+        LineageError: the ledger's chain does not verify, or committed checkpoints on disk are
+            missing from it (on every rank; the message says how to continue).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        ledger_path: str | os.PathLike | None = None,
+        async_save: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        observer: SaveObserver | None = None,
+        keep_last_n: int = 0,
+        files_per_rank: int = AUTO,
+    ) -> None:
+        self.retention = RetentionPolicy(keep_last_n=keep_last_n)
+        resolve_files_per_rank(files_per_rank)
+        self.files_per_rank = files_per_rank
+        self.directory = Path(directory).absolute()
+        self.ledger = Ledger(Path(ledger_path).absolute() if ledger_path else self.directory / LEDGER_NAME)
+        self.async_save = bool(async_save)
+        self.observer = observer or NO_OBSERVER
+        self.parent_manifest_hash: str | None = None
+        self.resumed_from: Path | None = None
+        self.moved_aside: list[Path] = []
+        self._group = process_group
+        self._io_group = process_group
+        self._thread: threading.Thread | None = None
+        self.staging_buffers: HostBuffers | None = HostBuffers() if self.async_save else None
+        """The host buffers async saves stage into (None for synchronous saves)."""
+        self._error: BaseException | None = None
+        self._last: CheckpointInfo | None = None
+        self._last_good: Path | None = None
+        self._unrecorded: list[CheckpointInfo] = []  # committed saves whose ledger row may be missing
+        self._rank = coord.group_rank(process_group)
+        if self.async_save and coord.group_size(process_group) > 1:
+            # Note: a dedicated group, created collectively here, so the background thread's
+            # collectives cannot interleave with training's on the main group.
+            timeout = _torch_compat.group_timeout(process_group)
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+            self._io_group = dist.new_group(ranks=ranks, backend="gloo", **kwargs)
+        coord.rank0_decides(self._open, process_group)
+
+    # ------------------------------------------------------------------ discovery
+    def path_for(self, step: int, tag: str | None = None) -> Path:
+        """The directory a save at ``step`` with ``tag`` goes to: ``step-N`` or ``step-N-TAG``."""
+        return self.directory / checkpoint_name(step, tag)
+
+    def committed(self) -> list[CommittedCheckpoint]:
+        """Committed checkpoints in the directory, oldest first by the ledger (ones whose manifest is damaged are
+        left out; see the module note)."""
+        return order(scan(self.directory)[0], self._rows())
+
+    def _rows(self) -> list[LedgerRow]:
+        return self.ledger.rows() if self.ledger.path.is_file() else []
+
+    def latest(self) -> Path | None:
+        """The checkpoint the ``latest`` pointer names, or None."""
+        return read_latest(self.directory)
+
+    def _open(self) -> None:
+        """Rank 0: drop leftovers of crashed saves; check the chain against the disk; finish an interrupted
+        quarantine; record a checkpoint committed just before a crash; repoint ``latest``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for child in sorted(self.directory.iterdir()):
+            if child.is_dir() and is_tmp_name(child.name):
+                if tmp_in_use(child):  # another process is saving into it (see fsutil's note)
+                    log.info("leaving %s: a save in another process holds it", child)
+                    continue
+                log.warning("removing %s, left by a checkpoint save that did not commit", child)
+                shutil.rmtree(child, ignore_errors=True)
+                child.with_name(child.name + ".lock").unlink(missing_ok=True)
+            elif child.is_file() and is_tmp_lock_name(child.name) and not tmp_in_use(child.with_suffix("")):
+                child.unlink(missing_ok=True)  # the lock of a save that crashed before its directory existed
+            elif child.is_dir() and is_trash_name(child.name):
+                log.info("removing %s, a checkpoint retention had recorded deleted and not finished removing", child)
+                shutil.rmtree(child, ignore_errors=True)
+            elif child.is_file() and child.name.startswith(f".{LATEST_FILE}.tmp-"):
+                child.unlink(missing_ok=True)  # a `latest` rewrite a crash interrupted before its rename
+        problems: list[str] = []
+        if self.ledger.path.is_file():
+            problems += self.ledger.verify(check_checkpoints=False).problems
+        elif self.ledger.head_path.exists():
+            problems.append(f"the ledger is gone but its head record {self.ledger.head_path.name} is still there")
+        if not problems:
+            self._finish_quarantines()
+        missing, recoverable = unrecorded(self.ledger, [self.directory])
+        problems += [
+            f"{c.path.name} (step {c.step}) is committed on disk but missing from the ledger"
+            for c in missing
+            if c is not recoverable
+        ]
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise LineageError(
+                f"the lineage ledger {self.ledger.path} does not verify: {problems[0]}{more}; refusing to append to "
+                f"a broken chain. Restore the ledger from a backup, or run `shardline lineage {self.ledger.path} "
+                "--new-chain` to keep it aside and start a new chain whose first row records the break."
+            )
+        if recoverable is not None:
+            self._ledger_row(recoverable, recovered=True)
+        self._repoint_latest()
+        committed = self.committed()
+        self._last_good = committed[-1].path if committed else None
+
+    def _repoint_latest(self) -> None:
+        """Rank 0: ``latest`` names the newest regular checkpoint (by the ledger), or is removed when none is left."""
+        regular = [c for c in self.committed() if c.tag is None]
+        if regular:
+            if self.latest() != regular[-1].path:
+                write_latest(self.directory, regular[-1].path)
+        elif (self.directory / LATEST_FILE).exists():
+            clear_latest(self.directory)
+
+    def _finish_quarantines(self) -> None:
+        """Rank 0: complete moves that a ``quarantine`` row records but a crash interrupted (see the module note)."""
+        base = self.ledger.path.parent
+        rows = self._rows()
+        for row in rows:
+            if row.event != "quarantine":
+                continue
+            detail = tombstone_detail(row)
+            if not detail.get("checkpoint") or not detail.get("moved_to"):
+                continue
+            source, target = base / str(detail["checkpoint"]), base / str(detail["moved_to"])
+            if any(r.seq > row.seq and r.is_commit and r.checkpoint == detail["checkpoint"] for r in rows):
+                continue  # the step was saved again after the quarantine: that directory is a new checkpoint
+            if source.is_dir() and not target.exists():
+                log.warning("finishing the move of %s to %s, which a crash interrupted", source.name, target.name)
+                move_aside(source, target)
+            signature, moved_signature = signature_path_for(source), signature_path_for(target)
+            if not source.exists() and signature.is_file() and not moved_signature.exists():
+                os.rename(signature, moved_signature)
+                fsync_dir(signature.parent)
+
+    def _explicit(self, resume: str | os.PathLike) -> Path:
+        path = Path(resume)
+        if not path.exists() and (self.directory / path).exists():
+            path = self.directory / path
+        path = path.absolute()
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"cannot resume from {resume}: no such checkpoint directory")
+        if is_tmp_name(path.name):
+            raise CheckpointNotFoundError(
+                f"cannot resume from {path}: it is the temporary directory of a save that never committed"
+            )
+        if not has_manifest(path) and not (path / DCP_METADATA).is_file():
+            raise CheckpointNotFoundError(
+                f"cannot resume from {path}: it is not a committed checkpoint (no manifest.json and no {DCP_METADATA})"
+            )
+        return path
+
+    def _candidates(self, resume: str | os.PathLike) -> dict[str, Any]:
+        """Rank 0: what to try, newest first, with the manifest hash the ledger records for each (plain data)."""
+        if not is_auto_resume(resume):
+            paths = [self._explicit(resume)]
+            damaged: list[list[str]] = []
+        else:
+            found, broken = scan(self.directory)
+            paths = [c.path for c in reversed(order(found, self._rows()))]
+            damaged = [[str(d.path), d.reason] for d in broken]
+        return {
+            "paths": [[str(p), self.ledger.recorded_hash(p)] for p in paths],
+            "damaged": damaged,
+        }
+
+    def resolve(self, resume: str | os.PathLike | None) -> Path | None:
+        """Which checkpoint a resume would try first (a collective; rank 0 decides). Nothing is verified here.
+
+        ``None``/``"none"``: none. ``"auto"``: the newest committed checkpoint, or None. A path
+        (or a name inside ``directory``) must be a checkpoint directory.
+
+        Raises:
+            CheckpointNotFoundError: an explicit path that is not a checkpoint directory.
+        """
+        if no_resume(resume):
+            return None
+        self.wait()  # an async save in flight may commit the newest checkpoint
+        plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
+        return Path(plan["paths"][0][0]) if plan["paths"] else None
+
+    # ------------------------------------------------------------------ save / load
+    def save(self, request: SaveRequest) -> CheckpointInfo | None:
+        """Save ``directory/step-N`` (or ``step-N-TAG``), chained to the previous checkpoint (a collective).
+
+        Waits for the previous async save first (raising its error). Synchronous: returns the
+        :class:`CheckpointInfo`. Async: returns None once staged; :meth:`wait` returns the info.
+
+        Raises:
+            DiskFullError: the file system filled up; the message names the path, bytes needed
+                vs free, and the last good checkpoint (which, like every earlier one, is intact).
+        """
+        self.wait()
+        path = self.path_for(request.step, request.tag)
+        tmp = preflight(path, process_group=self._io_group)
+        staged = stage_agreed(
+            request,
+            path=path,
+            tmp=tmp,
+            parent_manifest_hash=self.parent_manifest_hash,
+            copy=self.async_save,
+            buffers=self.staging_buffers,
+            process_group=self._io_group,
+        )
+        if not self.async_save:
+            return self._write(staged, tmp)
+        self._thread = threading.Thread(
+            target=self._write_in_background,
+            args=(staged, tmp),
+            name=f"shardline-checkpoint-step-{request.step}",
+            daemon=True,
+        )
+        self._thread.start()
+        return None
+
+    def check_free(self, steps: Iterable[int]) -> None:
+        """Refuse up front (a collective) if a regular save of any of ``steps`` would find its directory taken.
+
+        Raises:
+            CheckpointExistsError: naming the first such directory, before any training is spent.
+        """
+        wanted = sorted(set(steps))
+
+        def check() -> None:
+            for step in wanted:
+                path = self.path_for(step)
+                if path.exists():
+                    raise CheckpointExistsError(
+                        f"{path} already exists, but this run will save step {step} there; checkpoints are never "
+                        "overwritten. Move it away, or resume from it (trainer.resume=auto resumes the newest)."
+                    )
+
+        coord.rank0_decides(check, self._group)
+
+    def _write(self, staged: StagedCheckpoint, tmp: Path) -> CheckpointInfo:
+        try:
+            info = write_and_commit(
+                staged,
+                tmp,
+                process_group=self._io_group,
+                observer=self.observer,
+                after_commit=self._publish,
+                last_good=self._last_good,
+                files_per_rank=self.files_per_rank,
+            )
+        except PublishError as e:  # committed: the next save chains to it even though recording it failed
+            if isinstance(e.info, CheckpointInfo):
+                self._committed(e.info)
+                self._unrecorded.append(e.info)  # the next publish records it first, so the chain has no gap
+            raise
+        self._committed(info)
+        if self._rank == 0:
+            self._retain(info)
+        return info
+
+    def _committed(self, info: CheckpointInfo) -> None:
+        self._last = info
+        self._last_good = info.path
+        self.parent_manifest_hash = info.manifest_hash
+
+    def _write_in_background(self, staged: StagedCheckpoint, tmp: Path) -> None:
+        try:
+            bind_writer_device(staged.source_device)  # a new thread starts on CUDA device 0
+            self._write(staged, tmp)
+        except BaseException as e:
+            self._error = e
+
+    def _publish(self, info: CheckpointInfo) -> None:
+        """Rank 0, right after the commit and before every rank learns the outcome: repoint ``latest`` (regular
+        saves) and append the ledger row."""
+        while self._unrecorded:  # saves whose publish failed: each recorded before its child
+            missed = self._unrecorded[0]
+            if missed.manifest_hash not in self.ledger.manifest_hashes():
+                self._ledger_row(missed, recovered=True)
+            self._unrecorded.pop(0)
+        if info.tag is None:
+            write_latest(self.directory, info.path)
+        self.observer.on_phase(SavePhase.AFTER_LATEST, 0)
+        self._ledger_row(info, recovered=False)
+
+    def _retain(self, info: CheckpointInfo) -> None:
+        """Rank 0, after every rank agreed on the commit: apply retention. A failure is a warning (the checkpoint
+        is committed and recorded; the next save retries the deletions)."""
+        try:
+            apply_retention(
+                directory=self.directory,
+                ledger=self.ledger,
+                policy=self.retention,
+                just_committed=info.path,
+                rel=self._rel,
+            )
+        except Exception as e:
+            message = (
+                f"retention (keep_last_n={self.retention.keep_last_n}) after {info.path.name} failed: "
+                f"{type(e).__name__}: {e}. The checkpoint is committed and recorded and the chain is intact; "
+                "older checkpoints were kept and the next save retries."
+            )
+            log.warning("%s", message)
+            warnings.warn(message, CheckpointWarning, stacklevel=2)
+
+    def _ledger_row(self, ckpt: CommittedCheckpoint | CheckpointInfo, *, recovered: bool) -> None:
+        """Append the ledger row of a committed checkpoint (one found on disk, or one just saved).
+
+        Its ``detail`` names the provenance statement and that file's SHA-256, so the ledger chains the statements.
+        """
+        statement = getattr(ckpt, "provenance_sha256", None)
+        if statement is None:
+            try:
+                found = read_statement(ckpt.path)
+            except IntegrityError:
+                found = None
+            statement = found[1] if found else None
+        self.ledger.append(
+            detail={"provenance": {"file": STATEMENT_FILE, "sha256": statement}} if statement else None,
+            step=ckpt.step,
+            tag=ckpt.tag,
+            checkpoint=self._rel(ckpt.path),
+            manifest_sha256=ckpt.manifest_hash,
+            parent_manifest_sha256=ckpt.parent_manifest_hash,
+            world_size=ckpt.world_size,
+            recovered=recovered,
+        )
+
+    def _rel(self, path: Path) -> str:
+        return os.path.relpath(path, self.ledger.path.parent)
+
+    def wait(self) -> CheckpointInfo | None:
+        """Wait for an async save in flight; raise its error if it failed. Returns the last saved checkpoint."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"the background checkpoint save failed: {type(error).__name__}: {error}") from error
+        return self._last
+
+    def close(self) -> None:
+        """Wait for any async save (raising its error); free the host staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self.staging_buffers is not None:
+                self.staging_buffers.clear()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _move_aside(self, path: Path, reason: str) -> str:
+        """Rank 0: record, then move a checkpoint that failed verification aside (with its signature), and
+        repoint ``latest``; returns the new path (see the module note)."""
+        step = step_of(path.name) or 0
+        recorded = self.ledger.recorded_hash(path)
+        target = aside_path(path)
+        self.ledger.append(
+            step=step,
+            tag=None,
+            checkpoint=self._rel(target),
+            manifest_sha256=recorded or "",
+            parent_manifest_sha256=None,
+            world_size=0,
+            event="quarantine",
+            detail={"checkpoint": self._rel(path), "moved_to": self._rel(target), "reason": reason},
+        )
+        crash_point("quarantine.recorded")
+        moved = move_aside(path, target)
+        crash_point("quarantine.moved")
+        signature = signature_path_for(path)
+        if signature.is_file():
+            os.rename(signature, signature_path_for(moved))
+            fsync_dir(path.parent)
+            crash_point("quarantine.signature_moved")
+        if self.latest() == path:
+            self._repoint_latest()
+            crash_point("quarantine.latest")
+        if self._last_good == path:
+            self._last_good = None
+        log.warning(
+            "checkpoint %s failed verification and was moved aside to %s (recorded in the ledger): %s",
+            path.name,
+            moved.name,
+            reason,
+        )
+        return str(moved)
+
+    def load(
+        self,
+        resume: str | os.PathLike | None,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        verify: VerifyLevel | str = VerifyLevel.FULL,
+    ) -> dict[str, Any] | None:
+        """Load the checkpoint ``resume`` names (see :meth:`resolve`) and chain the next save to it.
+
+        ``"auto"`` loads the newest checkpoint that verifies; each newer one that does not is
+        moved aside and recorded in the ledger (see the module note). An explicit path that
+        does not verify raises. A checkpoint the ledger records is verified against the
+        manifest hash its row holds. ``verify`` other than ``full`` is recorded in the ledger.
+
+        Returns:
+            The trainer state (see :func:`shardline.checkpoint.load`), or None when there is
+            nothing (that verifies) to resume from.
+
+        Raises:
+            CheckpointNotFoundError: an explicit path that is not a checkpoint.
+            IntegrityError: an explicit checkpoint that does not verify.
+            CheckpointMismatchError: the checkpoint does not fit the model (nothing is moved).
+        """
+        if no_resume(resume):
+            return None
+        self.wait()  # an async save in flight would otherwise overwrite the parent this load sets
+        level = VerifyLevel.parse(verify)
+        auto = is_auto_resume(resume)
+        plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
+        for path, reason in plan["damaged"]:
+            moved = coord.rank0_decides(lambda p=path, r=reason: self._move_aside(Path(p), r), self._group)
+            self.moved_aside.append(Path(moved))
+        for path_text, expected in plan["paths"]:
+            path = Path(path_text)
+            try:
+                state = load_checkpoint(
+                    path,
+                    model=model,
+                    optimizer=optimizer,
+                    verify=level,
+                    expected_manifest_hash=expected,
+                    process_group=self._group,
+                )
+            except IntegrityError as e:
+                if not auto:
+                    raise
+                moved = coord.rank0_decides(lambda p=path, r=str(e): self._move_aside(p, r), self._group)
+                self.moved_aside.append(Path(moved))
+                continue
+            self.resumed_from = path
+            self.parent_manifest_hash = coord.rank0_decides(  # one answer for every rank, or one error
+                lambda p=path: read_manifest(p)[1] if has_manifest(p) else None, self._group
+            )
+            if level.opt_in:
+                coord.rank0_decides(lambda p=path: self._record_opt_in(p, level), self._group)
+            return state
+        return None
+
+    def _record_opt_in(self, path: Path, level: VerifyLevel) -> None:
+        """Rank 0: a ``resume`` ledger row saying this load checked less than every byte."""
+        self.ledger.append(
+            step=int(read_manifest(path)[0]["step"]) if has_manifest(path) else 0,
+            tag=None,
+            checkpoint=self._rel(path),
+            manifest_sha256=self.parent_manifest_hash or "",
+            parent_manifest_sha256=None,
+            world_size=coord.group_size(self._group),
+            event="resume",
+            detail={"checkpoint": self._rel(path), "verify": level.value},
+        )
+
+
+def no_resume(resume: Any) -> bool:
+    """Whether a ``resume`` argument asks for no checkpoint: None, or ``""``, ``"none"``, ``"false"`` (any case)."""
+    return resume is None or str(resume).lower() in ("", "none", "false")
+
+
+def is_auto_resume(resume: Any) -> bool:
+    """Whether a ``resume`` argument is :data:`RESUME_AUTO` (the newest committed checkpoint that verifies)."""
+    return resume is not None and str(resume) == RESUME_AUTO

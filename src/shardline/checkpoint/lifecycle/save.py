@@ -1,0 +1,634 @@
+"""``save``: write a checkpoint with DCP, hash it while writing, and commit it atomically.
+
+Note: the commit protocol (a collective over ``process_group``). Every go/no-go step is
+:func:`~.coord.rank0_decides` or :func:`~.coord.all_agree`, so an error reaches every rank as
+the same exception class with the same message.
+
+1. **Preflight** (rank 0 decides): the final directory must not exist and its parent must be
+   creatable and writable; rank 0 creates a hidden temporary directory beside it
+   (``.step-100.tmp-<hex>``). Every rank then checks it can see and write that directory
+   (all agree), so an unwritable or unshared path fails on every rank before any data is written.
+2. **Stage** (all agree): each rank builds its state dict (:mod:`.staging`).
+3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing.HashingWriter`:
+   each rank writes and fsyncs its ``.distcp`` files (one per writer thread), hashing each in the same pass; digests
+   reach rank 0 inside the write results DCP gathers; rank 0 writes ``.metadata``.
+4. **Manifest** (rank 0): ``manifest.json`` (canonical JSON, so its file hash is the manifest
+   hash), ``manifest.sha256`` and ``SHA256SUMS``, each fsynced, then the directory is fsynced.
+5. **Commit** (rank 0): ``rename(tmp, final)`` -- atomic on POSIX file systems -- and fsync the
+   parent. This is the commit point: a directory with a final name is always complete.
+6. **Publish** (rank 0, optional callback): the manager updates ``latest`` and the ledger.
+7. Rank 0 tells every rank the outcome; every rank returns the same :class:`CheckpointInfo` or raises.
+   A failure after the rename (the parent's fsync, or the publish) is :class:`~shardline.errors.PublishError`
+   on every rank, carrying the ``CheckpointInfo``: the checkpoint is committed, and the caller
+   chains the next save to it. The manager applies retention only after this step, on rank 0.
+
+Each change to a file or directory here is a named crash point (:mod:`.crashpoints`).
+
+A crash before step 5 leaves only a hidden temporary directory that nothing resumes from;
+the final name is never overwritten (step 1 refuses an existing one, and step 5 re-checks).
+A failed write (a full disk, a dead peer) removes the temporary directory and touches nothing
+else, so the previous checkpoints stay as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import functools
+import os
+import shutil
+import sqlite3
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shardline.checkpoint.coordination import coord
+from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
+from shardline.checkpoint.faults.crashpoints import crash_point
+from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
+from shardline.checkpoint.integrity.hashing import FileDigest, HashingWriter
+from shardline.checkpoint.integrity.manifest import (
+    MANIFEST,
+    MANIFEST_HASH_FILE,
+    SUMS_FILE,
+    build_manifest,
+    render_manifest_hash_file,
+    render_sums,
+)
+from shardline.checkpoint.integrity.staged_check import check_written
+from shardline.checkpoint.lifecycle.host_staging import HostBuffers
+from shardline.checkpoint.lifecycle.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
+from shardline.checkpoint.lifecycle.summary import human_bytes
+from shardline.checkpoint.provenance.statement import STATEMENT_FILE, build_statement
+from shardline.checkpoint.storage.fsutil import fsync_dir, fsync_new_dirs, lock_tmp, release_tmp, tmp_dir_for
+from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, describe, is_url
+from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, PublishError, error_chain
+
+__all__ = ["CheckpointInfo", "commit", "disk_full_cause", "preflight", "save", "stage_agreed", "write_and_commit"]
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint, as every rank learns it from rank 0 at the end of a save."""
+
+    path: Location
+    step: int
+    manifest_hash: str
+    tag: str | None
+    kind: str
+    world_size: int
+    files: int
+    total_bytes: int
+    parent_manifest_hash: str | None
+    provenance_sha256: str | None = None
+    """SHA-256 of the checkpoint's provenance statement (``provenance.intoto.json``)."""
+
+
+def _prepare(final: Path) -> Path:
+    if final.exists() or final.is_symlink():
+        raise CheckpointExistsError(
+            f"checkpoint directory {final} already exists; shardline never overwrites a checkpoint. Save under a new "
+            "step or path, or move the old one away first."
+        )
+    parent = final.parent
+    existed = parent
+    while not existed.exists() and existed.parent != existed:
+        existed = existed.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        if existed != parent:  # new directories: their names must survive a crash like the checkpoint's
+            fsync_new_dirs(parent, existed=existed)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot create the checkpoint parent directory {parent}: {e.strerror or e}. Choose a writable location."
+        ) from None
+    if not parent.is_dir():
+        raise CheckpointError(f"cannot save into {parent}: it is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"cannot save a checkpoint into {parent}: no write permission for this user (uid {os.getuid()}). "
+            "Choose a writable directory or fix its permissions."
+        )
+    tmp = tmp_dir_for(final)
+    try:
+        lock_tmp(tmp)  # held until the save ends, so no other process takes the directory for a leftover
+        tmp.mkdir()
+    except OSError as e:
+        release_tmp(tmp)
+        raise CheckpointError(f"cannot create {tmp}: {e.strerror or e}. Choose a writable location.") from None
+    crash_point("save.tmp_created")
+    return tmp
+
+
+def _prepare_objects(final: ObjectPath) -> None:
+    # One LIST of the parent both proves access and shows whether the checkpoint's prefix is taken; only
+    # when it fails is the bucket itself checked, for an error that names what is wrong.
+    try:
+        parent = final.parent.snapshot()
+    except Exception:
+        check_access(final)
+        raise
+    if not parent.exists():  # an empty or new prefix, or no such bucket: which one, check_access says
+        check_access(final)
+    if (parent / final.name).exists():
+        raise CheckpointExistsError(
+            f"checkpoint {final} already exists (objects under that prefix); shardline never overwrites a checkpoint. "
+            "Save under a new step or prefix, or remove the old objects first."
+        )
+
+
+def preflight(
+    path: str | os.PathLike | ObjectPath,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Location:
+    """Step 1 of the protocol (a collective): check the target on rank 0 and create the temp directory.
+
+    Returns the temporary directory on every rank.
+
+    Raises:
+        CheckpointExistsError: the final directory exists (on every rank, nothing written).
+        CheckpointError: the path is not writable or not visible from every rank.
+    """
+    if is_url(path):
+        # An object store: no temporary prefix (nothing renames it); the manifest written last commits.
+        target = as_location(path, storage_options=storage_options)
+        coord.rank0_decides(lambda: _prepare_objects(target), process_group)
+        if coord.group_size(process_group) > 1:  # rank 0 has reached it already; the others check their own access
+
+            def reach() -> None:
+                if coord.group_rank(process_group) != 0:
+                    check_access(target)
+
+            coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
+        return target
+    final = Path(path).absolute()
+    tmp = Path(coord.rank0_decides(lambda: str(_prepare(final)), process_group))
+
+    def can_write() -> None:
+        if not (tmp.is_dir() and os.access(tmp, os.W_OK | os.X_OK)):
+            raise CheckpointError(
+                f"cannot see or write {tmp}, which rank 0 created: the checkpoint directory must be on a file system "
+                "shared by all ranks (or writable by every rank's user). Nothing was written."
+            )
+
+    try:
+        coord.all_agree(can_write, process_group, what="write the checkpoint directory")
+    except CheckpointError:
+        if coord.group_rank(process_group) == 0:
+            _discard(tmp)
+        raise
+    return tmp
+
+
+def stage_agreed(
+    request: SaveRequest,
+    *,
+    path: str | os.PathLike,
+    tmp: Path,
+    parent_manifest_hash: str | None = None,
+    copy: bool = False,
+    buffers: HostBuffers | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> StagedCheckpoint:
+    """Step 2 (a collective): :func:`~.staging.stage` on every rank, then agree that all succeeded.
+
+    ``copy`` and ``buffers`` are passed to :func:`~.staging.stage` (an async save's host staging).
+
+    A rank whose staging fails (e.g. trainer state that cannot be saved safely) would otherwise
+    leave its peers waiting in the write; instead every rank raises the same error and the temp
+    directory goes. The returned ``total_bytes`` counts every rank's share.
+    """
+
+    def stage_here() -> int:
+        nonlocal staged
+        staged = stage(
+            request,
+            path=path,
+            parent_manifest_hash=parent_manifest_hash,
+            copy=copy,
+            buffers=buffers,
+            process_group=process_group,
+        )
+        return staged.total_bytes
+
+    staged: StagedCheckpoint | None = None
+    try:
+        sizes = coord.all_agree(stage_here, process_group, what=f"stage its part of checkpoint {path}")
+    except Exception:
+        if coord.group_rank(process_group) == 0:
+            _discard(tmp)
+        raise
+    assert staged is not None  # all_agree returned, so this rank's step succeeded
+    return replace(staged, total_bytes=sum(sizes))
+
+
+def _discard(tmp: Location) -> None:
+    """Rank 0, after a failed save: remove the temporary directory, then its lock (on a store: the objects written)."""
+    if isinstance(tmp, ObjectPath):
+        # The store may be what failed; without a manifest the prefix is never a checkpoint anyway.
+        with contextlib.suppress(Exception):
+            tmp.remove_tree()
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+    release_tmp(tmp)
+
+
+def disk_full_cause(error: BaseException) -> BaseException | None:
+    """The "no space left" (or quota) error behind ``error``, if there is one."""
+    for e in error_chain(error):
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return e
+        if isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e):
+            return e
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    """The innermost error's type and first message line (DCP's own text is a multi-line traceback dump)."""
+    for e in error_chain(error):
+        if not isinstance(e, CheckpointException):
+            text = str(e).strip().splitlines()
+            return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    return type(error).__name__
+
+
+def _failure_message(final: Location, staged: StagedCheckpoint, error: BaseException, last_good: Path | None) -> str:
+    """Rank 0, after a failed write: one line naming the cause (for a full disk: bytes needed vs free)."""
+    previous = f"the last good checkpoint is {last_good}" if last_good else "no earlier checkpoint is known here"
+    if isinstance(final, ObjectPath):
+        refused = next((e for e in error_chain(error) if isinstance(e, PermissionError)), None)
+        if refused is not None:
+            return (
+                f"the object store at {final.endpoint} refused writing checkpoint {final} ({_first_line(refused)}); "
+                f"nothing was committed; {previous}. Give the credentials write access to bucket "
+                f"{final.bucket!r} (or raise its quota), then resume."
+            )
+        return f"writing checkpoint {describe(final)} failed ({_first_line(error)}); nothing was committed; {previous}"
+    full = disk_full_cause(error)
+    if full is None:
+        return f"writing checkpoint {final} failed ({_first_line(error)}); nothing was committed; {previous}"
+    try:
+        free = human_bytes(shutil.disk_usage(final.parent).free)
+    except OSError:
+        free = "unknown"
+    where = getattr(full, "filename", None) or final
+    return (
+        f"disk full: writing checkpoint {final} needs about {human_bytes(staged.total_bytes)}, {free} free on "
+        f"{final.parent} ({type(full).__name__}: {getattr(full, 'strerror', None) or full} at {where}); nothing "
+        f"was committed and earlier checkpoints are intact; {previous}. Free space or save elsewhere, then resume."
+    )
+
+
+def write_and_commit(
+    staged: StagedCheckpoint,
+    tmp: Path,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    observer: SaveObserver = NO_OBSERVER,
+    after_commit: Callable[[CheckpointInfo], None] | None = None,
+    last_good: Path | None = None,
+    files_per_rank: int = AUTO,
+) -> CheckpointInfo:
+    """Steps 3-7 of the protocol (a collective): write ``staged`` into ``tmp`` and commit it.
+
+    Each rank writes ``files_per_rank`` files (0: automatic, :mod:`.parallelism`).
+
+    Raises:
+        DiskFullError: a rank ran out of space (the message names the path, bytes needed vs
+            free, and ``last_good``); nothing was committed.
+        PublishError: the checkpoint committed, but making the rename durable or
+            ``after_commit`` failed; its ``info`` is the committed checkpoint.
+        CheckpointError: any other failure, named in the first line of the message.
+    """
+    final = staged.final.absolute()
+    check = None
+    if staged.staged_digests is not None:
+        check = functools.partial(check_written, staged=staged.staged_digests)
+    writer = HashingWriter(tmp, final_path=final, observer=observer, check_written=check, files_per_rank=files_per_rank)
+    failure: BaseException | None = None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(
+                staged.state_dict,
+                storage_writer=writer,
+                process_group=process_group,
+                no_dist=not dist.is_initialized(),
+            )
+    except (Exception, CheckpointException) as e:  # DCP raises CheckpointException, a BaseException
+        failure = e
+    if failure is not None:
+
+        def clean_up() -> None:
+            _discard(tmp)
+            error = DiskFullError if disk_full_cause(failure) is not None else CheckpointError
+            raise error(_failure_message(final, staged, failure, last_good))
+
+        coord.rank0_decides(clean_up, process_group)
+
+    def finalize() -> dict[str, Any]:
+        done: dict[str, Any] = {}  # _finalize fills it once the rename happened
+        try:
+            digests = writer.file_digests or []
+            if isinstance(final, ObjectPath):
+                manifest_digest, files, statement_digest = _finalize_objects(staged, final, digests, observer, done)
+            else:
+                manifest_digest, files, statement_digest = _finalize(staged, tmp, final, digests, observer, done)
+        except Exception as e:
+            if not done:
+                _discard(tmp)
+                message = _failure_message(final, staged, e, last_good)
+                raise (DiskFullError if disk_full_cause(e) is not None else CheckpointError)(message) from e
+            # renamed, but the parent's fsync failed: the name may not survive a power loss, yet it is there now
+            manifest_digest, files, statement_digest = done["hash"], done["files"], done["provenance"]
+            info = _info(staged, final, manifest_digest, files, statement_digest)
+            return _outcome(info, f"making the commit durable failed ({_first_line(e)})")
+        info = _info(staged, final, manifest_digest, files, statement_digest)
+        problem = None
+        if after_commit is not None:
+            try:
+                after_commit(info)
+            except Exception as e:
+                problem = f"recording it failed ({_first_line(e)})"
+        return _outcome(info, problem)
+
+    try:
+        outcome = coord.rank0_decides(finalize, process_group)
+    finally:
+        release_tmp(tmp)  # renamed or removed by now (a no-op on ranks other than 0)
+    info = CheckpointInfo(
+        path=final,
+        step=staged.step,
+        manifest_hash=outcome["hash"],
+        tag=staged.tag,
+        kind=staged.kind,
+        world_size=staged.world_size,
+        files=outcome["files"],
+        total_bytes=outcome["bytes"],
+        parent_manifest_hash=staged.parent_manifest_hash,
+        provenance_sha256=outcome["provenance"],
+    )
+    if outcome["problem"] is not None:
+        raise PublishError(
+            f"checkpoint {final} committed (manifest {info.manifest_hash[:12]}), but {outcome['problem']}; it is "
+            "complete and the next save chains to it. Fix the cause; the next CheckpointManager on "
+            f"{final.parent} records it in the ledger (marked recovered) if its row is missing.",
+            info=info,
+        )
+    return info
+
+
+def _outcome(info: CheckpointInfo, problem: str | None) -> dict[str, Any]:
+    """What rank 0 tells every rank about a committed checkpoint (plain data), and what went wrong after the commit."""
+    return {
+        "hash": info.manifest_hash,
+        "files": info.files,
+        "bytes": info.total_bytes,
+        "provenance": info.provenance_sha256,
+        "problem": problem,
+    }
+
+
+def _info(
+    staged: StagedCheckpoint, final: Path, digest: str, files: list[FileDigest], statement_digest: str
+) -> CheckpointInfo:
+    return CheckpointInfo(
+        path=final,
+        step=staged.step,
+        manifest_hash=digest,
+        tag=staged.tag,
+        kind=staged.kind,
+        world_size=staged.world_size,
+        files=len(files),
+        total_bytes=sum(f.bytes for f in files),
+        parent_manifest_hash=staged.parent_manifest_hash,
+        provenance_sha256=statement_digest,
+    )
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _finalize(
+    staged: StagedCheckpoint,
+    tmp: Path,
+    final: Path,
+    digests: list[FileDigest],
+    observer: SaveObserver,
+    done: dict[str, Any],
+) -> tuple[str, list[FileDigest], str]:
+    """Rank 0: provenance statement, manifest, hash files, fsync, rename.
+
+    Returns (manifest hash, every listed file, the statement's sha256). Once the rename is done,
+    ``done`` holds the same under ``hash``, ``files``, ``provenance``, so a caller that sees an
+    error after it knows the checkpoint is committed.
+    """
+    crash_point("save.shards_written")
+    observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
+    _check_listing(tmp, digests)
+    statement, statement_digest, files, data, digest = _records(staged, digests)
+    _write_durable(tmp / STATEMENT_FILE, statement)
+    crash_point("save.statement_written")
+    _write_durable(tmp / MANIFEST, data)
+    crash_point("save.manifest_written")
+    _write_durable(tmp / MANIFEST_HASH_FILE, render_manifest_hash_file(digest))
+    crash_point("save.hash_file_written")
+    _write_durable(tmp / SUMS_FILE, render_sums(digest, [d.to_json() for d in files]))
+    fsync_dir(tmp)
+    crash_point("save.sums_written")
+    observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
+    if final.exists() or final.is_symlink():
+        raise CheckpointExistsError(f"{final} appeared while the checkpoint was being written; it was left untouched")
+    os.rename(tmp, final)
+    done.update(hash=digest, files=files, provenance=statement_digest)
+    crash_point("save.renamed")
+    fsync_dir(final.parent)
+    crash_point("save.committed")
+    observer.on_phase(SavePhase.AFTER_RENAME, 0)
+    return digest, files, statement_digest
+
+
+def _finalize_objects(
+    staged: StagedCheckpoint, final: ObjectPath, digests: list[FileDigest], observer: SaveObserver, done: dict[str, Any]
+) -> tuple[str, list[FileDigest], str]:
+    """Rank 0, on an object store: provenance statement, hash files, then ``manifest.json`` -- the commit record.
+
+    Note: an object store has no rename, so the data objects were written under their final
+    prefix; what makes them a checkpoint is ``manifest.json``, uploaded last, once every object it
+    lists (and the two files derived from it) is acknowledged. Until then the prefix is not a
+    checkpoint to anything that lists, loads or resumes (``directory.scan``, ``open_checkpoint``).
+    A PUT is atomic: readers see the whole manifest or none.
+    """
+    crash_point("save.shards_written")
+    observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
+    _check_listing(final, digests)
+    statement, statement_digest, files, data, digest = _records(staged, digests)
+    # The three files the manifest implies go up at once (concurrent PUTs); the manifest only after all three.
+    final.fs.pipe(
+        {
+            (final / STATEMENT_FILE).key: statement,
+            (final / MANIFEST_HASH_FILE).key: render_manifest_hash_file(digest),
+            (final / SUMS_FILE).key: render_sums(digest, [d.to_json() for d in files]),
+        }
+    )
+    crash_point("save.sums_written")
+    observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
+    (final / MANIFEST).write_bytes(data)
+    done.update(hash=digest, files=files, provenance=statement_digest)
+    crash_point("save.committed")
+    observer.on_phase(SavePhase.AFTER_RENAME, 0)
+    return digest, files, statement_digest
+
+
+def _check_listing(tmp: Location, digests: list[FileDigest]) -> None:
+    """Every file in ``tmp`` is one a rank reported writing, and every reported one is there."""
+    listed = {d.path for d in digests}
+    present = {p.name for p in tmp.iterdir()}
+    if present != listed:
+        raise CheckpointError(
+            f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "
+            f"{sorted(listed - present)}; another process may be writing into it"
+        )
+
+
+def _records(staged: StagedCheckpoint, digests: list[FileDigest]) -> tuple[bytes, str, list[FileDigest], bytes, str]:
+    """(statement, its sha256, every listed file, manifest bytes, manifest hash) of the files ``digests``."""
+    created = datetime.datetime.now(datetime.timezone.utc)
+    statement = canonical_json(
+        build_statement(
+            files=[d.to_json() for d in digests],
+            step=staged.step,
+            tag=staged.tag,
+            kind=staged.kind,
+            created_at=created.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            config=staged.config,
+            config_sha256=staged.config_sha256,
+            data_fingerprint=staged.data_fingerprint,
+            parent_manifest_sha256=staged.parent_manifest_hash,
+            world_size=staged.world_size,
+            units=staged.units,
+        )
+    )
+    statement_digest = sha256_hex(statement)
+    files = sorted([*digests, FileDigest(path=STATEMENT_FILE, rank=0, bytes=len(statement), sha256=statement_digest)])
+    manifest = build_manifest(
+        step=staged.step,
+        tag=staged.tag,
+        kind=staged.kind,
+        world_size=staged.world_size,
+        units=staged.units,
+        model_info=staged.model_info,
+        contents=staged.contents,
+        config_sha256=staged.config_sha256,
+        data_fingerprint=staged.data_fingerprint,
+        parent_manifest_sha256=staged.parent_manifest_hash,
+        files=files,
+        created=created,
+    )
+    data = canonical_json(manifest)
+    return statement, statement_digest, files, data, sha256_hex(data)
+
+
+def commit(
+    path: str | os.PathLike | ObjectPath,
+    request: SaveRequest,
+    *,
+    parent_manifest_hash: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    observer: SaveObserver = NO_OBSERVER,
+    files_per_rank: int = AUTO,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Save ``request`` into the new directory ``path`` and commit it atomically (a collective; see :func:`save`)."""
+    resolve_files_per_rank(files_per_rank)  # a bad count fails before anything is created
+    tmp = preflight(path, process_group=process_group, storage_options=storage_options)
+    if isinstance(tmp, ObjectPath):
+        path = tmp  # written in place; staging records this location (with its storage options)
+    staged = stage_agreed(
+        request, path=path, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
+    )
+    return write_and_commit(staged, tmp, process_group=process_group, observer=observer, files_per_rank=files_per_rank)
+
+
+def save(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    step: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    state: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    data_fingerprint: str | None = None,
+    parent_manifest_hash: str | None = None,
+    kind: SaveKind = "sharded",
+    tag: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    observer: SaveObserver | None = None,
+    files_per_rank: int = AUTO,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Save a checkpoint into the new directory ``path`` and commit it atomically (a collective).
+
+    The keyword arguments other than ``path``, ``parent_manifest_hash``, ``process_group``,
+    ``observer`` and ``files_per_rank`` make a :class:`~.staging.SaveRequest` (see it for their meaning).
+
+    Args:
+        path: The final checkpoint directory (e.g. ``run/checkpoints/step-100``), or an object-store URL
+            (``s3://bucket/prefix/step-100``: written in place, committed by its manifest, uploaded last);
+            must not exist.
+        parent_manifest_hash: Manifest hash of the checkpoint this training state descends from.
+        process_group: Group the save runs over (default: the world).
+        observer: Told of each phase and write (tests inject faults with one; default: none).
+        files_per_rank: Files each rank writes, each hashed by its own writer thread and verified on
+            its own reader thread (0, the default: the cores each rank has on its node, at most 8).
+        storage_options: Options of the fsspec file system of a URL ``path`` (``endpoint_url``, ``key``,
+            ``secret``...); default: the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...).
+
+    Returns:
+        The committed checkpoint's :class:`CheckpointInfo`, identical on every rank.
+
+    Raises:
+        CheckpointExistsError: ``path`` exists (nothing is written).
+        DiskFullError: the file system filled up (nothing is committed; the message says how much was needed).
+        CheckpointError: unwritable path, or the write failed (nothing is committed).
+        StorageAccessError: a URL whose bucket does not exist, whose credentials are refused, or whose endpoint
+            does not answer (nothing is written).
+        ConfigurationError: ``files_per_rank`` is not a count (nothing is written).
+    """
+    request = SaveRequest(
+        model=model,
+        step=step,
+        optimizer=optimizer,
+        state=state,
+        config=config,
+        data_fingerprint=data_fingerprint,
+        kind=kind,
+        tag=tag,
+    )
+    return commit(
+        path,
+        request,
+        parent_manifest_hash=parent_manifest_hash,
+        process_group=process_group,
+        observer=observer or NO_OBSERVER,
+        files_per_rank=files_per_rank,
+        storage_options=storage_options,
+    )

@@ -1,0 +1,298 @@
+"""What a save writes: the typed request, and the state captured from it at one instant.
+
+:class:`SaveRequest` is the one description of a save (model, step, optimizer, trainer state,
+config, data fingerprint, kind, tag), validated once when it is made; ``save``,
+``CheckpointManager.save`` and the staging below all take it instead of repeating the
+arguments. :func:`stage` turns it into a :class:`StagedCheckpoint`: the DCP state dict plus
+everything the manifest records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardline import _torch_compat
+from shardline.checkpoint.coordination import coord
+from shardline.checkpoint.format.canonical import config_hash
+from shardline.checkpoint.format.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
+from shardline.checkpoint.format.hf_export import hf_metadata
+from shardline.checkpoint.integrity.manifest import describe_units
+from shardline.checkpoint.integrity.staged_check import StagedDigester
+from shardline.checkpoint.lifecycle.host_staging import HostBuffers
+from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
+from shardline.checkpoint.state.optim_state import optimizer_state_dict
+from shardline.checkpoint.storage.objects import Location, as_location
+from shardline.engine import buffer_original_dtypes, registered_state_dict
+from shardline.errors import ConfigurationError
+
+__all__ = ["SAVE_KINDS", "SaveKind", "SaveRequest", "StagedCheckpoint", "describe_model", "dtype_name", "stage"]
+
+TAG_PATTERN = re.compile(r"^[a-z0-9_]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveRequest:
+    """One checkpoint to save: what goes in it and what the manifest records about it.
+
+    Attributes:
+        model: The (sharded) model.
+        step: Training step recorded in the manifest (a non-negative int).
+        optimizer: Its optimizer, saved keyed by parameter FQN.
+        state: Trainer state: tensors, numbers, strings, bytes, None and nested dicts/lists/tuples.
+            Entries are taken from rank 0, except ``state["per_rank"]``, which every rank saves
+            under its own key (RNG states, data position...) and gets back from ``load``.
+        config: The resolved training config (plain JSON data); stored and hashed canonically.
+        data_fingerprint: A string identifying the training data, recorded in the manifest.
+        kind: ``"sharded"`` (each rank writes its shards; reshardable) or ``"full"`` (gathered, rank 0 writes).
+        tag: Recorded in the manifest and, under a manager, in the directory name (``[a-z0-9_]+``).
+    """
+
+    model: nn.Module
+    step: int
+    optimizer: torch.optim.Optimizer | None = None
+    state: Mapping[str, Any] | None = None
+    config: Mapping[str, Any] | None = None
+    data_fingerprint: str | None = None
+    kind: SaveKind = "sharded"
+    tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in SAVE_KINDS:
+            raise ConfigurationError(
+                f"checkpoints are saved with kind 'sharded' (default; reshardable) or 'full' (gathered on rank 0), "
+                f"got {self.kind!r}; 'local' state dicts are for in-memory debugging only"
+            )
+        if not isinstance(self.step, int) or isinstance(self.step, bool) or self.step < 0:
+            raise ConfigurationError(f"step must be a non-negative int, got {self.step!r}")
+        if self.data_fingerprint is not None and not isinstance(self.data_fingerprint, str):
+            raise ConfigurationError(
+                f"data_fingerprint must be a string or None, got {type(self.data_fingerprint).__name__}"
+            )
+        if self.tag is not None and (not isinstance(self.tag, str) or not TAG_PATTERN.match(self.tag)):
+            raise ConfigurationError(f"checkpoint tag must match [a-z0-9_]+, got {self.tag!r}")
+
+
+@dataclass(frozen=True)
+class StagedCheckpoint:
+    """Everything a save writes, captured at one instant (see :func:`stage`)."""
+
+    final: Location
+    step: int
+    tag: str | None
+    kind: str
+    world_size: int
+    state_dict: dict[str, Any]
+    units: list[dict[str, Any]]
+    model_info: dict[str, Any]
+    contents: dict[str, bool]
+    config_sha256: str | None
+    data_fingerprint: str | None
+    parent_manifest_hash: str | None
+    total_bytes: int = 0
+    """Bytes of tensor and object data all ranks stage (what the write needs on disk, before DCP's framing)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    config: Mapping[str, Any] | None = None
+    """The resolved training config (recorded in the provenance statement)."""
+    staged_digests: Mapping[int, Any] | None = None
+    """For a copied (async) save: this rank's staged tensors by storage, each with the SHA-256 of its bytes
+    (:mod:`.staged_check`); the write checks the bytes in the files against them."""
+    source_device: torch.device | None = None
+    """For a copied (async) save: the accelerator device the staged tensors came from (the writer thread makes
+    it current), or None when they came from the host."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_model(model: nn.Module) -> dict[str, Any]:
+    """What the manifest records about the model: counts, tied and 0-d names, and every key's shape and dtype.
+
+    ``state`` maps each state-dict key to ``[shape, dtype]`` as a model built from the same
+    config has them before sharding (the global shape; ``[]`` for 0-d), so a launcher can check
+    that a model fits a checkpoint without opening the checkpoint's data files.
+    """
+    index = param_index(model)
+    cast_buffers = buffer_original_dtypes(model)
+    groups: dict[int, list[str]] = {}
+    scalars: list[str] = []
+    state: dict[str, list[Any]] = {}
+    params = 0
+    for key, value in registered_state_dict(model).items():
+        found = index.get(id(value))
+        if found is not None:
+            shape, dtype = found.shape, found.dtype
+        else:
+            shape, dtype = tuple(value.shape), cast_buffers.get(id(value), value.dtype)
+        state[key] = [list(shape), dtype_name(dtype)]
+        ident = id(found.shard) if found else id(value)
+        groups.setdefault(ident, []).append(key)
+        if len(groups[ident]) > 1:
+            continue
+        if found is not None or isinstance(value, nn.Parameter):
+            params += int(torch.Size(shape).numel())
+            if shape == ():
+                scalars.append(key)
+    return {
+        "tensors": sum(len(keys) for keys in groups.values()),
+        "parameters": params,
+        "tied": [keys for keys in groups.values() if len(keys) > 1],
+        "scalars": scalars,
+        "state": state,
+    }
+
+
+def _same_bytes(obj: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies a tensor's bytes, so two state-dict entries of one tensor (tied weights) stage once."""
+    t = obj.to_local() if isinstance(obj, DTensor) else obj
+    where = (str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    if isinstance(obj, DTensor):
+        return (*where, tuple(obj.placements), tuple(obj.shape))
+    return where
+
+
+def _snapshot(
+    obj: Any,
+    *,
+    on_copy: Callable[[torch.Tensor], None],
+    buffers: HostBuffers,
+    memo: dict[tuple[Any, ...], Any] | None = None,
+) -> Any:
+    """A host copy of every tensor in ``obj`` (DTensor pieces keep their placement) so training can go on.
+
+    Each tensor (the local piece of a DTensor) is copied once, into a buffer of ``buffers``
+    (:mod:`.host_staging`: on the host, never on the model's device), and ``on_copy`` gets the
+    copy as soon as it is made. Entries holding the same bytes (tied weights) share one copy.
+    """
+    memo = {} if memo is None else memo
+    if isinstance(obj, dict):
+        return {k: _snapshot(v, on_copy=on_copy, buffers=buffers, memo=memo) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v, on_copy=on_copy, buffers=buffers, memo=memo) for v in obj]
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    key = _same_bytes(obj)
+    if obj.numel() and key in memo:
+        return memo[key]
+    if isinstance(obj, DTensor):
+        local = buffers.copy(obj.to_local())
+        on_copy(local)
+        copied = _torch_compat.dtensor_with_local(obj, local=local)
+    else:
+        copied = buffers.copy(obj)
+        on_copy(copied)
+    memo[key] = copied
+    return copied
+
+
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_cpu(v) for v in obj)
+    return obj
+
+
+def _local_bytes(obj: Any) -> int:
+    """Bytes this rank writes for ``obj``: local shard data of tensors, the length of byte strings."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().numel() * obj.element_size()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (bytes, str)):
+        return len(obj)
+    if isinstance(obj, Mapping):
+        return sum(_local_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_local_bytes(v) for v in obj)
+    return 0
+
+
+def _config_text(config: Mapping[str, Any]) -> str:
+    config_hash(config)  # validates: plain JSON-able data only
+    return json.dumps(config, sort_keys=True, ensure_ascii=False)
+
+
+def stage(
+    request: SaveRequest,
+    *,
+    path: str | os.PathLike,
+    parent_manifest_hash: str | None = None,
+    copy: bool = False,
+    buffers: HostBuffers | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> StagedCheckpoint:
+    """Capture what the save of ``request`` into ``path`` writes (this rank's part).
+
+    With ``copy=False`` the state dict references the live shards (no copy; write before
+    training changes them). With ``copy=True`` tensors are copied to host memory, into
+    ``buffers`` (reused across saves; the previous save's write must have ended) or fresh ones,
+    so training may continue while a background thread writes. Kind ``full`` gathers (a
+    collective on the default group).
+    ``total_bytes`` is this rank's share here; ``save.stage_agreed`` sums it over the ranks.
+    """
+    rank = coord.group_rank(process_group)
+    model, kind = request.model, request.kind
+    trainer = dict(request.state or {})
+    per_rank = trainer.pop("per_rank", None)
+    for key, value in hf_metadata(model).items():  # transformers / PEFT configs, for consolidate
+        trainer.setdefault(key, value)
+    sd: dict[str, Any] = {MODEL_KEY: model_state_dict(model, kind=kind)}  # type: ignore[arg-type]
+    if request.optimizer is not None:
+        sd[OPTIM_KEY] = optimizer_state_dict(model, request.optimizer, kind=kind)  # type: ignore[arg-type]
+    # Note: only rank 0 contributes the shared trainer state and the config. DCP stores an item
+    # that several ranks hold under the same key once, from whichever rank it picks; keeping it
+    # on one rank makes "taken from rank 0" the rule instead of an accident.
+    if rank == 0:
+        sd[TRAINER_KEY] = encode_state(_cpu(trainer), "trainer state")
+        if request.config is not None:
+            sd[CONFIG_KEY] = _config_text(request.config)
+    if per_rank is not None:
+        sd[PER_RANK_KEY] = {str(rank): encode_state(_cpu(per_rank), f"per-rank trainer state of rank {rank}")}
+    digester = StagedDigester() if copy else None
+    source_device: torch.device | None = None
+    if digester is not None and kind == "sharded":
+        buffers = buffers if buffers is not None else HostBuffers()
+        buffers.begin()
+        sd = _snapshot(sd, on_copy=digester.add, buffers=buffers)
+        buffers.finish()
+        source_device = buffers.source_device
+    return StagedCheckpoint(
+        final=as_location(path),
+        step=request.step,
+        tag=request.tag,
+        kind=kind,
+        world_size=coord.group_size(process_group),
+        state_dict=sd,
+        units=describe_units(model),
+        model_info=describe_model(model),
+        contents={
+            "model": True,
+            "optimizer": request.optimizer is not None,
+            "trainer_state": True,
+            "per_rank_state": per_rank is not None,
+            "config": request.config is not None,
+        },
+        config_sha256=config_hash(request.config) if request.config is not None else None,
+        data_fingerprint=request.data_fingerprint,
+        parent_manifest_hash=parent_manifest_hash,
+        total_bytes=_local_bytes(sd),
+        config=request.config,
+        staged_digests=digester.digests(sd) if digester is not None else None,
+        source_device=source_device,
+    )

@@ -1,0 +1,7 @@
+"""Provenance: the in-toto statement of each checkpoint (``statement``), the hash-chained SQLite
+ledger (``ledger``) and its audit against the checkpoints (``lineage``), a directory of
+checkpoints with its ``latest`` pointer and quarantine (``directory``), retention behind
+tombstones (``retention``), OpenSSF model-signing signatures (``signing``).
+
+Nothing is re-exported here: the public names are :mod:`shardline.checkpoint`'s.
+"""

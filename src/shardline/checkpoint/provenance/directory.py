@@ -1,0 +1,170 @@
+"""A directory of checkpoints: names, which ones are committed, the ``latest`` pointer, moving one aside.
+
+Layout::
+
+    step-100/  step-200/                 committed checkpoints (regular saves)
+    step-250-on_exception/               a checkpoint saved when training raised (tag "on_exception")
+    step-300.damaged-20250101T120000Z/   a checkpoint that failed verification on resume, moved aside
+    .step-300.tmp-<hex>/                 a save in progress (or one that crashed): never resumed from
+    latest                               text file naming the newest regular checkpoint ("step-200")
+
+Only ``step-N`` / ``step-N-TAG`` directories with a ``manifest.json`` count as committed.
+Which one is newest is the ledger's to say (:func:`shardline.checkpoint.provenance.lineage.order`), not
+the creation time a manifest records: clocks differ between nodes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardline.checkpoint.integrity.manifest import MANIFEST, read_manifest
+from shardline.checkpoint.storage.fsutil import atomic_write_bytes, fsync_dir
+from shardline.errors import CheckpointNotFoundError, IntegrityError
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "LATEST_FILE",
+    "CommittedCheckpoint",
+    "DamagedCheckpoint",
+    "aside_path",
+    "checkpoint_name",
+    "clear_latest",
+    "is_checkpoint_name",
+    "move_aside",
+    "read_latest",
+    "scan",
+    "step_of",
+    "write_latest",
+]
+
+LATEST_FILE = "latest"
+CHECKPOINTS_DIR = "checkpoints"
+"""The folder of a run directory that holds its checkpoints (``shardline train`` writes ``RUN_DIR/checkpoints``)."""
+_NAME = re.compile(r"^step-(?P<step>\d+)(?:-(?P<tag>[a-z0-9_]+))?$")
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """A committed checkpoint found in a directory (its manifest read and checked against ``manifest.sha256``)."""
+
+    path: Path
+    step: int
+    tag: str | None
+    manifest_hash: str
+    created_unix_ns: int
+    parent_manifest_hash: str | None
+    world_size: int
+
+
+@dataclass(frozen=True)
+class DamagedCheckpoint:
+    """A ``step-N`` directory with a manifest that does not verify (``reason`` says how)."""
+
+    path: Path
+    step: int
+    reason: str
+
+
+def checkpoint_name(step: int, tag: str | None = None) -> str:
+    """``step-N`` or ``step-N-TAG``."""
+    return f"step-{step}" if tag is None else f"step-{step}-{tag}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint directory name (``step-40``, ``step-40-on_exception``), None for other names."""
+    match = _NAME.match(name)
+    return int(match["step"]) if match else None
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint directory name (``step-N`` or ``step-N-TAG``)."""
+    return _NAME.match(name) is not None
+
+
+def scan(directory: Path) -> tuple[list[CommittedCheckpoint], list[DamagedCheckpoint]]:
+    """Committed checkpoints (by step, then name: the ledger orders them, see the module note) and ``step-N``
+    directories whose manifest is damaged. Directories without a manifest are neither.
+
+    Raises:
+        CheckpointReadError: a manifest could not be read (an I/O error, a permission): that is not
+            damage, so it is not reported as such.
+    """
+    found: list[CommittedCheckpoint] = []
+    damaged: list[DamagedCheckpoint] = []
+    if not directory.is_dir():
+        return found, damaged
+    for child in directory.iterdir():
+        match = _NAME.match(child.name)
+        if not match or not child.is_dir():
+            continue
+        try:
+            manifest, digest = read_manifest(child)
+        except CheckpointNotFoundError:
+            continue
+        except IntegrityError as e:
+            damaged.append(DamagedCheckpoint(child, int(match["step"]), str(e)))
+            continue
+        found.append(
+            CommittedCheckpoint(
+                path=child,
+                step=int(manifest.get("step", match["step"])),
+                tag=manifest.get("tag"),
+                manifest_hash=digest,
+                created_unix_ns=int(manifest.get("created_unix_ns", 0)),
+                parent_manifest_hash=manifest.get("parent_manifest_sha256"),
+                world_size=int(manifest.get("world_size", 0)),
+            )
+        )
+    return sorted(found, key=lambda c: (c.step, c.path.name)), sorted(damaged, key=lambda d: d.step)
+
+
+def read_latest(directory: Path) -> Path | None:
+    """The checkpoint the ``latest`` pointer names, or None."""
+    try:
+        name = (directory / LATEST_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return directory / name if name and _NAME.match(name) else None
+
+
+def write_latest(directory: Path, checkpoint: Path) -> None:
+    """Point ``latest`` at ``checkpoint`` (atomically)."""
+    atomic_write_bytes(directory / LATEST_FILE, f"{checkpoint.name}\n".encode(), crash_name="latest")
+
+
+def clear_latest(directory: Path) -> None:
+    """Remove ``latest`` (no regular checkpoint is left for it to name)."""
+    (directory / LATEST_FILE).unlink(missing_ok=True)
+    fsync_dir(directory)
+
+
+def aside_path(path: Path) -> Path:
+    """A free ``<name>.damaged-<UTC time>`` beside ``path``: where a checkpoint that fails verification goes.
+
+    The name is not a checkpoint name, so nothing resumes from it and a later save of the same
+    step does not collide with it.
+    """
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = path.with_name(f"{path.name}.damaged-{stamp}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+        n += 1
+    return target
+
+
+def move_aside(path: Path, target: Path | None = None) -> Path:
+    """Rename a damaged checkpoint to ``target`` (default :func:`aside_path`) beside it; return the new path."""
+    target = target or aside_path(path)
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+def has_manifest(path: Path) -> bool:
+    """Whether ``path`` holds a ``manifest.json`` (a shardline checkpoint, committed or damaged)."""
+    return (path / MANIFEST).is_file()

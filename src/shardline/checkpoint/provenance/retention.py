@@ -1,0 +1,294 @@
+"""Retention: keep the newest N regular checkpoints, and leave a tombstone in the ledger for each one deleted.
+
+Note: the order of a deletion, so that a crash anywhere leaves a chain that verifies.
+
+1. Only after a newer checkpoint has committed and been recorded, and every rank has agreed on
+   that (the manager calls :func:`apply_retention` on rank 0 after the save returned), are older
+   ones considered. A failure here is a warning: the chain and the next save's parent are not
+   affected.
+2. A **tombstone row** is appended first: the deleted checkpoint's step, directory and manifest
+   hash, why it was deleted, what it held (file count, bytes), the SHA-256 of its provenance
+   statement and a copy of the statement itself, and the SHA-256 of its signature file if it had
+   one. From then on the ledger says the files are meant to be gone.
+3. The directory is renamed to a hidden ``.step-N.deleting-<hex>`` (atomic; nothing resumes from
+   it), the parent fsynced, then removed; its signature file ``step-N.sig`` beside it goes too.
+
+A crash after 2 leaves the checkpoint on disk with a tombstone: the ledger check notes it, and the
+next retention pass finishes the deletion without a second row. A crash after the rename leaves a
+hidden directory the next manager removes. The chain itself never changes: the commit row stays,
+the tombstone follows it, and ``shardline lineage`` accepts a recorded checkpoint that is gone
+only when a tombstone (or a quarantine move) accounts for it.
+
+What is counted: regular checkpoints (``step-N``) in the manager's directory that the ledger
+records, ordered by the ledger (never by a clock), with the live branch -- the checkpoint just
+committed and its ancestors, following parent manifest hashes -- counted as newer than every
+other branch. So after an explicit resume from step-300 while step-400 and step-500 exist, the
+branch point step-300 is one of the newest of the live branch and is kept, while the abandoned
+step-400/500 are the oldest and go first (each with its tombstone). Tagged ones
+(``step-N-on_exception``) are kept: they are records of something that went wrong, not
+periodic saves. The checkpoint just committed is never deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardline.checkpoint.faults.crashpoints import crash_point
+from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
+from shardline.checkpoint.provenance.directory import CommittedCheckpoint, scan
+from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
+from shardline.checkpoint.provenance.lineage import live_branch, order
+from shardline.checkpoint.provenance.statement import read_statement
+from shardline.checkpoint.storage.fsutil import fsync_dir, trash_dir_for
+from shardline.errors import CheckpointError, ConfigurationError, IntegrityError
+
+__all__ = [
+    "RetentionPolicy",
+    "apply_retention",
+    "record_deletions",
+    "retire",
+    "signature_path_for",
+    "tombstone_detail",
+    "tombstones",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """Which checkpoints to keep: the newest ``keep_last_n`` regular ones (0 keeps every checkpoint)."""
+
+    keep_last_n: int = 0
+
+    def __post_init__(self) -> None:
+        n = self.keep_last_n
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigurationError(
+                f"checkpoint.keep_last_n must be a non-negative integer (0 keeps every checkpoint), got {n!r}"
+            )
+
+    @property
+    def active(self) -> bool:
+        """Whether this policy ever deletes anything."""
+        return self.keep_last_n > 0
+
+
+def signature_path_for(checkpoint: Path) -> Path:
+    """Where ``shardline sign`` puts a checkpoint's signature by default: ``step-N.sig`` beside the directory."""
+    return checkpoint.with_name(checkpoint.name + ".sig")
+
+
+def tombstones(rows: list[LedgerRow]) -> dict[str, LedgerRow]:
+    """``checkpoint directory (as the ledger names it) -> its newest tombstone row``."""
+    out: dict[str, LedgerRow] = {}
+    for row in rows:
+        if row.event == TOMBSTONE:
+            out[row.checkpoint] = row
+    return out
+
+
+def _what_it_held(ckpt: CommittedCheckpoint) -> dict[str, Any]:
+    manifest, _ = read_manifest(ckpt.path)
+    files = manifest_files(manifest)
+    held: dict[str, Any] = {"files": len(files), "bytes": sum(int(f["bytes"]) for f in files)}
+    try:
+        found = read_statement(ckpt.path)
+    except IntegrityError as e:
+        found = None
+        held["provenance_problem"] = str(e)
+    if found is not None:
+        held["provenance_sha256"] = found[1]
+        held["provenance"] = found[0]
+    sig = signature_path_for(ckpt.path)
+    if sig.is_file():
+        held["signature"] = sig.name
+        held["signature_sha256"] = hashlib.sha256(sig.read_bytes()).hexdigest()
+    return held
+
+
+def _remove(ckpt: CommittedCheckpoint) -> None:
+    trash = trash_dir_for(ckpt.path)
+    os.rename(ckpt.path, trash)
+    fsync_dir(ckpt.path.parent)
+    crash_point("retention.renamed")
+    sig = signature_path_for(ckpt.path)
+    if sig.is_file():
+        sig.unlink()
+        crash_point("retention.signature_removed")
+    shutil.rmtree(trash)
+    crash_point("retention.removed")
+
+
+def apply_retention(
+    *,
+    directory: Path,
+    ledger: Ledger,
+    policy: RetentionPolicy,
+    just_committed: Path,
+    rel: Callable[[Path], str],
+) -> list[LedgerRow]:
+    """Rank 0, after ``just_committed`` committed and was recorded: delete what ``policy`` no longer keeps.
+
+    ``rel`` turns a checkpoint path into the name the ledger uses for it. Returns the tombstone
+    rows appended (a deletion a crash interrupted is finished without a new row).
+    """
+    if not policy.active:
+        return []
+    rows = ledger.rows() if ledger.path.is_file() else []
+    recorded = {r.manifest_sha256 for r in rows if r.is_commit}
+    buried = tombstones(rows)
+    committed = order(scan(directory)[0], rows)
+    newest_ckpt = next((c for c in committed if c.path == just_committed), None)
+    if newest_ckpt is None:
+        return []  # not on disk as a committed checkpoint: nothing to measure the branch from
+    branch = live_branch(newest_ckpt, committed, rows)
+    regular = [c for c in committed if c.tag is None]
+    regular = [c for c in regular if c.manifest_hash not in branch] + [c for c in regular if c.manifest_hash in branch]
+    keep = {c.path for c in regular[-policy.keep_last_n :]} | {just_committed}
+    appended: list[LedgerRow] = []
+    newest = rel(just_committed)
+    for ckpt in regular:
+        if ckpt.path in keep or ckpt.manifest_hash not in recorded:
+            continue  # never delete what the chain does not record
+        name = rel(ckpt.path)
+        earlier = buried.get(name)
+        if earlier is None or earlier.manifest_sha256 != ckpt.manifest_hash:
+            detail = {
+                "checkpoint": name,
+                "reason": f"retention: checkpoint.keep_last_n={policy.keep_last_n} after {newest} committed",
+                "keep_last_n": policy.keep_last_n,
+                "newer": newest,
+                **_what_it_held(ckpt),
+            }
+            appended.append(
+                ledger.append(
+                    step=ckpt.step,
+                    tag=None,
+                    checkpoint=name,
+                    manifest_sha256=ckpt.manifest_hash,
+                    parent_manifest_sha256=ckpt.parent_manifest_hash,
+                    world_size=ckpt.world_size,
+                    event=TOMBSTONE,
+                    detail=detail,
+                )
+            )
+            crash_point("retention.tombstone")
+        try:
+            _remove(ckpt)
+        except OSError as e:  # recorded already; the next pass retries, training goes on
+            log.warning("retention: could not delete %s (%s); the next save retries", ckpt.path, e)
+            continue
+        log.info(
+            "retention: deleted %s (keep_last_n=%d); a tombstone row records it", ckpt.path.name, policy.keep_last_n
+        )
+    return appended
+
+
+def retire(path: Path, *, ledger: Ledger, reason: str) -> LedgerRow | None:
+    """Delete one committed checkpoint on purpose, the way retention does: its tombstone row first (what it
+    held, its statement), then the rename to a hidden name, its signature, the removal.
+
+    For callers that choose what to delete themselves (Lightning's ``ModelCheckpoint`` top-k pruning).
+    A checkpoint the ledger does not record is not deleted (the chain would lose it without a trace).
+    Returns the tombstone row (None when a crash had already written it and only the deletion is finished).
+
+    Raises:
+        CheckpointError: ``path`` is not a committed checkpoint the ledger records (named, with the fix).
+    """
+    path = Path(path).absolute()
+    try:
+        manifest, digest = read_manifest(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot delete {path} as a checkpoint: {e}") from e
+    rows = ledger.rows() if ledger.path.is_file() else []
+    name = os.path.relpath(path, ledger.path.parent)
+    if digest not in {r.manifest_sha256 for r in rows if r.is_commit}:
+        raise CheckpointError(
+            f"refusing to delete {path}: the ledger {ledger.path} does not record its manifest {digest[:12]}, so "
+            "its deletion could not be recorded against its commit. Record it first (open a CheckpointManager on "
+            "its directory), or delete it by hand and run `shardline lineage --record-deletions`."
+        )
+    ckpt = CommittedCheckpoint(
+        path=path,
+        step=int(manifest.get("step", 0)),
+        tag=manifest.get("tag"),
+        manifest_hash=digest,
+        created_unix_ns=int(manifest.get("created_unix_ns", 0)),
+        parent_manifest_hash=manifest.get("parent_manifest_sha256"),
+        world_size=int(manifest.get("world_size", 0)),
+    )
+    earlier = tombstones(rows).get(name)
+    row = None
+    if earlier is None or earlier.manifest_sha256 != digest:
+        row = ledger.append(
+            step=ckpt.step,
+            tag=ckpt.tag,
+            checkpoint=name,
+            manifest_sha256=digest,
+            parent_manifest_sha256=ckpt.parent_manifest_hash,
+            world_size=ckpt.world_size,
+            event=TOMBSTONE,
+            detail={"checkpoint": name, "reason": reason, **_what_it_held(ckpt)},
+        )
+        crash_point("retention.tombstone")
+    _remove(ckpt)
+    return row
+
+
+def record_deletions(ledger: Ledger) -> list[LedgerRow]:
+    """Append a tombstone for every recorded checkpoint that is gone from disk without one (deleted by hand).
+
+    Checkpoints moved aside by a quarantine, or already tombstoned, are left alone. The rows say
+    the deletion was recorded after the fact, so nothing about the files can be vouched for.
+    """
+    rows = ledger.rows()
+    buried = tombstones(rows)
+    moved = {
+        str(tombstone_detail(r).get("checkpoint")) for r in rows if r.event == "quarantine"
+    }  # quarantine details name the original directory
+    appended: list[LedgerRow] = []
+    for row in rows:
+        if not row.is_commit or not row.checkpoint or row.checkpoint in moved:
+            continue
+        earlier = buried.get(row.checkpoint)
+        if earlier is not None and earlier.seq > row.seq and earlier.manifest_sha256 == row.manifest_sha256:
+            continue
+        if (ledger.path.parent / row.checkpoint).exists():
+            continue
+        appended.append(
+            ledger.append(
+                step=row.step,
+                tag=row.tag,
+                checkpoint=row.checkpoint,
+                manifest_sha256=row.manifest_sha256,
+                parent_manifest_sha256=row.parent_manifest_sha256,
+                world_size=row.world_size,
+                event=TOMBSTONE,
+                detail={
+                    "checkpoint": row.checkpoint,
+                    "reason": "gone from disk, deleted outside shardline; recorded after the fact by "
+                    "`shardline lineage --record-deletions`",
+                    "commit_row": row.seq,
+                },
+            )
+        )
+        buried[row.checkpoint] = appended[-1]
+    return appended
+
+
+def tombstone_detail(row: LedgerRow) -> dict[str, Any]:
+    """The parsed ``detail`` of a tombstone row (empty when it cannot be parsed)."""
+    try:
+        detail = json.loads(row.detail or "{}")
+    except ValueError:
+        return {}
+    return detail if isinstance(detail, dict) else {}

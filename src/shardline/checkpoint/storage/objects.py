@@ -1,0 +1,353 @@
+"""Checkpoint locations in object stores (``s3://bucket/prefix``) through fsspec, shaped like ``pathlib.Path``.
+
+Note: why a path-shaped class. The readers and verifiers of a checkpoint (``manifest.py``,
+``verify.py``, ``opening.py``, ``reading.py``, ``directory.scan``) only ever ask a location for
+the operations below -- join a name, list, stat, read, open for streaming -- so an
+:class:`ObjectPath` answering them through an fsspec file system lets the same code check a
+checkpoint in a bucket, byte for byte as on a disk. It deliberately has no ``__fspath__``:
+handing one to ``open()``, ``os.*`` or ``shutil`` fails loudly instead of creating a local
+directory named ``s3:``.
+
+What an object store lacks, and what the save does instead (``save.py``):
+
+* no atomic rename: a checkpoint is written in place under ``<dir>/step-N/``, and
+  ``manifest.json`` -- written last, after every object it lists -- is the commit record; a
+  prefix without one is never listed, loaded or resumed (``directory.scan`` skips it);
+* no fsync: an upload is durable when the store acknowledges it (the writers pass
+  ``sync_files=False``);
+* no directories: a "directory" is the prefix of the objects below it.
+
+Credentials and the endpoint come from the standard AWS environment (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ...) or from ``storage_options`` (passed to
+the fsspec file system, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``). The ``s3``
+protocol needs the ``shardline[s3]`` extra (s3fs).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import ConfigurationError, StorageAccessError
+
+__all__ = ["Location", "ObjectPath", "as_location", "check_access", "describe", "is_url", "split_url"]
+
+_SCHEME_SEP = "://"
+# Protocols whose fsspec client ships in an extra of ours, and that extra's name.
+_EXTRAS = {"s3": "s3", "s3a": "s3"}
+_CACHE: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` names an object-store location (``proto://...``) rather than a local path."""
+    if isinstance(path, ObjectPath):
+        return True
+    if isinstance(path, os.PathLike):
+        return False
+    text = str(path)
+    scheme, sep, _ = text.partition(_SCHEME_SEP)
+    return bool(sep) and scheme.isidentifier() and scheme != "file"
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``(protocol, "bucket/key")`` of ``proto://bucket/key`` (trailing slashes dropped).
+
+    Raises:
+        StorageAccessError: no bucket is named (``s3://`` alone, or ``s3:///x``).
+    """
+    scheme, _, rest = url.partition(_SCHEME_SEP)
+    key = posixpath.normpath(rest).strip("/") if rest.strip("/") else ""
+    if not key or rest.startswith("/") or key.startswith(".."):
+        raise StorageAccessError(
+            f"{url!r} names no bucket: an object-store checkpoint location reads {scheme}://BUCKET/PREFIX "
+            f"(e.g. {scheme}://my-bucket/run-1/checkpoints)"
+        )
+    return scheme.lower(), key
+
+
+def _filesystem(protocol: str, options: Mapping[str, Any]) -> Any:
+    """The fsspec file system of ``protocol`` with ``options`` (one instance per distinct options)."""
+    # The AWS environment is part of the key: credentials or an endpoint changed there mean another client.
+    aws = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+    frozen = tuple(sorted((str(k), repr(v)) for k, v in options.items())) + tuple(aws)
+    with _CACHE_LOCK:
+        fs = _CACHE.get((protocol, frozen))
+        if fs is not None:
+            return fs
+        try:
+            import fsspec
+        except ImportError:  # pragma: no cover - fsspec comes with torch
+            raise ConfigurationError("object-store checkpoints need fsspec: pip install 'shardline[s3]'") from None
+        kwargs = dict(options)
+        if protocol in ("s3", "s3a"):
+            # Listings must see what was just written (the commit record); s3fs caches them by default.
+            kwargs.setdefault("use_listings_cache", False)
+            kwargs.setdefault("skip_instance_cache", True)
+        try:
+            fs = fsspec.filesystem(protocol, **kwargs)
+        except ImportError as e:
+            extra = _EXTRAS.get(protocol)
+            hint = f"pip install 'shardline[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
+            raise ConfigurationError(
+                f"checkpoints at {protocol}:// need an fsspec client for that protocol ({e}); {hint}"
+            ) from None
+        except ValueError as e:
+            raise ConfigurationError(f"unknown storage protocol {protocol!r} ({e}); use s3://BUCKET/PREFIX") from None
+        except TypeError as e:
+            raise ConfigurationError(
+                f"checkpoint.storage_options are not accepted by the {protocol}:// client: {e}"
+            ) from None
+        _CACHE[(protocol, frozen)] = fs
+        return fs
+
+
+def _endpoint(fs: Any) -> str:
+    """The endpoint ``fs`` talks to, for messages (the AWS default when none is configured)."""
+    for source in (getattr(fs, "client_kwargs", None) or {}, getattr(fs, "kwargs", None) or {}):
+        if source.get("endpoint_url"):
+            return str(source["endpoint_url"])
+    if getattr(fs, "endpoint_url", None):
+        return str(fs.endpoint_url)
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint"
+
+
+@dataclass(frozen=True)
+class _Stat:
+    st_size: int
+
+
+_ABSENT = ("absent", 0)
+
+
+class ObjectPath:
+    """A location in an object store: ``protocol://key``, with the subset of ``pathlib.Path`` checkpoints use.
+
+    Build one with :func:`as_location`. Equal when protocol and key are equal.
+    """
+
+    __slots__ = ("_entry", "_fs", "_listing", "key", "protocol")
+
+    def __init__(
+        self,
+        fs: Any,
+        protocol: str,
+        key: str,
+        *,
+        listing: dict[str, tuple[str, int]] | None = None,
+        entry: tuple[str, int] | None = None,
+    ) -> None:
+        self._fs = fs
+        self.protocol = protocol
+        self.key = key.strip("/")
+        self._listing = listing  # a snapshot's children: name -> (type, size)
+        self._entry = entry  # this object's (type, size) in its parent's snapshot; ("absent", 0) if not there
+
+    # ------------------------------------------------------------------ naming
+    def __str__(self) -> str:
+        return f"{self.protocol}{_SCHEME_SEP}{self.key}"
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectPath) and (self.protocol, self.key) == (other.protocol, other.key)
+
+    def __lt__(self, other: ObjectPath) -> bool:
+        return (self.protocol, self.key) < (other.protocol, other.key)
+
+    def __hash__(self) -> int:
+        return hash((self.protocol, self.key))
+
+    def __truediv__(self, name: str | os.PathLike) -> ObjectPath:
+        name = os.fspath(name)
+        entry = None
+        if self._listing is not None and "/" not in name.strip("/"):
+            entry = self._listing.get(name.strip("/"), _ABSENT)
+        return ObjectPath(self._fs, self.protocol, posixpath.join(self.key, name), entry=entry)
+
+    def snapshot(self) -> ObjectPath:
+        """This prefix with one listing of its children taken now (one LIST request).
+
+        Note: a checkpoint is checked file by file (present? its size?), which on an object store
+        would cost a HEAD request per file per question. A snapshot answers those from a single
+        listing; bytes are still read from the store, and hashed, so a file replaced after the
+        listing shows as altered, never as intact.
+        """
+        listing: dict[str, tuple[str, int]] = {}
+        try:
+            entries = self._fs.ls(self.key, detail=True)
+        except FileNotFoundError:
+            entries = []
+        for e in entries:
+            name = posixpath.basename(str(e["name"]).rstrip("/"))
+            if name:
+                listing[name] = (str(e.get("type") or "file"), int(e.get("size") or 0))
+        return ObjectPath(self._fs, self.protocol, self.key, listing=listing, entry=self._entry)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec file system this location is read and written through."""
+        return self._fs
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.key)
+
+    @property
+    def parent(self) -> ObjectPath:
+        parent = posixpath.dirname(self.key)
+        return ObjectPath(self._fs, self.protocol, parent or self.key)
+
+    @property
+    def bucket(self) -> str:
+        return self.key.split("/", 1)[0]
+
+    @property
+    def endpoint(self) -> str:
+        return _endpoint(self._fs)
+
+    def with_name(self, name: str) -> ObjectPath:
+        return self.parent / name
+
+    def absolute(self) -> ObjectPath:
+        return self
+
+    # ------------------------------------------------------------------ queries
+    def exists(self) -> bool:
+        if self._listing is not None:
+            return bool(self._listing)
+        if self._entry is not None:
+            return self._entry is not _ABSENT
+        return bool(self._fs.exists(self.key))
+
+    def is_dir(self) -> bool:
+        if self._listing is not None:
+            return bool(self._listing)
+        if self._entry is not None:
+            return self._entry[0] == "directory"
+        return bool(self._fs.isdir(self.key))
+
+    def is_file(self) -> bool:
+        if self._entry is not None and self._listing is None:
+            return self._entry[0] == "file"
+        return bool(self._fs.isfile(self.key))
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self) -> _Stat:
+        if self._entry is not None and self._listing is None:
+            if self._entry is _ABSENT:
+                raise FileNotFoundError(2, "no such object", str(self))
+            return _Stat(self._entry[1])
+        info = self._fs.info(self.key)
+        return _Stat(int(info.get("size") or 0))
+
+    def iterdir(self) -> Iterator[ObjectPath]:
+        if self._listing is not None:
+            for name in sorted(self._listing):
+                yield self / name
+            return
+        for entry in self._fs.ls(self.key, detail=False):
+            name = posixpath.basename(str(entry).rstrip("/"))
+            if name:
+                yield self / name
+
+    # ------------------------------------------------------------------ bytes
+    def open(self, mode: str = "rb", **kwargs: Any) -> Any:
+        if "b" not in mode:
+            raise ValueError("object-store checkpoint files are opened in binary mode only")
+        if "r" in mode:
+            # Streaming reads in 8 MiB ranged GETs ahead of the reader (a resharded load seeks past
+            # what it skips, so only the blocks it needs are fetched); the size from a snapshot saves a HEAD.
+            kwargs.setdefault("cache_type", "readahead")
+            kwargs.setdefault("block_size", 8 << 20)
+            if self._entry is not None and self._entry is not _ABSENT and self._listing is None:
+                kwargs.setdefault("size", self._entry[1])
+        return self._fs.open(self.key, mode, **kwargs)
+
+    def read_bytes(self) -> bytes:
+        return bytes(self._fs.cat_file(self.key))
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+    def write_bytes(self, data: bytes) -> int:
+        self._fs.pipe_file(self.key, bytes(data))
+        return len(data)
+
+    def remove_tree(self) -> None:
+        """Delete every object under this prefix (nothing if there is none)."""
+        if self._fs.exists(self.key):
+            self._fs.rm(self.key, recursive=True)
+
+
+Location = Path | ObjectPath
+"""Where a checkpoint (or a directory of them) lives: a local path, or a location in an object store."""
+
+
+def as_location(path: str | os.PathLike | ObjectPath, *, storage_options: Mapping[str, Any] | None = None) -> Location:
+    """``path`` as a :class:`pathlib.Path` (local) or an :class:`ObjectPath` (``proto://bucket/prefix``).
+
+    ``storage_options`` go to the fsspec file system of a URL (ignored for a local path).
+
+    Raises:
+        ConfigurationError: a URL naming no bucket, an unknown protocol, or a missing client library.
+    """
+    if isinstance(path, ObjectPath):
+        return path
+    if not is_url(path):
+        return Path(path)
+    protocol, key = split_url(str(path))
+    return ObjectPath(_filesystem(protocol, storage_options or {}), protocol, key)
+
+
+def describe(location: Any) -> str:
+    """``location`` for a message: the URL and its endpoint for an object store, the path otherwise."""
+    if isinstance(location, ObjectPath):
+        return f"{location} (endpoint {location.endpoint})"
+    return str(location)
+
+
+def check_access(location: Any) -> None:
+    """Check that the bucket of ``location`` exists and the credentials may list it (no-op for local paths).
+
+    Raises:
+        StorageAccessError: the bucket does not exist, the credentials are refused, or the endpoint
+            does not answer; the message names the endpoint and bucket and how to fix it.
+    """
+    if not isinstance(location, ObjectPath):
+        return
+    where = f"bucket {location.bucket!r} at {location.endpoint}"
+    try:
+        location.fs.info(location.bucket)  # one HEAD of the bucket (a listing could be long)
+    except PermissionError as e:
+        raise StorageAccessError(
+            f"access to {where} was refused ({_first_line(e)}) for {location}: check the credentials "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or checkpoint.storage_options key/secret)"
+        ) from None
+    except FileNotFoundError:
+        raise StorageAccessError(
+            f"{where} does not exist (location {location}): create it, or fix the bucket name in the URL"
+        ) from None
+    except OSError as e:
+        raise StorageAccessError(
+            f"cannot reach {where} for {location} ({type(e).__name__}: {_first_line(e)}): check the endpoint "
+            "(AWS_ENDPOINT_URL or checkpoint.storage_options endpoint_url) and that the server is up"
+        ) from None
+    except Exception as e:  # botocore raises its own classes for an unreachable endpoint
+        raise StorageAccessError(
+            f"cannot reach {where} for {location} ({type(e).__name__}: {_first_line(e)}): check the endpoint "
+            "(AWS_ENDPOINT_URL or checkpoint.storage_options endpoint_url) and that the server is up"
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
