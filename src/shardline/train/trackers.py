@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from shardline.checkpoint.ledger import Ledger
+from shardline.checkpoint import Ledger
 from shardline.errors import ConfigurationError
 from shardline.train.records import CONFIG_FILE, LEDGER_NAME, SUMMARY_FILE
 
