@@ -73,6 +73,10 @@ class TrainingCheckpoints:
             files_per_rank=int(self.cfg.files_per_rank),
         )
         self.last_saved_step: int | None = None
+        self.recorded_global_batch: int | None = None
+        """The global batch the resumed checkpoint was trained with (None: a first start or an older checkpoint)."""
+        self.resumed_world_size: int | None = None
+        """The world size that saved the resumed checkpoint (None: a first start or an older checkpoint)."""
 
     def resume(self, trainer: Any, resume: Any) -> int:
         """Load ``resume`` (``auto``, a path, or None) into the trainer; returns the step to start from.
@@ -95,6 +99,10 @@ class TrainingCheckpoints:
                 log.info("trainer.resume=auto: no committed checkpoint yet, starting from step 0")
             return 0
         data = state.get("data") or {}
+        if data.get("global_batch") is not None:
+            self.recorded_global_batch = int(data["global_batch"])
+        if data.get("world_size") is not None:
+            self.resumed_world_size = int(data["world_size"])
         if data.get("fingerprint") not in (None, trainer.corpus.fingerprint):
             log.warning(
                 "resuming on different data: the checkpoint was trained on corpus sha256 %s, this run reads %s",
@@ -138,6 +146,8 @@ class TrainingCheckpoints:
                 "position": step,
                 "seed": int(trainer.cfg.trainer.seed),
                 "fingerprint": trainer.corpus.fingerprint,
+                "global_batch": int(trainer.global_batch),
+                "world_size": int(trainer.info.world_size),
             },
             "val_history": [[s, v] for s, v in trainer.val_history],
             "per_rank": {"rng": capture_rng_state()},

@@ -132,7 +132,11 @@ class TrainerConfig:
     micro_batch_size: int = 8
     """Sequences per rank per micro-batch."""
     accumulate_grad_batches: int = 2
-    """Micro-batches per optimizer step; all but the last run under no_sync."""
+    """Micro-batches per optimizer step; all but the last run under no_sync. Re-derived on a resume at another
+    world size (and whenever trainer.global_batch_size is set) so that the global batch stays the same."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks; 0: micro_batch_size x accumulate_grad_batches x world size at
+    the first start. Fixed for the run: every checkpoint records it and a resume at any world size keeps it."""
     gradient_clip_val: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
     val_check_interval: int = 100

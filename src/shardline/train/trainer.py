@@ -44,6 +44,7 @@ from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
 from shardline.train.compiling import compile_units
 from shardline.train.config import shard_degrees
 from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
+from shardline.train.global_batch import plan_global_batch
 from shardline.train.precision import autocast
 from shardline.train.records import METRICS_FILE
 from shardline.train.schema import TrainConfig
@@ -68,6 +69,8 @@ class StepMetrics:
     peak_mem_mib: float
     comm_mib: float = 0.0
     val_loss: float | None = None
+    world_size: int = 0
+    data_digest: str = ""
 
 
 @dataclass
@@ -108,6 +111,7 @@ class _PendingStep:
     peak_mem_mib: float
     comm_mib: float
     scheduler_before: dict[str, Any]
+    data_digest: str
 
 
 def _peak_mem_mib(device: torch.device) -> float:
@@ -138,6 +142,8 @@ def _read_metrics(path: Path, *, upto: int) -> list[StepMetrics]:
                     peak_mem_mib=float(row["peak_mem_mib"]),
                     comm_mib=float(row.get("comm_mib") or 0.0),
                     val_loss=float(row["val_loss"]) if row["val_loss"] else None,
+                    world_size=int(row.get("world_size") or 0),
+                    data_digest=row.get("data_digest") or "",
                 )
     return [out[step] for step in sorted(out)]
 
@@ -183,9 +189,6 @@ class Trainer:
         self.device = info.device
         self.precision = cfg.trainer.precision
         self.max_steps = cfg.trainer.max_steps
-        self.accumulate = cfg.trainer.accumulate_grad_batches
-        self.global_batch = cfg.trainer.micro_batch_size * self.accumulate * info.world_size
-        self.tokens_per_step = self.global_batch * cfg.data.seq_len
         self._skip = torch.zeros((), device=self.device)  # 1 once a step was not finite: no update after it
 
         torch.manual_seed(cfg.trainer.seed)
@@ -199,6 +202,32 @@ class Trainer:
                 s, warmup=cfg.scheduler.warmup_steps, total=self.max_steps, min_ratio=cfg.scheduler.min_lr_ratio
             ),
         )
+        # Dropout and other per-rank randomness: distinct per rank, reproducible per seed.
+        torch.manual_seed(cfg.trainer.seed + 1 + info.rank)
+        self.checkpoints = TrainingCheckpoints(cfg, run_dir)
+        self.start_step = self.checkpoints.resume(self, cfg.trainer.resume)
+        # The global batch is the run's, recorded by the checkpoint a resume loaded; only the
+        # accumulation steps follow the world size (see shardline.train.global_batch).
+        self.batch_plan = plan_global_batch(
+            micro_batch=cfg.trainer.micro_batch_size,
+            accumulate=cfg.trainer.accumulate_grad_batches,
+            world_size=info.world_size,
+            configured=cfg.trainer.global_batch_size,
+            recorded=self.checkpoints.recorded_global_batch,
+        )
+        self.accumulate = self.batch_plan.accumulate
+        self.global_batch = self.batch_plan.global_batch
+        self.tokens_per_step = self.global_batch * cfg.data.seq_len
+        if self.accumulate != cfg.trainer.accumulate_grad_batches:
+            log.info(
+                "global batch %d at world size %d: %d accumulation steps of %d (trainer.accumulate_grad_batches=%d "
+                "is re-derived)",
+                self.global_batch,
+                info.world_size,
+                self.accumulate,
+                cfg.trainer.micro_batch_size,
+                cfg.trainer.accumulate_grad_batches,
+            )
         self.train_batches = make_batches(
             self.corpus,
             "train",
@@ -208,19 +237,17 @@ class Trainer:
             world_size=info.world_size,
             seed=cfg.trainer.seed,
         )
+        # Validation batches are global batches too (evaluated in micro-batches), so a
+        # validation loss means the same at every world size.
         self.val_batches = make_batches(
             self.corpus,
             "val",
             seq_len=cfg.data.seq_len,
-            global_batch=cfg.trainer.micro_batch_size * info.world_size,
+            global_batch=self.global_batch,
             rank=info.rank,
             world_size=info.world_size,
             seed=_EVAL_SEED,
         )
-        # Dropout and other per-rank randomness: distinct per rank, reproducible per seed.
-        torch.manual_seed(cfg.trainer.seed + 1 + info.rank)
-        self.checkpoints = TrainingCheckpoints(cfg, run_dir)
-        self.start_step = self.checkpoints.resume(self, cfg.trainer.resume)
         for group in self.optimizer.param_groups:  # a checkpoint written before the fused optimizer says otherwise
             group["fused"], group["foreach"] = True, None
         if self.start_step:
@@ -303,7 +330,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         with torch.no_grad():
             for i in range(self.cfg.trainer.val_batches):
-                total += self._loss(*self.val_batches.local(i))
+                tokens, targets = self.val_batches.local(i)
+                for x, y in zip(tokens.chunk(self.accumulate), targets.chunk(self.accumulate), strict=True):
+                    total += self._loss(x, y) / self.accumulate
         self.model.train()
         return float(self._global_mean(total / self.cfg.trainer.val_batches))  # a read: evaluation ends an interval
 
@@ -374,6 +403,8 @@ class Trainer:
                     step_time_s=per_step,
                     peak_mem_mib=p.peak_mem_mib,
                     comm_mib=p.comm_mib,
+                    world_size=self.info.world_size,
+                    data_digest=p.data_digest,
                 )
             )
         return out
@@ -423,6 +454,7 @@ class Trainer:
                         peak_mem_mib=_peak_mem_mib(self.device),
                         comm_mib=(shardline.comm_stats(self.model).total_bytes - comm_before) / 2**20,
                         scheduler_before=scheduler_before,
+                        data_digest=self.train_batches.digest(step) if self.is_rank0 else "",
                     )
                 )
                 self._call("on_train_batch_end", step + 1)

@@ -1,6 +1,6 @@
 """Training data: the built-in corpus or your own files, tokenized, and deterministic batches of it."""
 
-from shardline.train.data.batches import Batches, PackedBatches, make_batches
+from shardline.train.data.batches import Batches, PackedBatches, batch_digest, make_batches
 from shardline.train.data.corpus import Corpus, stream_length, take_windows
 from shardline.train.data.files import build_text_corpus, build_token_corpus, expand_paths
 from shardline.train.data.sources import SOURCES, DataSource, check_data_config, check_source, check_vocab, load_corpus
@@ -16,6 +16,7 @@ __all__ = [
     "HFEncoder",
     "PackedBatches",
     "TextEncoder",
+    "batch_digest",
     "build_stdlib_corpus",
     "build_text_corpus",
     "build_token_corpus",
