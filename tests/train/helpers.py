@@ -141,3 +141,18 @@ class RaiseEverywhere:
     def on_step_end(self, trainer: Any, metrics: Any) -> None:
         if metrics.step == self.step:
             raise RuntimeError(f"injected failure on every rank at step {self.step}")
+
+
+class SigtermAt:
+    """Send SIGTERM to this worker as step ``step`` starts, as a preemption notice would arrive mid-step."""
+
+    def __init__(self, rank: int = 1, step: int = 3, times: int = 1) -> None:
+        self.rank, self.step, self.times = rank, step, times
+
+    def on_train_batch_start(self, trainer: Any, step: int) -> None:
+        if trainer.info.rank == self.rank and step == self.step:
+            import os
+            import signal
+
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGTERM)

@@ -34,7 +34,9 @@ def test_an_indivisible_global_batch_is_one_line_naming_the_numbers_and_the_fix(
     assert "trainer.micro_batch_size that divides" not in message, "16 / 3 is no integer: no micro-batch fits"
     with pytest.raises(ConfigurationError, match=r"micro_batch_size that divides 8"):
         plan_global_batch(micro_batch=3, accumulate=1, world_size=2, configured=16)
-    with pytest.raises(ConfigurationError, match=r"trainer.global_batch_size=32, but the checkpoint .* global batch of 16"):
+    with pytest.raises(
+        ConfigurationError, match=r"trainer.global_batch_size=32, but the checkpoint .* global batch of 16"
+    ):
         plan_global_batch(micro_batch=4, accumulate=2, world_size=2, configured=32, recorded=16)
 
 

@@ -297,6 +297,16 @@ def validate(cfg: TrainConfig, *, launched: bool | None = None) -> None:
         )
     if trainer.collective_timeout_s <= 0:
         raise ConfigurationError(f"trainer.collective_timeout_s must be positive, got {trainer.collective_timeout_s}")
+    if trainer.preemption_grace_s <= 0:
+        raise ConfigurationError(
+            f"trainer.preemption_grace_s must be positive (seconds to save after SIGTERM), got "
+            f"{trainer.preemption_grace_s}"
+        )
+    if trainer.global_batch_size < 0:
+        raise ConfigurationError(
+            f"trainer.global_batch_size must be >= 0 (0: micro_batch_size x accumulate_grad_batches x world size), "
+            f"got {trainer.global_batch_size}"
+        )
     accelerator = resolve_accelerator(trainer.accelerator)
     if strategy.sharding is None and (trainer.devices > 1 or trainer.num_nodes > 1):
         raise ConfigurationError(

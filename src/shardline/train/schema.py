@@ -156,6 +156,9 @@ class TrainerConfig:
     Equal to eager within rounding; the first step is slower while it compiles."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait before the job fails instead of hanging."""
+    preemption_grace_s: float = 120.0
+    """After SIGTERM (a preemption notice, torchrun's restart): seconds to finish the step in flight and save it
+    as step-N-preempted; at the deadline, or a second SIGTERM, the worker exits at once."""
     run_root: str = "runs"
     """Run directories are created as <run_root>/<experiment>/<timestamp>/."""
     run_dir: Any = None

@@ -46,6 +46,7 @@ from shardline.train.config import shard_degrees
 from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
 from shardline.train.global_batch import plan_global_batch
 from shardline.train.precision import autocast
+from shardline.train.preemption import PREEMPTED, Preempted, PreemptionGuard
 from shardline.train.records import METRICS_FILE
 from shardline.train.schema import TrainConfig
 
@@ -248,6 +249,12 @@ class Trainer:
             world_size=info.world_size,
             seed=_EVAL_SEED,
         )
+        self.preemption = PreemptionGuard(
+            grace_s=cfg.trainer.preemption_grace_s,
+            world_size=info.world_size,
+            backend=info.backend,
+            timeout_s=cfg.trainer.collective_timeout_s,
+        )
         for group in self.optimizer.param_groups:  # a checkpoint written before the fused optimizer says otherwise
             group["fused"], group["foreach"] = True, None
         if self.start_step:
@@ -439,6 +446,7 @@ class Trainer:
         every_read = max(1, cfg.log_every_n_steps)
         pending: list[_PendingStep] = []
         interval_start = time.perf_counter()
+        self.preemption.install()
         try:
             for step in range(self.start_step, self.max_steps):
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -458,10 +466,11 @@ class Trainer:
                     )
                 )
                 self._call("on_train_batch_end", step + 1)
+                preempted = self.preemption.agreed()  # every rank stops after the same step
                 last = step + 1 == self.max_steps
                 validate = (step + 1) % cfg.val_check_interval == 0 or last
                 save = self.checkpoints.due(step + 1, last=last)
-                if not (validate or save or last or (step + 1) % every_read == 0):
+                if not (validate or save or last or preempted or (step + 1) % every_read == 0):
                     continue
                 # The interval's one read: a diverged step raises here, before anything is evaluated or saved.
                 try:
@@ -481,6 +490,8 @@ class Trainer:
                 if val_loss is not None:
                     self._call("on_validation_end", done, val_loss)
                 self.checkpoints.after_step(self, done, last=last)
+                if preempted and not last:
+                    raise Preempted(done, self._preemption_save(done))
                 interval_start = time.perf_counter()
             self.checkpoints.close()
         except TrainingDiverged:
@@ -490,10 +501,24 @@ class Trainer:
         except BaseException:
             self.checkpoints.finish_queued()  # a queued async save is completed, not abandoned
             raise
+        finally:
+            self.preemption.uninstall()
         wall = time.perf_counter() - start
         summary = self._summary(wall)
         self._call("on_fit_end", summary)
         return summary
+
+    def _preemption_save(self, step: int) -> str | None:
+        """Save ``step`` after a preemption signal (tagged ``preempted``, unless just saved); returns its name."""
+        name = None
+        if self.checkpoints.last_saved_step != step:
+            self.checkpoints.save(self, step, tag=PREEMPTED)
+        self.checkpoints.close()  # committed (an async one included) before the exit
+        info = self.checkpoints.manager.wait()
+        if info is not None and info.step == step:
+            name = info.path.name
+        log.warning("preempted after step %d; checkpoint %s committed", step, name)
+        return name
 
     def _summary(self, wall: float) -> Summary:
         vals = [v for _, v in self.val_history] or [math.nan]

@@ -31,6 +31,7 @@ from shardline.errors import ConfigurationError
 from shardline.train.build import build_callbacks, build_policies
 from shardline.train.checkpointing import find_resumable_run
 from shardline.train.config import resolve_accelerator, to_yaml
+from shardline.train.preemption import PREEMPTED, Preempted
 from shardline.train.preflight import check_resume
 from shardline.train.records import CONFIG_FILE, LOGS_DIR, attempt_path
 from shardline.train.reports import Reporter, is_collective_timeout, stall_grace_s
@@ -192,6 +193,9 @@ def run_worker(cfg: TrainConfig, *, run_dir: str | None, experiment: str) -> dic
                 callbacks=build_callbacks(cfg),
             )
             summary = trainer.fit()
+        except Preempted as stop:
+            log.warning("%s", stop)
+            raise
         except BaseException:
             log.exception("training failed on rank %d", info.rank)
             raise
@@ -225,6 +229,9 @@ def elastic_entry(
         result = run_worker(config, run_dir=run_dir, experiment=experiment)
         clean = True
         return result
+    except Preempted as stop:  # a clean stop: the launcher reads it from the return value
+        clean = True
+        return {PREEMPTED: stop.step, "checkpoint": stop.checkpoint, "message": str(stop)}
     except BaseException as error:
         if reporter is not None:
             reporter.failed(error)
