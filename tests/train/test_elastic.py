@@ -6,6 +6,8 @@ One uninterrupted two-rank run (module fixture) is the reference of every test h
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.checkpoint.provenance import read_statement
 from tests.numerics import Reorder, assert_reordered, assert_trajectories, max_rel_err
 from tests.train.test_cli import GPT_SMALL, PYTHONPATH, SMALL, error_line, read_metrics, shardline_train
 
@@ -38,6 +41,9 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "a"
 
 
+# Each launch has its own deadline (110 s, tests.train.test_cli): a hang fails there. The test's
+# own limit covers its three launches on a loaded 2-core machine.
+@pytest.mark.timeout(300)
 def test_a_two_rank_run_resumed_on_one_rank_continues_the_same_samples(tmp_path: Path, straight: Path) -> None:
     crashed = shardline_train(
         *COMMON,
@@ -92,6 +98,36 @@ def test_a_two_rank_run_resumed_on_one_rank_continues_the_same_samples(tmp_path:
     vals = [(float(b[s]["val_loss"]), float(a[s]["val_loss"])) for s in (3, 6)]
     assert_trajectories(*zip(*vals, strict=True), "validation after the restart")
 
+    # Recorded: a restart row in the ledger, shown by `shardline lineage` and `shardline report`;
+    # the next checkpoint's provenance names the new world size.
+    (restart,) = restart_rows(tmp_path / "b")
+    assert (restart["step"], restart["world_size"]) == (2, 1)
+    assert json.loads(restart["detail"]) == {
+        "checkpoint": "checkpoints/step-2",
+        "world_size_before": 2,
+        "world_size_after": 1,
+        "cause": "node_lost",
+    }
+    shown = cli("lineage", str(tmp_path / "b"))
+    assert "restart: restarted from checkpoints/step-2 (step 2): world size 2 -> 1, cause: node_lost" in shown
+    cli("report", str(tmp_path / "b"), "--out", str(tmp_path / "report.html"))
+    assert "world size 2 -&gt; 1, cause: node_lost" in (tmp_path / "report.html").read_text()
+    statement, _ = read_statement(tmp_path / "b" / "checkpoints" / "step-4")
+    assert statement["predicate"]["distributed"]["world_size"] == 1
+
+
+def cli(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardline.cli", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def restart_rows(run_dir: Path) -> list[dict]:
+    return [r for r in json.loads(cli("lineage", str(run_dir), "--json"))["rows"] if r["event"] == "restart"]
+
 
 def _tensor(value: float):
     import torch
@@ -105,6 +141,7 @@ def _curve(run_dir: Path) -> list[tuple[str, ...]]:
     return [(str(step), *(rows[step][k] for k in keys)) for step in sorted(rows)]
 
 
+@pytest.mark.timeout(240)
 def test_sigterm_mid_step_saves_that_step_and_the_resume_is_bit_identical(tmp_path: Path, straight: Path) -> None:
     run = tmp_path / "p"
     preempted = shardline_train(
@@ -129,6 +166,9 @@ def test_sigterm_mid_step_saves_that_step_and_the_resume_is_bit_identical(tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step 3" in (run / "logs" / "rank0.log").read_text()
     assert _curve(run) == _curve(straight), "a preemption at the same world size loses nothing and changes nothing"
+    (restart,) = restart_rows(run)
+    assert json.loads(restart["detail"])["cause"] == "preempted"
+    assert json.loads(restart["detail"])["checkpoint"] == "checkpoints/step-3-preempted"
 
 
 _GUARD = textwrap.dedent(
@@ -152,7 +192,7 @@ _GUARD = textwrap.dedent(
     ids=["deadline", "second-signal"],
 )
 def test_the_grace_deadline_or_a_second_signal_exits_at_once(grace_s: float, signals: int, within_s: float) -> None:
-    env = {**__import__("os").environ, "PYTHONPATH": PYTHONPATH}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", _GUARD, str(grace_s), str(signals)],

@@ -18,18 +18,21 @@ the job and the last committed checkpoint is where ``trainer.resume=auto`` start
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
-from shardline.checkpoint.directory import has_manifest
+from shardline.checkpoint.directory import checkpoint_name, has_manifest, step_of
+from shardline.checkpoint.ledger import RESTART
 from shardline.checkpoint.manager import ON_EXCEPTION, is_auto_resume
 from shardline.errors import CheckpointNotFoundError
+from shardline.train.preemption import PREEMPTED
 from shardline.train.records import CHECKPOINTS_DIR, LEDGER_NAME, METRICS_FILE
 from shardline.train.schema import TrainConfig
 
-__all__ = ["TrainingCheckpoints", "TrainingDiverged", "find_resumable_run"]
+__all__ = ["TrainingCheckpoints", "TrainingDiverged", "find_resumable_run", "restart_cause"]
 
 log = logging.getLogger("shardline.train")
 
@@ -56,6 +59,20 @@ def find_resumable_run(run_root: Path, experiment: str) -> Path | None:
         if any(has_manifest(c) for c in (run / CHECKPOINTS_DIR).glob("step-*")):
             return run
     return None
+
+
+def restart_cause(*, preempted: bool, before: int | None, after: int) -> str:
+    """Why a run restarted, as far as its checkpoint and world sizes tell: node_lost (fewer ranks), node_joined
+    (more ranks), preempted (same size, from a preemption save), or restarted (same size: a crash, a manual
+    restart, or a cause that was not recorded). A world-size change under torchrun also passes through a
+    preemption save (the agent stops its workers with SIGTERM): the size change is the cause named."""
+    if before is not None and after < before:
+        return "node_lost"
+    if before is not None and after > before:
+        return "node_joined"
+    if preempted:
+        return "preempted"
+    return "restarted"
 
 
 class TrainingCheckpoints:
@@ -118,7 +135,30 @@ class TrainingCheckpoints:
             log.warning("rank %d has no saved RNG state (the checkpoint has fewer ranks); reseeding", trainer.info.rank)
         self.last_saved_step = step
         log.info("resumed from step %d", step)
+        self._record_restart(trainer, step)
         return step
+
+    def _record_restart(self, trainer: Any, step: int) -> None:
+        """The ledger's ``restart`` row: world size before and after, the cause as far as it is known."""
+        path = self.manager.resumed_from
+        if path is None:
+            return
+        before = self.resumed_world_size
+        after = int(trainer.info.world_size)
+        detail: dict[str, Any] = {
+            "checkpoint": os.path.relpath(path, self.manager.ledger.path.parent),
+            "world_size_before": before,
+            "world_size_after": after,
+            "cause": restart_cause(
+                preempted=path.name == checkpoint_name(step_of(path.name) or 0, PREEMPTED), before=before, after=after
+            ),
+        }
+        elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if elastic is not None and elastic.isdigit():
+            detail["elastic_restart"] = int(elastic)
+        self.manager.record_event(RESTART, step=step, checkpoint=path, detail=detail)
+        if before is not None and before != after:
+            log.warning("restart at world size %d (was %d), from %s: %s", after, before, path.name, detail["cause"])
 
     def _planned_saves(self, trainer: Any, start: int) -> list[int]:
         every, last = self.cfg.every_n_steps, trainer.max_steps

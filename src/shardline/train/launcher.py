@@ -35,6 +35,7 @@ from shardline.distributed import free_port
 from shardline.errors import ShardlineError
 from shardline.train.build import preflight
 from shardline.train.config import compose_config, experiment_name, to_train_config, to_yaml, validate
+from shardline.train.parentwatch import bind_to_parent
 from shardline.train.preemption import PREEMPTED, PREEMPTED_EXIT_CODE, Preempted
 from shardline.train.preflight import check_data, check_values
 from shardline.train.records import LOGS_DIR
@@ -72,6 +73,7 @@ def train(overrides: Sequence[str], *, print_config: bool = False, config_dirs: 
         check_data(cfg)
         experiment = experiment_name(overrides)
         if launched:
+            bind_to_parent()  # torchrun's agent is the parent: never outlive it
             try:
                 run_worker(cfg, run_dir=None, experiment=experiment)
             except Preempted as stop:
@@ -154,7 +156,8 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
     try:
         # Note: the typed config crosses the process boundary as is: torch's launcher pickles the
         # arguments for the workers it spawns, and a TrainConfig is plain dataclasses and data.
-        results = elastic_launch(launch, elastic_entry)(cfg, str(run_dir), experiment, server.address) or {}
+        entry = elastic_launch(launch, elastic_entry)
+        results = entry(cfg, str(run_dir), experiment, server.address, os.getpid()) or {}
     except ChildFailedError as exc:
         failed = exc
     except KeyboardInterrupt:

@@ -280,7 +280,7 @@ class Trainer:
                 "mixed_precision": policies.mixed_precision,
             }
             if self.hybrid:
-                replicas, shard = shard_degrees(cfg)
+                replicas, shard = shard_degrees(cfg, world_size=self.info.world_size)
                 kwargs["mesh"] = shardline.hybrid_mesh(
                     replicate_size=replicas, shard_size=shard, device_type=self.device.type
                 )
