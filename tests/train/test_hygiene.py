@@ -41,8 +41,6 @@ _HOLDER = """
 import sys, time
 from pathlib import Path
 from shardline.checkpoint.fsutil import lock_tmp
-
-import pytest
 tmp = Path(sys.argv[1])
 lock_tmp(tmp)
 tmp.mkdir()
