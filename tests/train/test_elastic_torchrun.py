@@ -57,7 +57,17 @@ def _agent(node: str, run_dir: Path, port: int, gates: Path, *, host: bool) -> s
         "+callbacks.join._target_=tests.train.helpers.HoldOnNode", "+callbacks.join.node=A",
         f"+callbacks.join.step={JOINED_AT}", f"+callbacks.join.folder={gates}",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1", "SHARDLINE_TEST_NODE": node}
+    env = {
+        **os.environ,
+        "PYTHONPATH": PYTHONPATH,
+        "OMP_NUM_THREADS": "1",
+        "SHARDLINE_TEST_NODE": node,
+        # torch 2.13's agents share the rendezvous TCP store with the workers by default; after a
+        # membership change the surviving rank-0 agent keeps the previous round's address and never
+        # publishes it in the new round, so a joining agent waits for it until its timeout. This
+        # documented opt-out gives each round its own published address (docs/training.md).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     log = open(gates / f"agent-{node}.log", "w")  # noqa: SIM115 - the agent writes it until it exits
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
