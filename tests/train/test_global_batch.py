@@ -60,3 +60,28 @@ def test_digest_is_a_hash_of_the_sample_identities_in_order() -> None:
     expected = hashlib.sha256(b"".join(int(i).to_bytes(8, "little", signed=True) for i in (5, 1, 9))).hexdigest()
     assert batch_digest(ids) == expected[:16]
     assert batch_digest(ids.flip(0)) != batch_digest(ids)
+
+
+def test_hybrid_degrees_follow_an_elastic_restart_or_refuse_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardline.train.config import compose_config, shard_degrees, to_train_config, validate
+
+    # torchrun says 4 ranks at first start, then 2 after a node was lost; the config still says devices=4.
+    free = to_train_config(
+        compose_config(["trainer.strategy=hsdp", "trainer.devices=4", "trainer.strategy.shard_size=2"])
+    )
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert shard_degrees(free) == (2, 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert shard_degrees(free) == (1, 2), "the free replicate degree is re-derived from the new world size"
+    fixed = to_train_config(
+        compose_config(
+            ["trainer.strategy=hsdp", "trainer.devices=4", "trainer.strategy.shard_size=2",
+             "trainer.strategy.replicate_size=2"]
+        )
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError) as info:
+        validate(fixed, launched=True)
+    message = str(info.value)
+    assert "world size 2 from the launcher" in message, message
+    assert "leave one at -1" in message, message
