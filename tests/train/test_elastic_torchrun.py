@@ -26,19 +26,13 @@ import pytest
 
 from shardline.distributed import free_port
 from tests.numerics import assert_trajectories
-from tests.train.test_cli import GPT_SMALL, PYTHONPATH, ROOT, SMALL, read_metrics, shardline_train
-from tests.train.test_elastic import cli
+from tests.train.test_cli import PYTHONPATH, ROOT, read_metrics
+from tests.train.test_elastic import COMMON, GLOBAL, STEPS, cli, straight  # noqa: F401 - straight is a fixture
 
-STEPS = 12
 CONFIG = [
-    *SMALL,
-    *GPT_SMALL,
-    f"trainer.max_steps={STEPS}",
-    "trainer.global_batch_size=16",  # fixed whichever world size the first rendezvous forms
-    "checkpoint.every_n_steps=2",
+    *COMMON,  # the uninterrupted reference (`straight`) is COMMON on two ranks
+    f"trainer.global_batch_size={GLOBAL}",  # its global batch, whichever world size the first rendezvous forms
     "trainer.collective_timeout_s=30",
-    "~callbacks.tensorboard",
-    "~callbacks.loss_plot",
 ]
 LOST_AT, JOINED_AT = 5, 9  # node B is killed holding step 5; node A holds step 9 until node C joins
 SCENARIO_S = 240
@@ -86,9 +80,7 @@ def _log_time(line: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(SCENARIO_S + 60)
-def test_lose_a_node_keep_training_grow_back(tmp_path: Path) -> None:
-    reference = shardline_train(*CONFIG, f"trainer.run_dir={tmp_path / 'reference'}", run_root=tmp_path)
-    assert reference.returncode == 0, reference.stderr
+def test_lose_a_node_keep_training_grow_back(tmp_path: Path, straight: Path) -> None:  # noqa: F811 - the fixture
     run, gates = tmp_path / "elastic", tmp_path / "gates"
     gates.mkdir()
     port = free_port()
@@ -123,7 +115,7 @@ def test_lose_a_node_keep_training_grow_back(tmp_path: Path) -> None:
     assert detection_s < 30, "a peer's death is detected before the collective timeout"
     assert re.search(r"elastic restart 1 \(torchrun\): trainer.resume=auto is implied", logs)
 
-    ref = {int(r["step"]): r for r in read_metrics(tmp_path / "reference") if r["loss"]}
+    ref = {int(r["step"]): r for r in read_metrics(straight) if r["loss"]}
     got = {int(r["step"]): r for r in read_metrics(run) if r["loss"]}
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     assert [got[s]["data_digest"] for s in got] == [ref[s]["data_digest"] for s in ref], (

@@ -23,6 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
 from shardline.checkpoint.directory import checkpoint_name, has_manifest, step_of
 from shardline.checkpoint.ledger import RESTART
@@ -59,6 +61,17 @@ def find_resumable_run(run_root: Path, experiment: str) -> Path | None:
         if any(has_manifest(c) for c in (run / CHECKPOINTS_DIR).glob("step-*")):
             return run
     return None
+
+
+def _elastic_restart_count(world_size: int) -> int:
+    """torchrun's restart count of this job: the largest over the ranks (a collective; a node that just joined
+    counts from 0), 0 outside torchrun's restarts."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    mine = int(count) if count.isdigit() else 0
+    counts: list[Any] = [mine] * world_size
+    if world_size > 1:
+        dist.all_gather_object(counts, mine)
+    return max(int(c) for c in counts)
 
 
 def restart_cause(*, preempted: bool, before: int | None, after: int) -> str:
@@ -153,9 +166,9 @@ class TrainingCheckpoints:
                 preempted=path.name == checkpoint_name(step_of(path.name) or 0, PREEMPTED), before=before, after=after
             ),
         }
-        elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if elastic is not None and elastic.isdigit():
-            detail["elastic_restart"] = int(elastic)
+        elastic = _elastic_restart_count(trainer.info.world_size)
+        if elastic:
+            detail["elastic_restart"] = elastic
         self.manager.record_event(RESTART, step=step, checkpoint=path, detail=detail)
         if before is not None and before != after:
             log.warning("restart at world size %d (was %d), from %s: %s", after, before, path.name, detail["cause"])

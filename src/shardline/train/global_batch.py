@@ -74,13 +74,13 @@ def plan_global_batch(
     per_step = micro_batch * world_size
     if target % per_step:
         fits = [w for w in range(1, target + 1) if target % (micro_batch * w) == 0]
-        micro_fix = (
-            f", or a trainer.micro_batch_size that divides {target // world_size}" if target % world_size == 0 else ""
-        )
+        options = [f"run on a world size in {fits[:8]}"] if fits else []
+        if target % world_size == 0:  # each rank's share is whole: a micro-batch dividing it fits
+            options.append(f"use a trainer.micro_batch_size that divides {target // world_size}")
         frozen = "; a resumed run keeps its global batch" if recorded is not None else ""
         raise ConfigurationError(
             f"{why} is {target} sequences, which micro-batches of {micro_batch} (trainer.micro_batch_size) on "
             f"{world_size} ranks cannot divide ({target} is not a multiple of {micro_batch} x {world_size}{frozen}). "
-            f"Run on a world size in {fits[:8]}{micro_fix}"
+            f"To continue, {' or '.join(options)}"
         )
     return BatchPlan(target, micro_batch, target // per_step, world_size)
