@@ -164,9 +164,9 @@ def test_a_preempted_run_resumes_bit_identically_and_on_one_rank_with_the_same_s
     assert (detail["world_size_before"], detail["world_size_after"], detail["cause"]) == (2, 1, "node_lost")
     assert Path(branch, detail["checkpoint"]).resolve() == saved.resolve()
     shown = cli("lineage", str(branch))
-    assert "world size 2 -> 1, cause: node_lost" in shown, shown
+    assert "restart: world size 2 -> 1 (node_lost), resumed from ../p/checkpoints/step-3-preempted at step 3" in shown
     cli("report", str(branch), "--out", str(tmp_path / "report.html"))
-    assert "world size 2 -&gt; 1, cause: node_lost" in (tmp_path / "report.html").read_text()
+    assert "world size 2 -&gt; 1 (node_lost)" in (tmp_path / "report.html").read_text()
     manifest = json.loads((branch / "checkpoints" / "step-4" / "manifest.json").read_text())
     assert manifest["parent_manifest_sha256"] == (saved / "manifest.sha256").read_text().split()[0]
     assert manifest["world_size"] == 1

@@ -237,9 +237,9 @@ def describe_event(row: LedgerRow) -> str:
     if row.event == "restart":
         elastic = detail.get("elastic_restart")
         return (
-            f"restarted from {what} (step {row.step}): world size {detail.get('world_size_before', '?')} -> "
-            f"{detail.get('world_size_after', row.world_size)}, cause: {detail.get('cause', 'unknown')}"
-            + (f" (elastic restart {elastic})" if elastic is not None else "")
+            f"world size {detail.get('world_size_before', '?')} -> {detail.get('world_size_after', row.world_size)} "
+            f"({detail.get('cause', 'cause unknown')}), resumed from {what} at step {row.step}"
+            + (f", torchrun restart {elastic}" if elastic is not None else "")
         )
     if row.event == "chain_break":
         return (
