@@ -220,9 +220,12 @@ def test_resume_after_a_crash_continues_bit_identically(tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert lineage.returncode == 0, lineage.stdout + lineage.stderr
-    rows = json.loads(lineage.stdout)["rows"]
+    every = json.loads(lineage.stdout)["rows"]
+    rows = [r for r in every if r["event"] in (None, "commit")]
     assert [r["step"] for r in rows] == [2, 4, 6]
     assert rows[2]["parent_manifest_sha256"] == rows[1]["manifest_sha256"], "step 6 descends from step 4"
+    (restart,) = [r for r in every if r["event"] == "restart"]
+    assert json.loads(restart["detail"])["cause"] == "restarted", "same world size, no preemption save: a crash"
 
 
 def test_divergence_saves_an_on_exception_checkpoint(tmp_path: Path) -> None:
