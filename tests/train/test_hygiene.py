@@ -40,7 +40,7 @@ def _wait_for(check, timeout_s: float, what: str) -> None:
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from shardline.checkpoint.fsutil import lock_tmp
+from shardline.checkpoint.storage.fsutil import lock_tmp
 tmp = Path(sys.argv[1])
 lock_tmp(tmp)
 tmp.mkdir()
