@@ -19,7 +19,7 @@ import shardline.checkpoint as ckpt
 from shardline import cli
 from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.storage.objects import as_location
-from shardline.errors import IntegrityError, StorageAccessError
+from shardline.errors import ConfigurationError, IntegrityError, StorageAccessError
 from shardline.testing import RankFailedError, run_distributed
 from tests.checkpoint import object_ranks, ranks, seaweed
 from tests.checkpoint.conftest import S3_BUCKET
@@ -196,3 +196,37 @@ def test_server_lost_mid_save_is_named_and_the_committed_one_survives(tmp_path: 
         assert [c.path.name for c in committed] == ["step-1"]
     finally:
         seaweed.stop(again)
+
+
+def test_manager_on_a_bucket_latest_ledger_and_a_damaged_newest(s3_env: S3Server, tmp_path: Path) -> None:
+    """The manager on a URL: ``latest`` from the committed manifests, a local ledger naming URLs, and a
+    checkpoint that does not verify stops ``resume=auto`` naming it (never loaded, nothing moved)."""
+    root, ledger = _prefix(), str(tmp_path / "lineage.sqlite")
+    latest = run_distributed(object_ranks.manager_saves, 2, args=(root, ledger, [1, 2]), timeout=90, env=s3_env.env)
+    assert latest[0] == [f"{root}/step-1", f"{root}/step-2"]
+    rows = [r for r in ckpt.Ledger(Path(ledger)).rows() if r.is_commit]
+    assert [(r.step, r.checkpoint) for r in rows] == [(1, f"{root}/step-1"), (2, f"{root}/step-2")]
+    kind, step = run_distributed(object_ranks.manager_resume_auto, 1, args=(root, ledger), timeout=90, env=s3_env.env)[
+        0
+    ]
+    assert (kind, step) == ("ok", "2")
+
+    fs = s3_env.filesystem()
+    key = f"{root.removeprefix('s3://')}/step-2/__0_0.distcp"
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(key, bytes(data))
+    kind, message = run_distributed(
+        object_ranks.manager_resume_auto, 1, args=(root, ledger), timeout=90, env=s3_env.env
+    )[0]
+    assert kind == IntegrityError.__name__
+    assert f"{root}/step-2" in message
+    assert "__0_0.distcp: altered" in message
+    assert "not moved aside in object stores" in message
+    assert fs.isfile(f"{root.removeprefix('s3://')}/step-2/manifest.json"), "nothing moved or deleted"
+
+    # What a bucket does not support yet, and a ledger it cannot hold, are refused before anything starts.
+    with pytest.raises(ConfigurationError, match="keep_last_n=2 is not supported with checkpoints in an object store"):
+        ckpt.CheckpointManager(root, ledger_path=ledger, keep_last_n=2)
+    with pytest.raises(ConfigurationError, match="need a local ledger_path"):
+        ckpt.CheckpointManager(root)
