@@ -198,9 +198,9 @@ def test_server_lost_mid_save_is_named_and_the_committed_one_survives(tmp_path: 
         seaweed.stop(again)
 
 
-def test_manager_on_a_bucket_latest_ledger_and_a_damaged_newest(s3_env: S3Server, tmp_path: Path) -> None:
-    """The manager on a URL: ``latest`` from the committed manifests, a local ledger naming URLs, and a
-    checkpoint that does not verify stops ``resume=auto`` naming it (never loaded, nothing moved)."""
+def test_manager_on_a_bucket_latest_ledger_and_quarantine(s3_env: S3Server, tmp_path: Path) -> None:
+    """The manager on a URL: ``latest`` from the committed manifests, a local ledger naming URLs; a flipped
+    byte in the newest checkpoint: ``resume=auto`` moves it aside (ledger row first) and loads the previous one."""
     root, ledger = _prefix(), str(tmp_path / "lineage.sqlite")
     latest = run_distributed(object_ranks.manager_saves, 2, args=(root, ledger, [1, 2]), timeout=90, env=s3_env.env)
     assert latest[0] == [f"{root}/step-1", f"{root}/step-2"]
@@ -212,18 +212,32 @@ def test_manager_on_a_bucket_latest_ledger_and_a_damaged_newest(s3_env: S3Server
     assert (kind, step) == ("ok", "2")
 
     fs = s3_env.filesystem()
-    key = f"{root.removeprefix('s3://')}/step-2/__0_0.distcp"
-    data = bytearray(fs.cat_file(key))
+    key = root.removeprefix("s3://")
+    shard = f"{key}/step-2/__0_0.distcp"
+    data = bytearray(fs.cat_file(shard))
     data[len(data) // 2] ^= 0x01
-    fs.pipe_file(key, bytes(data))
-    kind, message = run_distributed(
-        object_ranks.manager_resume_auto, 1, args=(root, ledger), timeout=90, env=s3_env.env
-    )[0]
-    assert kind == IntegrityError.__name__
-    assert f"{root}/step-2" in message
-    assert "__0_0.distcp: altered" in message
-    assert "not moved aside in object stores" in message
-    assert fs.isfile(f"{root.removeprefix('s3://')}/step-2/manifest.json"), "nothing moved or deleted"
+    fs.pipe_file(shard, bytes(data))
+    kind, step = run_distributed(object_ranks.manager_resume_auto, 1, args=(root, ledger), timeout=90, env=s3_env.env)[
+        0
+    ]
+    assert (kind, step) == ("ok", "1"), "fell back to the previous checkpoint"
+
+    # Moved aside: gone from step-2 (never listed again), whole under step-2.damaged-<time>, recorded first.
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(key))
+    assert names[0] == "step-1"
+    assert names[1].startswith("step-2.damaged-")
+    assert len(names) == 2
+    assert not fs.exists(f"{key}/step-2"), "a later save of step 2 finds its prefix free"
+    assert [c.path.name for c in scan(as_location(root))[0]] == ["step-1"]
+    assert fs.isfile(f"{key}/{names[1]}/manifest.json")
+    assert fs.cat_file(f"{key}/{names[1]}/__0_0.distcp") == bytes(data)
+    quarantine = [r for r in ckpt.Ledger(Path(ledger)).rows() if r.event == "quarantine"]
+    assert len(quarantine) == 1
+    detail = json.loads(quarantine[0].detail or "{}")
+    assert detail["checkpoint"] == f"{root}/step-2"
+    assert detail["moved_to"] == f"{root}/{names[1]}"
+    assert "__0_0.distcp: altered" in detail["reason"]
+    assert ckpt.Ledger(Path(ledger)).verify(check_checkpoints=False).ok
 
     # What a bucket does not support yet, and a ledger it cannot hold, are refused before anything starts.
     with pytest.raises(ConfigurationError, match="keep_last_n=2 is not supported with checkpoints in an object store"):

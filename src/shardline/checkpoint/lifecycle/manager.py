@@ -39,9 +39,10 @@ differs where a bucket lacks what a disk has:
   one object are not one snapshot); deriving it from the commit records cannot disagree with them;
 * the ledger stays a local file (``ledger_path`` is required) and its rows name each
   checkpoint by URL;
+* a damaged checkpoint is moved aside by copying, then deleting -- manifest first
+  (:meth:`CheckpointManager._move_aside_in_store`);
 * not yet on a bucket, refused up front in one line (:func:`check_object_store_options`):
-  ``async_save`` and ``keep_last_n``; and moving a damaged checkpoint aside: ``load("auto")``
-  stops at one that does not verify, naming it, instead of skipping it silently.
+  ``async_save`` and ``keep_last_n``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
-from shardline.checkpoint.integrity.manifest import DCP_METADATA, read_manifest
+from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST, read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.host_staging import HostBuffers, bind_writer_device
 from shardline.checkpoint.lifecycle.load import load as load_checkpoint
@@ -189,7 +190,7 @@ class CheckpointManager:
         self.observer = observer or NO_OBSERVER
         self.parent_manifest_hash: str | None = None
         self.resumed_from: Path | None = None
-        self.moved_aside: list[Path] = []
+        self.moved_aside: list[Location] = []
         self._group = process_group
         self._io_group = process_group
         self._thread: threading.Thread | None = None
@@ -565,16 +566,9 @@ class CheckpointManager:
     def _move_aside(self, path: Path, reason: str) -> str:
         """Rank 0: record, then move a checkpoint that failed verification aside (with its signature), and
         repoint ``latest``; returns the new path (see the module note).
-
-        Raises:
-            IntegrityError: in an object store, where damaged checkpoints are not moved (yet): naming it.
         """
         if isinstance(path, ObjectPath):
-            raise IntegrityError(
-                f"checkpoint {path} in the object store failed verification ({reason}); damaged checkpoints are not "
-                "moved aside in object stores. Delete its manifest.json (the commit record) to resume from the "
-                "previous one, or resume from an explicit checkpoint (trainer.resume=URL)."
-            )
+            return self._move_aside_in_store(path, reason)
         step = step_of(path.name) or 0
         recorded = self.ledger.recorded_hash(path)
         target = aside_path(path)
@@ -609,6 +603,49 @@ class CheckpointManager:
         )
         return str(moved)
 
+    def _move_aside_in_store(self, path: ObjectPath, reason: str) -> str:
+        """Rank 0, object store: record, copy the checkpoint to ``step-N.damaged-<time>`` beside it, then delete it
+        (its manifest first); returns the new URL.
+
+        Note: an object store has no rename. The ``quarantine`` row comes first, as on disk; then
+        every object is copied (server side) to the aside prefix, whose name is not a checkpoint
+        name; then the original's ``manifest.json`` -- its commit record -- is deleted, so from that
+        request on it is no longer listed or resumed, and the rest after it. A crash in between
+        leaves either the original still committed (the next ``resume=auto`` fails it again and
+        moves it again, to a new name) or an uncommitted prefix that is never listed and that a
+        save of the same step reports as taken.
+        """
+        step = step_of(path.name) or 0
+        recorded = self._recorded_hash(path)
+        target = aside_path(path)
+        self.ledger.append(
+            step=step,
+            tag=None,
+            checkpoint=self._rel(target),
+            manifest_sha256=recorded or "",
+            parent_manifest_sha256=None,
+            world_size=0,
+            event="quarantine",
+            detail={"checkpoint": self._rel(path), "moved_to": self._rel(target), "reason": reason},
+        )
+        fs = path.fs
+        objects = sorted(str(k) for k in fs.find(path.key))
+        for key in objects:
+            fs.copy(key, f"{target.key}/{key[len(path.key) :].lstrip('/')}")
+        manifest = f"{path.key}/{MANIFEST}"
+        if manifest in objects:
+            fs.rm_file(manifest)
+        path.remove_tree()  # the rest, and the prefix itself (a store with directories keeps an empty one)
+        if self._last_good == path:
+            self._last_good = None
+        log.warning(
+            "checkpoint %s failed verification and was moved aside to %s (recorded in the ledger): %s",
+            path,
+            target.name,
+            reason,
+        )
+        return str(target)
+
     def load(
         self,
         resume: str | os.PathLike | None,
@@ -641,7 +678,7 @@ class CheckpointManager:
         plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
         for path, reason in plan["damaged"]:
             moved = coord.rank0_decides(lambda p=path, r=reason: self._move_aside(self._location(p), r), self._group)
-            self.moved_aside.append(Path(moved))
+            self.moved_aside.append(self._location(moved))
         for path_text, expected in plan["paths"]:
             path = self._location(path_text)
             try:
@@ -657,7 +694,7 @@ class CheckpointManager:
                 if not auto:
                     raise
                 moved = coord.rank0_decides(lambda p=path, r=str(e): self._move_aside(p, r), self._group)
-                self.moved_aside.append(Path(moved))
+                self.moved_aside.append(self._location(moved))
                 continue
             self.resumed_from = path
             self.parent_manifest_hash = coord.rank0_decides(  # one answer for every rank, or one error
