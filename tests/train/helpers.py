@@ -152,3 +152,54 @@ class CrashOnStepEnd:
     def on_step_end(self, trainer: Any, metrics: Any) -> None:
         if trainer.info.rank == self.rank and metrics.step == self.step:
             raise RuntimeError(f"injected failure on rank {self.rank} after step {self.step} was reported")
+
+
+class SigtermAt:
+    """Send SIGTERM to this worker as step ``step`` starts, as a preemption notice would arrive mid-step."""
+
+    def __init__(self, rank: int = 1, step: int = 3, times: int = 1) -> None:
+        self.rank, self.step, self.times = rank, step, times
+
+    def on_train_batch_start(self, trainer: Any, step: int) -> None:
+        if trainer.info.rank == self.rank and step == self.step:
+            import os
+            import signal
+
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+class RecordPid:
+    """Write ``rank<N>.pid`` with this worker's pid into ``folder`` when training starts."""
+
+    def __init__(self, folder: str = "") -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: Any) -> None:
+        import os
+        from pathlib import Path
+
+        Path(self.folder, f"rank{trainer.info.rank}.pid").write_text(str(os.getpid()))
+
+
+class HoldOnNode:
+    """On the workers of one simulated node (``SHARDLINE_TEST_NODE`` in its agent's environment), hold at the
+    start of ``step`` until ``FOLDER/NODE-STEP.release`` exists or a preemption signal arrives; writes
+    ``FOLDER/NODE-STEP.reached`` first. Lets a test act while its peers wait in a collective."""
+
+    def __init__(self, node: str = "", step: int = 5, folder: str = "") -> None:
+        self.node, self.step, self.folder = node, step, folder
+
+    def on_train_batch_start(self, trainer: Any, step: int) -> None:
+        import os
+        from pathlib import Path
+
+        if os.environ.get("SHARDLINE_TEST_NODE") != self.node or step != self.step:
+            return
+        mark = Path(self.folder, f"{self.node}-{step}")
+        mark.with_suffix(".reached").write_text(f"{os.getpid()} {trainer.info.world_size}")
+        deadline = time.monotonic() + 150
+        while not mark.with_suffix(".release").exists() and not trainer.preemption.requested:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{mark} was never released")
+            time.sleep(0.1)

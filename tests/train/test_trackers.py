@@ -147,7 +147,13 @@ callbacks:
     assert summary["corpus"].startswith(f"hf {tmp_path / 'data'} column 'body' (tokenizer")
     for step in (2, 4):
         state = load_trainer_state(run_dir / "checkpoints" / f"step-{step}")
-        assert state["data"] == {"position": step, "seed": 1234, "fingerprint": summary["corpus_sha256"]}
+        assert state["data"] == {
+            "position": step,
+            "seed": 1234,
+            "fingerprint": summary["corpus_sha256"],
+            "global_batch": 4,  # micro-batch 2 x accumulation 2 (the default) x world 1
+            "world_size": 1,
+        }
     manifest_sha = {
         f"step-{s}": hashlib.sha256((run_dir / "checkpoints" / f"step-{s}" / "manifest.json").read_bytes()).hexdigest()
         for s in (2, 4)

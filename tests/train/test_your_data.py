@@ -245,4 +245,10 @@ trainer:
     assert "jsonl" in summary["corpus"]
     assert "tokenizer" in summary["corpus"]
     state = load_trainer_state(run_dir / "checkpoints" / "step-4")
-    assert state["data"] == {"position": 4, "seed": 1234, "fingerprint": summary["corpus_sha256"]}
+    assert state["data"] == {
+        "position": 4,
+        "seed": 1234,
+        "fingerprint": summary["corpus_sha256"],
+        "global_batch": 2 * 2 * 2,  # micro x accumulation x world: recorded, kept by any resume
+        "world_size": 2,
+    }

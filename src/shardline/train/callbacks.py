@@ -35,7 +35,18 @@ METRIC_FIELDS = (
     "peak_mem_mib",
     "comm_mib",
     "attempt",
+    "world_size",
+    "data_digest",
 )
+"""``metrics.csv``'s columns. ``world_size`` is the ranks that ran the step; ``data_digest`` names the step's
+global batch (its samples, in order) and is the same for a step at every world size."""
+
+
+def _cell(value: Any) -> str:
+    """A CSV cell: floats and ints exactly (repr), text as is, None empty."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else repr(value)
 
 
 def _console() -> Console:
@@ -124,14 +135,16 @@ class MetricsCSV:
 
     def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
         if self._writer is not None and step == 0:
-            self._writer.writerow({"step": 0, "val_loss": repr(val_loss), "attempt": self._attempt})
+            self._writer.writerow(
+                {"step": 0, "val_loss": repr(val_loss), "attempt": self._attempt, "world_size": trainer.info.world_size}
+            )
 
     def on_step_end(self, trainer: Any, m: Any) -> None:
         if self._writer is None:
             return
         row = {name: getattr(m, name) for name in METRIC_FIELDS if name != "attempt"}
         # repr() keeps every bit of the floats, so two runs can be compared exactly.
-        self._writer.writerow({**{k: ("" if v is None else repr(v)) for k, v in row.items()}, "attempt": self._attempt})
+        self._writer.writerow({**{k: _cell(v) for k, v in row.items()}, "attempt": self._attempt})
         self._file.flush()
 
     def on_fit_end(self, trainer: Any, summary: Any) -> None:

@@ -19,20 +19,24 @@ the job and the last committed checkpoint is where ``trainer.resume=auto`` start
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
 from shardline.checkpoint.lifecycle.manager import ON_EXCEPTION, is_auto_resume
-from shardline.checkpoint.provenance.directory import has_manifest
-from shardline.checkpoint.provenance.ledger import Ledger
+from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, step_of
+from shardline.checkpoint.provenance.ledger import RESTART, Ledger
 from shardline.checkpoint.storage.objects import is_url
 from shardline.errors import CheckpointNotFoundError
+from shardline.train.preemption import PREEMPTED
 from shardline.train.records import CHECKPOINTS_DIR, LEDGER_NAME, METRICS_FILE, checkpoint_location
 from shardline.train.schema import TrainConfig
 
-__all__ = ["TrainingCheckpoints", "TrainingDiverged", "find_resumable_run"]
+__all__ = ["TrainingCheckpoints", "TrainingDiverged", "find_resumable_run", "restart_cause"]
 
 log = logging.getLogger("shardline.train")
 
@@ -70,6 +74,31 @@ def find_resumable_run(run_root: Path, experiment: str, *, checkpoint_dir: str =
     return None
 
 
+def _elastic_restart_count(world_size: int) -> int:
+    """torchrun's restart count of this job: the largest over the ranks (a collective; a node that just joined
+    counts from 0), 0 outside torchrun's restarts."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    mine = int(count) if count.isdigit() else 0
+    counts: list[Any] = [mine] * world_size
+    if world_size > 1:
+        dist.all_gather_object(counts, mine)
+    return max(int(c) for c in counts)
+
+
+def restart_cause(*, preempted: bool, before: int | None, after: int) -> str:
+    """Why a run restarted, as far as its checkpoint and world sizes tell: node_lost (fewer ranks), node_joined
+    (more ranks), preempted (same size, from a preemption save), or restarted (same size: a crash, a manual
+    restart, or a cause that was not recorded). A world-size change under torchrun also passes through a
+    preemption save (the agent stops its workers with SIGTERM): the size change is the cause named."""
+    if before is not None and after < before:
+        return "node_lost"
+    if before is not None and after > before:
+        return "node_joined"
+    if preempted:
+        return "preempted"
+    return "restarted"
+
+
 class TrainingCheckpoints:
     """The trainer's side of checkpointing (every method is a collective)."""
 
@@ -86,6 +115,10 @@ class TrainingCheckpoints:
             files_per_rank=int(self.cfg.files_per_rank),
         )
         self.last_saved_step: int | None = None
+        self.recorded_global_batch: int | None = None
+        """The global batch the resumed checkpoint was trained with (None: a first start or an older checkpoint)."""
+        self.resumed_world_size: int | None = None
+        """The world size that saved the resumed checkpoint (None: a first start or an older checkpoint)."""
 
     def resume(self, trainer: Any, resume: Any) -> int:
         """Load ``resume`` (``auto``, a path, or None) into the trainer; returns the step to start from.
@@ -108,6 +141,10 @@ class TrainingCheckpoints:
                 log.info("trainer.resume=auto: no committed checkpoint yet, starting from step 0")
             return 0
         data = state.get("data") or {}
+        if data.get("global_batch") is not None:
+            self.recorded_global_batch = int(data["global_batch"])
+        if data.get("world_size") is not None:
+            self.resumed_world_size = int(data["world_size"])
         if data.get("fingerprint") not in (None, trainer.corpus.fingerprint):
             log.warning(
                 "resuming on different data: the checkpoint was trained on corpus sha256 %s, this run reads %s",
@@ -123,7 +160,30 @@ class TrainingCheckpoints:
             log.warning("rank %d has no saved RNG state (the checkpoint has fewer ranks); reseeding", trainer.info.rank)
         self.last_saved_step = step
         log.info("resumed from step %d", step)
+        self._record_restart(trainer, step)
         return step
+
+    def _record_restart(self, trainer: Any, step: int) -> None:
+        """The ledger's ``restart`` row: world size before and after, the cause as far as it is known."""
+        path = self.manager.resumed_from
+        if path is None:
+            return
+        before = self.resumed_world_size
+        after = int(trainer.info.world_size)
+        detail: dict[str, Any] = {
+            "checkpoint": str(path) if is_url(path) else os.path.relpath(path, self.manager.ledger.path.parent),
+            "world_size_before": before,
+            "world_size_after": after,
+            "cause": restart_cause(
+                preempted=path.name == checkpoint_name(step_of(path.name) or 0, PREEMPTED), before=before, after=after
+            ),
+        }
+        elastic = _elastic_restart_count(trainer.info.world_size)
+        if elastic:
+            detail["elastic_restart"] = elastic
+        self.manager.record_event(RESTART, step=step, checkpoint=path, detail=detail)
+        if before is not None and before != after:
+            log.warning("restart at world size %d (was %d), from %s: %s", after, before, path.name, detail["cause"])
 
     def _planned_saves(self, trainer: Any, start: int) -> list[int]:
         every, last = self.cfg.every_n_steps, trainer.max_steps
@@ -151,6 +211,8 @@ class TrainingCheckpoints:
                 "position": step,
                 "seed": int(trainer.cfg.trainer.seed),
                 "fingerprint": trainer.corpus.fingerprint,
+                "global_batch": int(trainer.global_batch),
+                "world_size": int(trainer.info.world_size),
             },
             "val_history": [[s, v] for s, v in trainer.val_history],
             "per_rank": {"rng": capture_rng_state()},

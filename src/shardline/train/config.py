@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_EXPERIMENT",
     "compose_config",
     "experiment_name",
+    "launched_world_size",
     "shard_degrees",
     "to_train_config",
     "to_yaml",
@@ -301,6 +302,16 @@ def validate(cfg: TrainConfig, *, launched: bool | None = None) -> None:
         )
     if trainer.collective_timeout_s <= 0:
         raise ConfigurationError(f"trainer.collective_timeout_s must be positive, got {trainer.collective_timeout_s}")
+    if trainer.preemption_grace_s <= 0:
+        raise ConfigurationError(
+            f"trainer.preemption_grace_s must be positive (seconds to save after SIGTERM), got "
+            f"{trainer.preemption_grace_s}"
+        )
+    if trainer.global_batch_size < 0:
+        raise ConfigurationError(
+            f"trainer.global_batch_size must be >= 0 (0: micro_batch_size x accumulate_grad_batches x world size), "
+            f"got {trainer.global_batch_size}"
+        )
     accelerator = resolve_accelerator(trainer.accelerator)
     if strategy.sharding is None and (trainer.devices > 1 or trainer.num_nodes > 1):
         raise ConfigurationError(
@@ -345,10 +356,23 @@ def validate(cfg: TrainConfig, *, launched: bool | None = None) -> None:
         raise ConfigurationError(f"scheduler.warmup_steps must be >= 0, got {cfg.scheduler.warmup_steps}")
 
 
-def shard_degrees(cfg: TrainConfig) -> tuple[int, int]:
-    """``(replicate_size, shard_size)`` of the run: a hybrid strategy's degrees, else (1, world) or (world, 1)."""
+def launched_world_size(cfg: TrainConfig) -> int:
+    """Ranks of the job: torchrun's ``WORLD_SIZE`` under a launcher (it changes on an elastic restart), else
+    ``trainer.devices x trainer.num_nodes``."""
+    env = os.environ.get("WORLD_SIZE", "")
+    if "RANK" in os.environ and env.isdigit():
+        return int(env)
+    return cfg.trainer.devices * cfg.trainer.num_nodes
+
+
+def shard_degrees(cfg: TrainConfig, *, world_size: int | None = None) -> tuple[int, int]:
+    """``(replicate_size, shard_size)`` of the run: a hybrid strategy's degrees, else (1, world) or (world, 1).
+
+    ``world_size`` defaults to :func:`launched_world_size`: after an elastic restart at another size a hybrid
+    strategy's free degree (-1) is re-derived, and fixed degrees that no longer fit are refused.
+    """
     strategy = cfg.trainer.strategy
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    world = launched_world_size(cfg) if world_size is None else world_size
     parsed = strategy.sharding
     if parsed is None:
         return 1, 1
@@ -371,10 +395,15 @@ def _check_mesh(cfg: TrainConfig, parsed: ShardingStrategy | None) -> None:
         try:
             shard_degrees(cfg)
         except ConfigurationError as exc:
+            world = launched_world_size(cfg)
+            where = (
+                f"world size {world} from the launcher (torchrun's WORLD_SIZE; an elastic restart changes it)"
+                if world != cfg.trainer.devices * cfg.trainer.num_nodes
+                else f"world size = trainer.devices={cfg.trainer.devices} x trainer.num_nodes={cfg.trainer.num_nodes}"
+            )
             raise ConfigurationError(
-                f"trainer.strategy: {exc} (world size = trainer.devices={cfg.trainer.devices} x "
-                f"trainer.num_nodes={cfg.trainer.num_nodes}; set trainer.strategy.replicate_size and "
-                "trainer.strategy.shard_size)"
+                f"trainer.strategy: {exc} ({where}; set trainer.strategy.replicate_size and "
+                "trainer.strategy.shard_size, or leave one at -1 to derive it)"
             ) from None
     raf = strategy.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and parsed is not None:

@@ -35,6 +35,8 @@ from shardline.distributed import free_port
 from shardline.errors import ShardlineError
 from shardline.train.build import preflight
 from shardline.train.config import compose_config, experiment_name, to_train_config, to_yaml, validate
+from shardline.train.parentwatch import bind_to_parent
+from shardline.train.preemption import PREEMPTED, PREEMPTED_EXIT_CODE, Preempted
 from shardline.train.preflight import check_data, check_storage, check_values
 from shardline.train.records import LOGS_DIR
 from shardline.train.reports import ReportServer
@@ -72,7 +74,12 @@ def train(overrides: Sequence[str], *, print_config: bool = False, config_dirs: 
         check_data(cfg)
         experiment = experiment_name(overrides)
         if launched:
-            run_worker(cfg, run_dir=None, experiment=experiment)
+            bind_to_parent()  # torchrun's agent is the parent: never outlive it
+            try:
+                run_worker(cfg, run_dir=None, experiment=experiment)
+            except Preempted as stop:
+                err.print(f"shardline: {stop}", markup=False)
+                return PREEMPTED_EXIT_CODE
             return 0
         run_dir, lock = open_run_dir(cfg, experiment)
     except ShardlineError as exc:
@@ -95,6 +102,9 @@ def _one_line(exc: BaseException) -> str:
 def _run_here(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console) -> int:
     try:
         run_worker(cfg, run_dir=str(run_dir), experiment=experiment)
+    except Preempted as stop:
+        err.print(f"shardline: {stop}", markup=False)
+        return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
@@ -143,10 +153,12 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
         logger.setLevel(logging.CRITICAL)
     server = ReportServer(devices, timeout_s=cfg.trainer.collective_timeout_s)
     failed: BaseException | None = None
+    results: dict[int, Any] = {}
     try:
         # Note: the typed config crosses the process boundary as is: torch's launcher pickles the
         # arguments for the workers it spawns, and a TrainConfig is plain dataclasses and data.
-        elastic_launch(launch, elastic_entry)(cfg, str(run_dir), experiment, server.address)
+        entry = elastic_launch(launch, elastic_entry)
+        results = entry(cfg, str(run_dir), experiment, server.address, os.getpid()) or {}
     except ChildFailedError as exc:
         failed = exc
     except KeyboardInterrupt:
@@ -159,6 +171,10 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
         for logger, level in zip(quiet, previous, strict=True):
             logger.setLevel(level)
     if failed is None:
+        stopped = [r for r in results.values() if isinstance(r, dict) and PREEMPTED in r]
+        if stopped:
+            err.print(f"shardline: {stopped[0]['message']}", markup=False)
+            return PREEMPTED_EXIT_CODE
         return 0
     headline, trace = _explain(failed, server, ChildFailedError)
     err.print("[bold red]error:[/]", escape(headline))

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from shardline.checkpoint.format.dcp_io import MODEL_KEY, key_paths
 from shardline.checkpoint.integrity.opening import check_manifest, read_checked_metadata
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.load import load_trainer_state
 from shardline.checkpoint.lifecycle.manager import is_auto_resume, no_resume
 from shardline.checkpoint.lifecycle.staging import dtype_name
 from shardline.checkpoint.provenance.directory import scan
@@ -36,10 +37,11 @@ from shardline.checkpoint.storage.objects import check_access
 from shardline.errors import CheckpointError, ConfigurationError
 from shardline.train.build import build_model
 from shardline.train.data import load_corpus, make_batches
+from shardline.train.global_batch import plan_global_batch
 from shardline.train.records import RECORDS, checkpoint_location
 from shardline.train.schema import TrainConfig
 
-__all__ = ["check_data", "check_resume", "check_storage", "check_values", "world_size"]
+__all__ = ["check_data", "check_resume", "check_storage", "check_values", "recorded_global_batch", "world_size"]
 
 _SHOW = 4
 
@@ -79,11 +81,16 @@ def check_values(cfg: TrainConfig) -> None:
         raise ConfigurationError(f"optimizer.weight_decay={opt.weight_decay}; it must be >= 0")
 
 
-def check_data(cfg: TrainConfig) -> None:
+def check_data(cfg: TrainConfig, *, recorded_global_batch: int | None = None) -> None:
     """Build the corpus and the batch splitting exactly as the workers will (a fraction of a second).
 
+    Args:
+        recorded_global_batch: The global batch of the checkpoint a resume will load, if known
+            (see :func:`recorded_global_batch`).
+
     Raises:
-        ConfigurationError: ``data.root`` missing or unreadable, too little data, a batch that does not split.
+        ConfigurationError: ``data.root`` missing or unreadable, too little data, a global batch
+            that this world size cannot divide.
     """
     data = cfg.data
     if data.name == "stdlib" and data.root is not None:
@@ -99,13 +106,17 @@ def check_data(cfg: TrainConfig) -> None:
         raise ConfigurationError(f"{where}: cannot read the corpus ({e.strerror or e})") from None
     world = world_size(cfg)
     trainer = cfg.trainer
-    for split, per_rank in (
-        ("train", trainer.micro_batch_size * trainer.accumulate_grad_batches),
-        ("val", trainer.micro_batch_size),
-    ):
+    plan = plan_global_batch(
+        micro_batch=trainer.micro_batch_size,
+        accumulate=trainer.accumulate_grad_batches,
+        world_size=world,
+        configured=trainer.global_batch_size,
+        recorded=recorded_global_batch,
+    )
+    for split in ("train", "val"):
         try:
             make_batches(
-                corpus, split, seq_len=data.seq_len, global_batch=per_rank * world, rank=0, world_size=world, seed=0
+                corpus, split, seq_len=data.seq_len, global_batch=plan.global_batch, rank=0, world_size=world, seed=0
             )
         except ConfigurationError as e:
             size = f"data.max_bytes={data.max_bytes}" if data.name == "stdlib" else f"data.name={data.name}"
@@ -203,6 +214,14 @@ def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
             stored = _stored_state(path, level)
         except CheckpointError as e:
             raise ConfigurationError(f"{what}: {e}") from None
+    trainer = cfg.trainer
+    plan_global_batch(  # a world size that cannot keep the run's global batch: one line, before any worker
+        micro_batch=trainer.micro_batch_size,
+        accumulate=trainer.accumulate_grad_batches,
+        world_size=world_size(cfg),
+        configured=trainer.global_batch_size,
+        recorded=recorded_global_batch(path),
+    )
     problems = _fit_problems(cfg, stored)
     if problems:
         more = f"; and {len(problems) - _SHOW} more" if len(problems) > _SHOW else ""
@@ -210,3 +229,16 @@ def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
             f"{what}: checkpoint {path} does not fit the configured model -- {'; '.join(problems[:_SHOW])}{more}. "
             f"Resume with the model config it was saved with (`shardline inspect {path}`), or start a new run."
         )
+
+
+def recorded_global_batch(path: Path) -> int | None:
+    """The global batch a committed checkpoint's trainer state records (None: not recorded, or unreadable here).
+
+    Unreadable is left to the workers, which verify the checkpoint and name what is wrong.
+    """
+    try:
+        state = load_trainer_state(path, verify=VerifyLevel.NONE)
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return None
+    value = (state.get("data") or {}).get("global_batch") if isinstance(state, dict) else None
+    return int(value) if isinstance(value, int) else None

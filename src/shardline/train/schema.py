@@ -134,7 +134,11 @@ class TrainerConfig:
     micro_batch_size: int = 8
     """Sequences per rank per micro-batch."""
     accumulate_grad_batches: int = 2
-    """Micro-batches per optimizer step; all but the last run under no_sync."""
+    """Micro-batches per optimizer step; all but the last run under no_sync. Re-derived on a resume at another
+    world size (and whenever trainer.global_batch_size is set) so that the global batch stays the same."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks; 0: micro_batch_size x accumulate_grad_batches x world size at
+    the first start. Fixed for the run: every checkpoint records it and a resume at any world size keeps it."""
     gradient_clip_val: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
     val_check_interval: int = 100
@@ -154,6 +158,9 @@ class TrainerConfig:
     Equal to eager within rounding; the first step is slower while it compiles."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait before the job fails instead of hanging."""
+    preemption_grace_s: float = 120.0
+    """After SIGTERM (a preemption notice, torchrun's restart): seconds to finish the step in flight and save it
+    as step-N-preempted; at the deadline, or a second SIGTERM, the worker exits at once."""
     run_root: str = "runs"
     """Run directories are created as <run_root>/<experiment>/<timestamp>/."""
     run_dir: Any = None

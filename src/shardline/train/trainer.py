@@ -44,7 +44,9 @@ from shardline.train.checkpointing import TrainingCheckpoints, TrainingDiverged
 from shardline.train.compiling import compile_units
 from shardline.train.config import shard_degrees
 from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
+from shardline.train.global_batch import plan_global_batch
 from shardline.train.precision import autocast
+from shardline.train.preemption import PREEMPTED, Preempted, PreemptionGuard
 from shardline.train.records import METRICS_FILE
 from shardline.train.schema import TrainConfig
 
@@ -68,6 +70,8 @@ class StepMetrics:
     peak_mem_mib: float
     comm_mib: float = 0.0
     val_loss: float | None = None
+    world_size: int = 0
+    data_digest: str = ""
 
 
 @dataclass
@@ -108,6 +112,7 @@ class _PendingStep:
     peak_mem_mib: float
     comm_mib: float
     scheduler_before: dict[str, Any]
+    data_digest: str
 
 
 def _peak_mem_mib(device: torch.device) -> float:
@@ -138,6 +143,8 @@ def _read_metrics(path: Path, *, upto: int) -> list[StepMetrics]:
                     peak_mem_mib=float(row["peak_mem_mib"]),
                     comm_mib=float(row.get("comm_mib") or 0.0),
                     val_loss=float(row["val_loss"]) if row["val_loss"] else None,
+                    world_size=int(row.get("world_size") or 0),
+                    data_digest=row.get("data_digest") or "",
                 )
     return [out[step] for step in sorted(out)]
 
@@ -183,9 +190,6 @@ class Trainer:
         self.device = info.device
         self.precision = cfg.trainer.precision
         self.max_steps = cfg.trainer.max_steps
-        self.accumulate = cfg.trainer.accumulate_grad_batches
-        self.global_batch = cfg.trainer.micro_batch_size * self.accumulate * info.world_size
-        self.tokens_per_step = self.global_batch * cfg.data.seq_len
         self._skip = torch.zeros((), device=self.device)  # 1 once a step was not finite: no update after it
 
         torch.manual_seed(cfg.trainer.seed)
@@ -199,6 +203,32 @@ class Trainer:
                 s, warmup=cfg.scheduler.warmup_steps, total=self.max_steps, min_ratio=cfg.scheduler.min_lr_ratio
             ),
         )
+        # Dropout and other per-rank randomness: distinct per rank, reproducible per seed.
+        torch.manual_seed(cfg.trainer.seed + 1 + info.rank)
+        self.checkpoints = TrainingCheckpoints(cfg, run_dir)
+        self.start_step = self.checkpoints.resume(self, cfg.trainer.resume)
+        # The global batch is the run's, recorded by the checkpoint a resume loaded; only the
+        # accumulation steps follow the world size (see shardline.train.global_batch).
+        self.batch_plan = plan_global_batch(
+            micro_batch=cfg.trainer.micro_batch_size,
+            accumulate=cfg.trainer.accumulate_grad_batches,
+            world_size=info.world_size,
+            configured=cfg.trainer.global_batch_size,
+            recorded=self.checkpoints.recorded_global_batch,
+        )
+        self.accumulate = self.batch_plan.accumulate
+        self.global_batch = self.batch_plan.global_batch
+        self.tokens_per_step = self.global_batch * cfg.data.seq_len
+        if self.accumulate != cfg.trainer.accumulate_grad_batches:
+            log.info(
+                "global batch %d at world size %d: %d accumulation steps of %d (trainer.accumulate_grad_batches=%d "
+                "is re-derived)",
+                self.global_batch,
+                info.world_size,
+                self.accumulate,
+                cfg.trainer.micro_batch_size,
+                cfg.trainer.accumulate_grad_batches,
+            )
         self.train_batches = make_batches(
             self.corpus,
             "train",
@@ -208,19 +238,23 @@ class Trainer:
             world_size=info.world_size,
             seed=cfg.trainer.seed,
         )
+        # Validation batches are global batches too (evaluated in micro-batches), so a
+        # validation loss means the same at every world size.
         self.val_batches = make_batches(
             self.corpus,
             "val",
             seq_len=cfg.data.seq_len,
-            global_batch=cfg.trainer.micro_batch_size * info.world_size,
+            global_batch=self.global_batch,
             rank=info.rank,
             world_size=info.world_size,
             seed=_EVAL_SEED,
         )
-        # Dropout and other per-rank randomness: distinct per rank, reproducible per seed.
-        torch.manual_seed(cfg.trainer.seed + 1 + info.rank)
-        self.checkpoints = TrainingCheckpoints(cfg, run_dir)
-        self.start_step = self.checkpoints.resume(self, cfg.trainer.resume)
+        self.preemption = PreemptionGuard(
+            grace_s=cfg.trainer.preemption_grace_s,
+            world_size=info.world_size,
+            backend=info.backend,
+            timeout_s=cfg.trainer.collective_timeout_s,
+        )
         for group in self.optimizer.param_groups:  # a checkpoint written before the fused optimizer says otherwise
             group["fused"], group["foreach"] = True, None
         if self.start_step:
@@ -246,7 +280,7 @@ class Trainer:
                 "mixed_precision": policies.mixed_precision,
             }
             if self.hybrid:
-                replicas, shard = shard_degrees(cfg)
+                replicas, shard = shard_degrees(cfg, world_size=self.info.world_size)
                 kwargs["mesh"] = shardline.hybrid_mesh(
                     replicate_size=replicas, shard_size=shard, device_type=self.device.type
                 )
@@ -303,7 +337,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         with torch.no_grad():
             for i in range(self.cfg.trainer.val_batches):
-                total += self._loss(*self.val_batches.local(i))
+                tokens, targets = self.val_batches.local(i)
+                for x, y in zip(tokens.chunk(self.accumulate), targets.chunk(self.accumulate), strict=True):
+                    total += self._loss(x, y) / self.accumulate
         self.model.train()
         return float(self._global_mean(total / self.cfg.trainer.val_batches))  # a read: evaluation ends an interval
 
@@ -374,6 +410,8 @@ class Trainer:
                     step_time_s=per_step,
                     peak_mem_mib=p.peak_mem_mib,
                     comm_mib=p.comm_mib,
+                    world_size=self.info.world_size,
+                    data_digest=p.data_digest,
                 )
             )
         return out
@@ -419,6 +457,7 @@ class Trainer:
         every_read = max(1, cfg.log_every_n_steps)
         pending: list[_PendingStep] = []
         interval_start = time.perf_counter()
+        self.preemption.install()
         try:
             for step in range(self.start_step, self.max_steps):
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -434,13 +473,15 @@ class Trainer:
                         peak_mem_mib=_peak_mem_mib(self.device),
                         comm_mib=(shardline.comm_stats(self.model).total_bytes - comm_before) / 2**20,
                         scheduler_before=scheduler_before,
+                        data_digest=self.train_batches.digest(step) if self.is_rank0 else "",
                     )
                 )
                 self._call("on_train_batch_end", step + 1)
+                preempted = self.preemption.agreed()  # every rank stops after the same step
                 last = step + 1 == self.max_steps
                 validate = (step + 1) % cfg.val_check_interval == 0 or last
                 save = self.checkpoints.due(step + 1, last=last)
-                if not (validate or save or last or (step + 1) % every_read == 0):
+                if not (validate or save or last or preempted or (step + 1) % every_read == 0):
                     continue
                 # The interval's one read: a diverged step raises here, before anything is evaluated or saved.
                 try:
@@ -460,6 +501,8 @@ class Trainer:
                 if val_loss is not None:
                     self._call("on_validation_end", done, val_loss)
                 self.checkpoints.after_step(self, done, last=last)
+                if preempted and not last:
+                    raise Preempted(done, self._preemption_save(done))
                 interval_start = time.perf_counter()
             self.checkpoints.close()
         except TrainingDiverged as exc:
@@ -471,10 +514,24 @@ class Trainer:
             self.checkpoints.finish_queued()  # a queued async save is completed, not abandoned
             self._call_on_exception(exc)
             raise
+        finally:
+            self.preemption.uninstall()
         wall = time.perf_counter() - start
         summary = self._summary(wall)
         self._call("on_fit_end", summary)
         return summary
+
+    def _preemption_save(self, step: int) -> str | None:
+        """Save ``step`` after a preemption signal (tagged ``preempted``, unless just saved); returns its name."""
+        name = None
+        if self.checkpoints.last_saved_step != step:
+            self.checkpoints.save(self, step, tag=PREEMPTED)
+        self.checkpoints.close()  # committed (an async one included) before the exit
+        info = self.checkpoints.manager.wait()
+        if info is not None and info.step == step:
+            name = info.path.name
+        log.warning("preempted after step %d; checkpoint %s committed", step, name)
+        return name
 
     def _summary(self, wall: float) -> Summary:
         vals = [v for _, v in self.val_history] or [math.nan]

@@ -12,6 +12,7 @@ Also the run directory's setup, shared by the local launcher and torchrun's rank
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -25,12 +26,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardline.checkpoint.coordination import coord
-from shardline.checkpoint.lifecycle.manager import is_auto_resume
+from shardline.checkpoint.lifecycle.manager import RESUME_AUTO, is_auto_resume, no_resume
 from shardline.distributed import init_distributed
 from shardline.errors import ConfigurationError
 from shardline.train.build import build_callbacks, build_policies
 from shardline.train.checkpointing import find_resumable_run
 from shardline.train.config import resolve_accelerator, to_yaml
+from shardline.train.parentwatch import bind_to_parent
+from shardline.train.preemption import PREEMPTED, Preempted
 from shardline.train.preflight import check_resume
 from shardline.train.records import CONFIG_FILE, LOGS_DIR, attempt_path
 from shardline.train.reports import Reporter, is_collective_timeout, stall_grace_s
@@ -145,6 +148,27 @@ def _agree_on_run_dir(run_dir: str | None, cfg: TrainConfig, experiment: str, lo
     return path
 
 
+def _resume_on_elastic_restart(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, int]:
+    """``trainer.resume=auto`` is implied when torchrun restarted any rank's workers (a collective).
+
+    Returns the config to run and the restart count (0: not a restart, or resume was set).
+
+    torchrun counts restarts per agent (``TORCHELASTIC_RESTART_COUNT``): a node that joins starts
+    at 0 while the survivors are past it, so the ranks agree -- any restart means the job resumes.
+    """
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if count is None or not no_resume(cfg.trainer.resume):
+        return cfg, 0
+    mine = int(count) if count.isdigit() else 0
+    counts: list[Any] = [mine] * world_size
+    if world_size > 1:
+        dist.all_gather_object(counts, mine)
+    restart = max(int(c) for c in counts)
+    if restart == 0:
+        return cfg, 0
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=RESUME_AUTO)), restart
+
+
 def _setup_logging(run_dir: Path, rank: int) -> None:
     # A full disk must not turn every log call into a printed traceback: the failure that matters is
     # reported once, through the launcher.
@@ -183,8 +207,11 @@ def run_worker(cfg: TrainConfig, *, run_dir: str | None, experiment: str) -> dic
     )
     locks: list[RunLock] = []
     try:
+        cfg, restart = _resume_on_elastic_restart(cfg, info.world_size)
         path = _agree_on_run_dir(run_dir, cfg, experiment, locks)
         _setup_logging(path, info.rank)
+        if restart:
+            log.info("elastic restart %d (torchrun): trainer.resume=auto is implied", restart)
         log.info("rank %d of %d on %s (%s)", info.rank, info.world_size, info.device, info.backend)
         try:
             trainer = Trainer(
@@ -196,6 +223,9 @@ def run_worker(cfg: TrainConfig, *, run_dir: str | None, experiment: str) -> dic
                 callbacks=build_callbacks(cfg),
             )
             summary = trainer.fit()
+        except Preempted as stop:
+            log.warning("%s", stop)
+            raise
         except BaseException:
             log.exception("training failed on rank %d", info.rank)
             raise
@@ -210,14 +240,21 @@ def run_worker(cfg: TrainConfig, *, run_dir: str | None, experiment: str) -> dic
 
 @record
 def elastic_entry(
-    config: TrainConfig, run_dir: str, experiment: str, report_address: str | None = None
+    config: TrainConfig,
+    run_dir: str,
+    experiment: str,
+    report_address: str | None = None,
+    launcher_pid: int | None = None,
 ) -> dict[str, Any] | None:
     """Entry point of the workers the local launcher starts.
 
-    Errors are recorded for torch's launcher (``@record``) and reported to shardline's launcher
-    over ``report_address`` (see :mod:`.reports`): a collective timeout lingers briefly so that
-    every rank that waited reports, and the launcher can name the rank that did not.
+    The worker exits if the launcher (``launcher_pid``) dies (:mod:`.parentwatch`). Errors are
+    recorded for torch's launcher (``@record``) and reported to shardline's launcher over
+    ``report_address`` (see :mod:`.reports`): a collective timeout lingers briefly so that every
+    rank that waited reports, and the launcher can name the rank that did not. A preemption
+    (:mod:`.preemption`) is a clean return, which the launcher reads.
     """
+    bind_to_parent(parent_pid=launcher_pid)
     reporter = None
     if report_address:
         try:
@@ -229,6 +266,9 @@ def elastic_entry(
         result = run_worker(config, run_dir=run_dir, experiment=experiment)
         clean = True
         return result
+    except Preempted as stop:  # a clean stop: the launcher reads it from the return value
+        clean = True
+        return {PREEMPTED: stop.step, "checkpoint": stop.checkpoint, "message": str(stop)}
     except BaseException as error:
         if reporter is not None:
             reporter.failed(error)

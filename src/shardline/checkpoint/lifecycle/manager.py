@@ -705,6 +705,23 @@ class CheckpointManager:
             return state
         return None
 
+    def record_event(self, event: str, *, step: int, checkpoint: Path, detail: dict[str, Any]) -> None:
+        """Append an ``event`` row about ``checkpoint`` (the one loaded) to the ledger; rank 0 writes it."""
+
+        def append() -> None:
+            self.ledger.append(
+                step=step,
+                tag=None,
+                checkpoint=self._rel(checkpoint),
+                manifest_sha256=self.parent_manifest_hash or "",
+                parent_manifest_sha256=None,
+                world_size=coord.group_size(self._group),
+                event=event,
+                detail=detail,
+            )
+
+        coord.rank0_decides(append, self._group)
+
     def _record_opt_in(self, path: Path, level: VerifyLevel) -> None:
         """Rank 0: a ``resume`` ledger row saying this load checked less than every byte."""
         self.ledger.append(

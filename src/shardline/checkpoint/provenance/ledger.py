@@ -97,7 +97,8 @@ _COLUMNS = (
 _ADDED = ("event", "detail")  # columns added later: a NULL there is not part of the row hash
 COMMIT = "commit"
 TOMBSTONE = "tombstone"
-EVENTS = (COMMIT, "quarantine", "resume", "chain_break", TOMBSTONE)
+RESTART = "restart"
+EVENTS = (COMMIT, "quarantine", "resume", "chain_break", TOMBSTONE, RESTART)
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
 
 
 def describe_event(row: LedgerRow) -> str:
-    """An event row of the ledger (quarantine, resume, tombstone, chain break) in plain words."""
+    """An event row of the ledger (quarantine, resume, tombstone, chain break, restart) in plain words."""
     try:
         detail = json.loads(row.detail) if row.detail else {}
     except ValueError:
@@ -234,6 +234,13 @@ def describe_event(row: LedgerRow) -> str:
     if row.event == "tombstone":
         reason = detail.get("reason", "no reason recorded")
         return f"{what} deleted on purpose ({reason}); its record stays in the chain"
+    if row.event == "restart":
+        elastic = detail.get("elastic_restart")
+        return (
+            f"world size {detail.get('world_size_before', '?')} -> {detail.get('world_size_after', row.world_size)} "
+            f"({detail.get('cause', 'cause unknown')}), resumed from {what} at step {row.step}"
+            + (f", torchrun restart {elastic}" if elastic is not None else "")
+        )
     if row.event == "chain_break":
         return (
             f"new chain; the previous ledger ({detail.get('previous_ledger', 'missing')}) did not verify: "

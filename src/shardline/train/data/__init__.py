@@ -1,6 +1,6 @@
 """Training data: the built-in corpus or your own files, tokenized, and deterministic batches of it."""
 
-from shardline.train.data.batches import Batches, PackedBatches, make_batches
+from shardline.train.data.batches import Batches, PackedBatches, batch_digest, make_batches
 from shardline.train.data.corpus import Corpus, stream_length, take_windows
 from shardline.train.data.files import build_text_corpus, build_token_corpus, expand_paths
 from shardline.train.data.hf_dataset import HF_BUILDERS, build_hf_corpus
@@ -18,6 +18,7 @@ __all__ = [
     "HFEncoder",
     "PackedBatches",
     "TextEncoder",
+    "batch_digest",
     "build_hf_corpus",
     "build_stdlib_corpus",
     "build_text_corpus",
