@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -18,6 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from shardline.checkpoint.provenance.ledger import Ledger
+from shardline.train.checkpointing import find_resumable_run
 from tests.checkpoint.conftest import S3_BUCKET
 from tests.checkpoint.seaweed import S3Server
 from tests.train.test_cli import GPT_SMALL, PYTHONPATH, ROOT, SMALL, _curve, error_line, shardline_train
@@ -82,8 +84,21 @@ def test_train_to_a_bucket_resume_at_another_world_size_like_local(s3_env: S3Ser
         (6, f"{url}/step-6", 1),
     ]
     assert rows[1].parent_manifest_sha256 == rows[0].manifest_sha256
+    restart = [r for r in Ledger(bucket_run / "lineage.sqlite").rows() if r.event == "restart"]
+    assert [(r.checkpoint, json.loads(r.detail or "{}")["checkpoint"]) for r in restart] == [
+        (f"{url}/step-3", f"{url}/step-3")
+    ]
+    assert json.loads(restart[0].detail or "{}")["cause"] == "node_lost"
     manifest = json.loads(fs.cat_file(f"{key}/step-6/manifest.json"))
     assert manifest["parent_manifest_sha256"] == rows[0].manifest_sha256
+
+    # resume=auto without trainer.run_dir finds the run whose local ledger records checkpoints under the URL.
+    runs = tmp_path / "runs" / "tiny_gpt"
+    shutil.copytree(bucket_run, runs / "20260101-000000")
+    shutil.copytree(local_run, runs / "20260101-000001")  # newer, but its checkpoints are elsewhere
+    assert find_resumable_run(tmp_path / "runs", "tiny_gpt", checkpoint_dir=url) == runs / "20260101-000000"
+    assert find_resumable_run(tmp_path / "runs", "tiny_gpt", checkpoint_dir=f"{url}-other") is None
+    assert find_resumable_run(tmp_path / "runs", "tiny_gpt") == runs / "20260101-000001"
 
     # Consolidating the final checkpoint from the bucket gives the local run's weights, byte for byte.
     out_bucket, out_local = tmp_path / "bucket.safetensors", tmp_path / "local.safetensors"
