@@ -11,6 +11,7 @@ import signal
 import shardline.checkpoint as ckpt
 from shardline.checkpoint import SaveObserver, SavePhase
 from shardline.checkpoint.faults.fault import KillAtPhase
+from shardline.errors import CheckpointError
 from tests.checkpoint.ranks import CONFIG, build, catch, snapshot, train_step, trainer_state
 
 
@@ -77,3 +78,31 @@ def save_then_lose_store(rank: int, world: int, root: str, server_pid: int) -> t
         config=CONFIG,
         observer=_StopServer(server_pid),
     )
+
+
+def manager_saves(rank: int, world: int, root: str, ledger: str, save_at: list[int]) -> list[str | None]:
+    """Train, saving through a manager on ``root`` (a URL) at ``save_at``; ``latest`` after each save."""
+    model, optimizer = build()
+    latest: list[str | None] = []
+    with ckpt.CheckpointManager(root, ledger_path=ledger) as manager:
+        for step in range(max(save_at)):
+            train_step(model, optimizer, step, rank, world)
+            if step + 1 in save_at:
+                request = ckpt.SaveRequest(
+                    step=step + 1, model=model, optimizer=optimizer, state=trainer_state(step + 1), config=CONFIG
+                )
+                manager.save(request)
+                found = manager.latest()
+                latest.append(str(found) if found is not None else None)
+    return latest
+
+
+def manager_resume_auto(rank: int, world: int, root: str, ledger: str) -> tuple[str, str]:
+    """``load("auto")`` through a manager on ``root``: ``("ok", step)`` or the error's (class name, message)."""
+    model, optimizer = build(seed=7)
+    manager = ckpt.CheckpointManager(root, ledger_path=ledger)
+    try:
+        state = manager.load("auto", model=model, optimizer=optimizer)
+    except CheckpointError as e:
+        return type(e).__name__, str(e)
+    return "ok", str(None if state is None else state["step"])

@@ -19,7 +19,7 @@ import shardline.checkpoint as ckpt
 from shardline import cli
 from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.storage.objects import as_location
-from shardline.errors import IntegrityError, StorageAccessError
+from shardline.errors import ConfigurationError, IntegrityError, StorageAccessError
 from shardline.testing import RankFailedError, run_distributed
 from tests.checkpoint import object_ranks, ranks, seaweed
 from tests.checkpoint.conftest import S3_BUCKET
@@ -196,3 +196,57 @@ def test_server_lost_mid_save_is_named_and_the_committed_one_survives(tmp_path: 
         assert [c.path.name for c in committed] == ["step-1"]
     finally:
         seaweed.stop(again)
+
+
+def test_manager_on_a_bucket_latest_ledger_and_quarantine(s3_env: S3Server, tmp_path: Path) -> None:
+    """The manager on a URL: ``latest`` from the committed manifests, a local ledger naming URLs; a flipped
+    byte in the newest checkpoint: ``resume=auto`` moves it aside (ledger row first) and loads the previous one."""
+    root, ledger = _prefix(), str(tmp_path / "lineage.sqlite")
+    latest = run_distributed(object_ranks.manager_saves, 2, args=(root, ledger, [1, 2]), timeout=90, env=s3_env.env)
+    assert latest[0] == [f"{root}/step-1", f"{root}/step-2"]
+    rows = [r for r in ckpt.Ledger(Path(ledger)).rows() if r.is_commit]
+    assert [(r.step, r.checkpoint) for r in rows] == [(1, f"{root}/step-1"), (2, f"{root}/step-2")]
+    kind, step = run_distributed(object_ranks.manager_resume_auto, 1, args=(root, ledger), timeout=90, env=s3_env.env)[
+        0
+    ]
+    assert (kind, step) == ("ok", "2")
+
+    fs = s3_env.filesystem()
+    key = root.removeprefix("s3://")
+    shard = f"{key}/step-2/__0_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(shard, bytes(data))
+    kind, step = run_distributed(object_ranks.manager_resume_auto, 1, args=(root, ledger), timeout=90, env=s3_env.env)[
+        0
+    ]
+    assert (kind, step) == ("ok", "1"), "fell back to the previous checkpoint"
+
+    # Moved aside: gone from step-2 (never listed again), whole under step-2.damaged-<time>, recorded first.
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(key))
+    assert names[0] == "step-1"
+    assert names[1].startswith("step-2.damaged-")
+    assert len(names) == 2
+    assert not fs.exists(f"{key}/step-2"), "a later save of step 2 finds its prefix free"
+    assert [c.path.name for c in scan(as_location(root))[0]] == ["step-1"]
+    assert fs.isfile(f"{key}/{names[1]}/manifest.json")
+    assert fs.cat_file(f"{key}/{names[1]}/__0_0.distcp") == bytes(data)
+    quarantine = [r for r in ckpt.Ledger(Path(ledger)).rows() if r.event == "quarantine"]
+    assert len(quarantine) == 1
+    detail = json.loads(quarantine[0].detail or "{}")
+    assert detail["checkpoint"] == f"{root}/step-2"
+    assert detail["moved_to"] == f"{root}/{names[1]}"
+    assert "__0_0.distcp: altered" in detail["reason"]
+    # The ledger's full check (`shardline lineage`) compares its URL rows with the bucket: the chain holds (step-2's
+    # move is recorded), then a committed checkpoint deleted from the bucket is named.
+    report = ckpt.Ledger(Path(ledger)).verify()
+    assert report.ok, report.problems
+    fs.rm(f"{key}/step-1", recursive=True)
+    report = ckpt.Ledger(Path(ledger)).verify()
+    assert any(f"{root}/step-1" in problem for problem in report.problems), report.problems
+
+    # What a bucket does not support yet, and a ledger it cannot hold, are refused before anything starts.
+    with pytest.raises(ConfigurationError, match="keep_last_n=2 is not supported with checkpoints in an object store"):
+        ckpt.CheckpointManager(root, ledger_path=ledger, keep_last_n=2)
+    with pytest.raises(ConfigurationError, match="need a local ledger_path"):
+        ckpt.CheckpointManager(root)

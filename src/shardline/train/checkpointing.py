@@ -1,8 +1,9 @@
 """Checkpoints of a training run: when to save, what trainer state goes in, and resuming.
 
-A run keeps its checkpoints in ``RUN_DIR/checkpoints/step-N`` (see
-:class:`shardline.checkpoint.CheckpointManager`) and its lineage ledger in
-``RUN_DIR/lineage.sqlite``. The trainer state saved with each checkpoint is everything the
+A run keeps its checkpoints in ``RUN_DIR/checkpoints/step-N`` -- or in ``checkpoint.dir``, a
+directory or an object-store URL ``s3://BUCKET/PREFIX`` (see
+:class:`shardline.checkpoint.CheckpointManager`) -- and its lineage ledger in
+``RUN_DIR/lineage.sqlite`` (local, also for a bucket). The trainer state saved with each checkpoint is everything the
 next step depends on besides the model and optimizer: the step (batches are a function of the
 seed and the step, so the step *is* the data position), the LR scheduler, the validation
 history, and every rank's RNG states. Resuming at the same world size therefore continues
@@ -28,10 +29,11 @@ import torch.distributed as dist
 from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
 from shardline.checkpoint.lifecycle.manager import ON_EXCEPTION, is_auto_resume
 from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, step_of
-from shardline.checkpoint.provenance.ledger import RESTART
+from shardline.checkpoint.provenance.ledger import RESTART, Ledger
+from shardline.checkpoint.storage.objects import is_url
 from shardline.errors import CheckpointNotFoundError
 from shardline.train.preemption import PREEMPTED
-from shardline.train.records import CHECKPOINTS_DIR, LEDGER_NAME, METRICS_FILE
+from shardline.train.records import CHECKPOINTS_DIR, LEDGER_NAME, METRICS_FILE, checkpoint_location
 from shardline.train.schema import TrainConfig
 
 __all__ = ["TrainingCheckpoints", "TrainingDiverged", "find_resumable_run", "restart_cause"]
@@ -52,13 +54,22 @@ class TrainingDiverged(FloatingPointError):
         self.metrics = list(metrics or [])
 
 
-def find_resumable_run(run_root: Path, experiment: str) -> Path | None:
-    """The newest run directory of ``experiment`` that holds a committed checkpoint (for ``resume=auto``)."""
+def find_resumable_run(run_root: Path, experiment: str, *, checkpoint_dir: str = "") -> Path | None:
+    """The newest run directory of ``experiment`` that holds a committed checkpoint (for ``resume=auto``).
+
+    With ``checkpoint_dir`` an object-store URL, the newest one whose ledger records a checkpoint
+    under that URL (the checkpoints are in the bucket, the ledger in the run directory).
+    """
     base = run_root / experiment
     if not base.is_dir():
         return None
+    prefix = str(checkpoint_dir).rstrip("/") + "/"
     for run in sorted((p for p in base.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
-        if any(has_manifest(c) for c in (run / CHECKPOINTS_DIR).glob("step-*")):
+        if is_url(checkpoint_dir):
+            ledger = Ledger(run / LEDGER_NAME)
+            if ledger.path.is_file() and any(r.is_commit and r.checkpoint.startswith(prefix) for r in ledger.rows()):
+                return run
+        elif any(has_manifest(c) for c in (run / CHECKPOINTS_DIR).glob("step-*")):
             return run
     return None
 
@@ -96,8 +107,9 @@ class TrainingCheckpoints:
         self.kind = cfg.trainer.strategy.state_dict_type
         self.config = cfg.to_dict()
         self.manager = CheckpointManager(
-            run_dir / CHECKPOINTS_DIR,
+            checkpoint_location(self.cfg, run_dir),
             ledger_path=run_dir / LEDGER_NAME,
+            storage_options=dict(self.cfg.storage_options or {}),
             async_save=self.cfg.async_save,
             keep_last_n=int(self.cfg.keep_last_n),
             files_per_rank=int(self.cfg.files_per_rank),
@@ -159,7 +171,7 @@ class TrainingCheckpoints:
         before = self.resumed_world_size
         after = int(trainer.info.world_size)
         detail: dict[str, Any] = {
-            "checkpoint": os.path.relpath(path, self.manager.ledger.path.parent),
+            "checkpoint": str(path) if is_url(path) else os.path.relpath(path, self.manager.ledger.path.parent),
             "world_size_before": before,
             "world_size_after": after,
             "cause": restart_cause(

@@ -37,7 +37,7 @@ from shardline.train.build import preflight
 from shardline.train.config import compose_config, experiment_name, to_train_config, to_yaml, validate
 from shardline.train.parentwatch import bind_to_parent
 from shardline.train.preemption import PREEMPTED, PREEMPTED_EXIT_CODE, Preempted
-from shardline.train.preflight import check_data, check_values
+from shardline.train.preflight import check_data, check_storage, check_values
 from shardline.train.records import LOGS_DIR
 from shardline.train.reports import ReportServer
 from shardline.train.schema import TrainConfig
@@ -70,6 +70,7 @@ def train(overrides: Sequence[str], *, print_config: bool = False, config_dirs: 
         validate(cfg, launched=launched)
         preflight(cfg)
         check_values(cfg)
+        check_storage(cfg)
         check_data(cfg)
         experiment = experiment_name(overrides)
         if launched:

@@ -30,17 +30,18 @@ from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.load import load_trainer_state
 from shardline.checkpoint.lifecycle.manager import is_auto_resume, no_resume
 from shardline.checkpoint.lifecycle.staging import dtype_name
-from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, scan
+from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.lineage import order
+from shardline.checkpoint.storage.objects import check_access
 from shardline.errors import CheckpointError, ConfigurationError
 from shardline.train.build import build_model
 from shardline.train.data import load_corpus, make_batches
 from shardline.train.global_batch import plan_global_batch
-from shardline.train.records import RECORDS
+from shardline.train.records import RECORDS, checkpoint_location
 from shardline.train.schema import TrainConfig
 
-__all__ = ["check_data", "check_resume", "check_values", "recorded_global_batch", "world_size"]
+__all__ = ["check_data", "check_resume", "check_storage", "check_values", "recorded_global_batch", "world_size"]
 
 _SHOW = 4
 
@@ -157,6 +158,18 @@ def _fit_problems(cfg: TrainConfig, stored: dict[str, tuple[tuple[int, ...], str
     return problems
 
 
+def check_storage(cfg: TrainConfig) -> None:
+    """An object-store ``checkpoint.dir`` is reachable: its bucket exists and the credentials may list it.
+
+    Checked by the launcher before any worker starts (nothing for a local directory).
+
+    Raises:
+        StorageAccessError: one line naming the bucket, the endpoint and how to fix it.
+        ConfigurationError: a URL naming no bucket, or an unknown protocol.
+    """
+    check_access(checkpoint_location(cfg.checkpoint, "."))
+
+
 def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
     """The checkpoint a resume will load exists, is committed and fits the configured model (see the module note).
 
@@ -173,7 +186,7 @@ def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
     if is_auto_resume(resume):
         if run_dir is None:
             return
-        committed, damaged = scan(run_dir / CHECKPOINTS_DIR)
+        committed, damaged = scan(checkpoint_location(cfg.checkpoint, run_dir))
         if not committed and not damaged:
             records = [n for n in RECORDS if (run_dir / n).is_file() and (run_dir / n).stat().st_size > 0]
             if records:

@@ -8,7 +8,8 @@ A run directory (``trainer.run_dir``, or ``<run_root>/<experiment>/<timestamp>``
     loss.png            the loss curve (with the [plot] extra)
     memory_phases.csv   memory per step phase (the diagnostics callback)
     logs/               rank<N>.log per rank; workers/ holds torch's launcher logs
-    checkpoints/        step-N checkpoints (:mod:`shardline.checkpoint.provenance.directory`)
+    checkpoints/        step-N checkpoints (:mod:`shardline.checkpoint.provenance.directory`), unless
+                        checkpoint.dir names another place (a directory, or s3://BUCKET/PREFIX)
     lineage.sqlite      the hash-chained ledger of those checkpoints (:mod:`shardline.checkpoint.provenance.ledger`)
 
 These names are defined here, once: the callbacks write them, the launcher and resume read them,
@@ -23,9 +24,11 @@ and ``shardline report`` reads them back.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
+from shardline.checkpoint.storage.objects import Location, as_location
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -38,6 +41,7 @@ __all__ = [
     "RECORDS",
     "SUMMARY_FILE",
     "attempt_path",
+    "checkpoint_location",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -48,6 +52,17 @@ MEMORY_PHASES_FILE = "memory_phases.csv"
 LOGS_DIR = "logs"
 RECORDS = (METRICS_FILE, SUMMARY_FILE)
 """The records that show a run directory already holds a training (never restarted over)."""
+
+
+def checkpoint_location(checkpoint: Any, run_dir: str | Path) -> Location:
+    """Where a run's checkpoints go: ``checkpoint.dir`` (a directory or a URL), or ``run_dir/checkpoints``.
+
+    ``checkpoint`` is the run's ``CheckpointConfig`` (its ``dir`` and ``storage_options``).
+    """
+    where = str(getattr(checkpoint, "dir", "") or "")
+    if not where:
+        return Path(run_dir) / CHECKPOINTS_DIR
+    return as_location(where, storage_options=dict(getattr(checkpoint, "storage_options", None) or {}))
 
 
 def attempt_path(run_dir: str | Path, name: str) -> Path:

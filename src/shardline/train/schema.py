@@ -27,7 +27,9 @@ from hydra.core.config_store import ConfigStore
 
 from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.manager import check_object_store_options
 from shardline.checkpoint.state.model_state import SAVE_KINDS
+from shardline.checkpoint.storage.objects import is_url
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 from shardline.train.data.sources import check_source
@@ -231,7 +233,14 @@ class SchedulerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """When checkpoints are written (into RUN_DIR/checkpoints) and how they are checked on load."""
+    """Where checkpoints are written (RUN_DIR/checkpoints, or a bucket), when, and how they are checked on load."""
+
+    dir: str = ""
+    """Where checkpoints go ("": RUN_DIR/checkpoints): a local directory, or an object-store URL
+    (s3://BUCKET/PREFIX; each checkpoint lands in PREFIX/step-N). The lineage ledger stays in RUN_DIR."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the fsspec file system of a URL dir (e.g. endpoint_url, key, secret); default: the AWS
+    environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
 
     every_n_steps: int = 0
     """Save every this many steps (0: no periodic checkpoints)."""
@@ -261,6 +270,10 @@ class CheckpointConfig:
             resolve_files_per_rank(self.files_per_rank)
         except ConfigurationError as exc:
             raise ConfigurationError(f"checkpoint.{exc}") from None
+        if is_url(self.dir):
+            check_object_store_options(
+                str(self.dir), async_save=bool(self.async_save), keep_last_n=int(self.keep_last_n), prefix="checkpoint."
+            )
 
 
 @dataclass

@@ -69,7 +69,11 @@ def resolve_run_dir(cfg: TrainConfig, experiment: str) -> Path:
                 "or pass trainer.resume=auto to continue that run"
             )
         return path
-    found = find_resumable_run(Path(cfg.trainer.run_root), experiment) if resuming else None
+    found = (
+        find_resumable_run(Path(cfg.trainer.run_root), experiment, checkpoint_dir=str(cfg.checkpoint.dir or ""))
+        if resuming
+        else None
+    )
     base = Path(cfg.trainer.run_root) / experiment / datetime.now().strftime("%Y%m%d-%H%M%S")
     path, n = found or base, 1
     while found is None and path.exists():

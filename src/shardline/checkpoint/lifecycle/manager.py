@@ -26,6 +26,23 @@ will go; then the directory is renamed, its ``step-N.sig`` follows it, and ``lat
 repointed if it named it. A crash after the row leaves a move the next manager finishes
 (:meth:`CheckpointManager._finish_quarantines`), so the ledger never meets a moved checkpoint
 it does not account for.
+
+Note: a directory in an object store (``s3://bucket/prefix``). The manager keeps its contract
+through one seam -- :attr:`CheckpointManager.directory` is a :data:`~.objects.Location` -- and
+differs where a bucket lacks what a disk has:
+
+* the commit record is the manifest, uploaded last (:mod:`.save`); a prefix without one is
+  never listed, loaded or resumed, so a crashed save needs no cleanup on open;
+* ``latest`` is derived, not stored: the newest regular checkpoint with a committed manifest,
+  ordered by the ledger. A pointer object would be a second write after the commit that a
+  crash can skip or a reader can see stale (no atomic rename, and a listing and a read of
+  one object are not one snapshot); deriving it from the commit records cannot disagree with them;
+* the ledger stays a local file (``ledger_path`` is required) and its rows name each
+  checkpoint by URL;
+* a damaged checkpoint is moved aside by copying, then deleting -- manifest first
+  (:meth:`CheckpointManager._move_aside_in_store`);
+* not yet on a bucket, refused up front in one line (:func:`check_object_store_options`):
+  ``async_save`` and ``keep_last_n``.
 """
 
 from __future__ import annotations
@@ -48,7 +65,7 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
-from shardline.checkpoint.integrity.manifest import DCP_METADATA, read_manifest
+from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST, read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.host_staging import HostBuffers, bind_writer_device
 from shardline.checkpoint.lifecycle.load import load as load_checkpoint
@@ -77,17 +94,27 @@ from shardline.checkpoint.provenance.retention import (
 )
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, read_statement
 from shardline.checkpoint.storage.fsutil import fsync_dir, is_tmp_lock_name, is_tmp_name, is_trash_name, tmp_in_use
+from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, is_url
 from shardline.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointWarning,
+    ConfigurationError,
     IntegrityError,
     LineageError,
     PublishError,
 )
 
-__all__ = ["ON_EXCEPTION", "RESUME_AUTO", "CheckpointManager", "CommittedCheckpoint", "is_auto_resume", "no_resume"]
+__all__ = [
+    "ON_EXCEPTION",
+    "RESUME_AUTO",
+    "CheckpointManager",
+    "CommittedCheckpoint",
+    "check_object_store_options",
+    "is_auto_resume",
+    "no_resume",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +129,11 @@ class CheckpointManager:
     Every method that touches checkpoints is a collective: call it on every rank.
 
     Args:
-        directory: Where checkpoints live (created if needed).
-        ledger_path: The SQLite ledger (default ``directory/lineage.sqlite``).
+        directory: Where checkpoints live (created if needed): a local directory, or an
+            object-store URL ``s3://bucket/prefix`` (see the module note).
+        ledger_path: The SQLite ledger (default ``directory/lineage.sqlite``; required, and local,
+            for a URL).
+        storage_options: Options of the fsspec file system of a URL (default: the AWS environment).
         async_save: Write checkpoints in a background thread. ``save`` returns once the state is
             copied (staged) into host buffers the manager reuses from save to save (pinned when
             the model is on CUDA; nothing extra on the model's device; :mod:`.host_staging`) and
@@ -119,7 +149,10 @@ class CheckpointManager:
             (0, the default: the cores each rank has on its node, at most 8; :mod:`.parallelism`).
 
     Raises:
-        ConfigurationError: ``keep_last_n`` or ``files_per_rank`` is negative.
+        ConfigurationError: ``keep_last_n`` or ``files_per_rank`` is negative; a URL with
+            ``async_save``, ``keep_last_n`` or no ``ledger_path``.
+        StorageAccessError: a URL whose bucket does not exist, credentials are refused, or
+            endpoint does not answer.
         LineageError: the ledger's chain does not verify, or committed checkpoints on disk are
             missing from it (on every rank; the message says how to continue).
     """
@@ -134,17 +167,30 @@ class CheckpointManager:
         observer: SaveObserver | None = None,
         keep_last_n: int = 0,
         files_per_rank: int = AUTO,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.retention = RetentionPolicy(keep_last_n=keep_last_n)
         resolve_files_per_rank(files_per_rank)
         self.files_per_rank = files_per_rank
-        self.directory = Path(directory).absolute()
-        self.ledger = Ledger(Path(ledger_path).absolute() if ledger_path else self.directory / LEDGER_NAME)
+        self.storage_options = dict(storage_options or {})
+        location = as_location(directory, storage_options=self.storage_options)
+        self.directory: Location = location.absolute()
+        if isinstance(self.directory, ObjectPath):
+            check_object_store_options(
+                str(self.directory), async_save=bool(async_save), keep_last_n=keep_last_n, prefix=""
+            )
+            if ledger_path is None or is_url(ledger_path):
+                raise ConfigurationError(
+                    f"checkpoints at {self.directory} need a local ledger_path (got {ledger_path!r}): the lineage "
+                    "ledger is a SQLite file, e.g. RUN_DIR/lineage.sqlite"
+                )
+            check_access(self.directory)
+        self.ledger = Ledger(Path(ledger_path).absolute() if ledger_path else Path(self.directory) / LEDGER_NAME)
         self.async_save = bool(async_save)
         self.observer = observer or NO_OBSERVER
         self.parent_manifest_hash: str | None = None
         self.resumed_from: Path | None = None
-        self.moved_aside: list[Path] = []
+        self.moved_aside: list[Location] = []
         self._group = process_group
         self._io_group = process_group
         self._thread: threading.Thread | None = None
@@ -165,6 +211,15 @@ class CheckpointManager:
         coord.rank0_decides(self._open, process_group)
 
     # ------------------------------------------------------------------ discovery
+    @property
+    def in_object_store(self) -> bool:
+        """Whether the checkpoints live in an object store (``directory`` is a URL)."""
+        return isinstance(self.directory, ObjectPath)
+
+    def _location(self, text: str) -> Location:
+        """A checkpoint named by rank 0 (as text) as a location of this manager's storage."""
+        return as_location(text, storage_options=self.storage_options)
+
     def path_for(self, step: int, tag: str | None = None) -> Path:
         """The directory a save at ``step`` with ``tag`` goes to: ``step-N`` or ``step-N-TAG``."""
         return self.directory / checkpoint_name(step, tag)
@@ -178,12 +233,22 @@ class CheckpointManager:
         return self.ledger.rows() if self.ledger.path.is_file() else []
 
     def latest(self) -> Path | None:
-        """The checkpoint the ``latest`` pointer names, or None."""
+        """The checkpoint the ``latest`` pointer names, or None (in an object store: the newest regular committed
+        checkpoint by the ledger; see the module note)."""
+        if self.in_object_store:
+            regular = [c for c in self.committed() if c.tag is None]
+            return regular[-1].path if regular else None
         return read_latest(self.directory)
 
     def _open(self) -> None:
         """Rank 0: drop leftovers of crashed saves; check the chain against the disk; finish an interrupted
         quarantine; record a checkpoint committed just before a crash; repoint ``latest``."""
+        if not self.in_object_store:
+            self._drop_leftovers()
+        self._check_and_recover()
+
+    def _drop_leftovers(self) -> None:
+        """Rank 0, local directories: remove what crashed saves, retention and ``latest`` rewrites left."""
         self.directory.mkdir(parents=True, exist_ok=True)
         for child in sorted(self.directory.iterdir()):
             if child.is_dir() and is_tmp_name(child.name):
@@ -200,12 +265,15 @@ class CheckpointManager:
                 shutil.rmtree(child, ignore_errors=True)
             elif child.is_file() and child.name.startswith(f".{LATEST_FILE}.tmp-"):
                 child.unlink(missing_ok=True)  # a `latest` rewrite a crash interrupted before its rename
+
+    def _check_and_recover(self) -> None:
+        """Rank 0: check the chain against the checkpoints; finish quarantines; record an interrupted publish."""
         problems: list[str] = []
         if self.ledger.path.is_file():
             problems += self.ledger.verify(check_checkpoints=False).problems
         elif self.ledger.head_path.exists():
             problems.append(f"the ledger is gone but its head record {self.ledger.head_path.name} is still there")
-        if not problems:
+        if not problems and not self.in_object_store:
             self._finish_quarantines()
         missing, recoverable = unrecorded(self.ledger, [self.directory])
         problems += [
@@ -227,7 +295,11 @@ class CheckpointManager:
         self._last_good = committed[-1].path if committed else None
 
     def _repoint_latest(self) -> None:
-        """Rank 0: ``latest`` names the newest regular checkpoint (by the ledger), or is removed when none is left."""
+        """Rank 0: ``latest`` names the newest regular checkpoint (by the ledger), or is removed when none is left.
+
+        Nothing to do in an object store, where ``latest`` is derived (see the module note)."""
+        if self.in_object_store:
+            return
         regular = [c for c in self.committed() if c.tag is None]
         if regular:
             if self.latest() != regular[-1].path:
@@ -256,7 +328,14 @@ class CheckpointManager:
                 os.rename(signature, moved_signature)
                 fsync_dir(signature.parent)
 
-    def _explicit(self, resume: str | os.PathLike) -> Path:
+    def _explicit(self, resume: str | os.PathLike) -> Location:
+        if is_url(resume):
+            location = self._location(str(resume))
+            if not has_manifest(location):
+                raise CheckpointNotFoundError(
+                    f"cannot resume from {location}: it is not a committed checkpoint (no manifest.json there)"
+                )
+            return location
         path = Path(resume)
         if not path.exists() and (self.directory / path).exists():
             path = self.directory / path
@@ -283,9 +362,17 @@ class CheckpointManager:
             paths = [c.path for c in reversed(order(found, self._rows()))]
             damaged = [[str(d.path), d.reason] for d in broken]
         return {
-            "paths": [[str(p), self.ledger.recorded_hash(p)] for p in paths],
+            "paths": [[str(p), self._recorded_hash(p)] for p in paths],
             "damaged": damaged,
         }
+
+    def _recorded_hash(self, path: Location) -> str | None:
+        """The manifest hash the newest commit row records for the checkpoint ``path`` (None if none)."""
+        if not isinstance(path, ObjectPath):
+            return self.ledger.recorded_hash(path)
+        name = self._rel(path)
+        found = [r.manifest_sha256 for r in self._rows() if r.is_commit and r.checkpoint == name]
+        return found[-1] if found else None
 
     def resolve(self, resume: str | os.PathLike | None) -> Path | None:
         """Which checkpoint a resume would try first (a collective; rank 0 decides). Nothing is verified here.
@@ -300,7 +387,7 @@ class CheckpointManager:
             return None
         self.wait()  # an async save in flight may commit the newest checkpoint
         plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
-        return Path(plan["paths"][0][0]) if plan["paths"] else None
+        return self._location(plan["paths"][0][0]) if plan["paths"] else None
 
     # ------------------------------------------------------------------ save / load
     def save(self, request: SaveRequest) -> CheckpointInfo | None:
@@ -396,7 +483,7 @@ class CheckpointManager:
             if missed.manifest_hash not in self.ledger.manifest_hashes():
                 self._ledger_row(missed, recovered=True)
             self._unrecorded.pop(0)
-        if info.tag is None:
+        if info.tag is None and not self.in_object_store:
             write_latest(self.directory, info.path)
         self.observer.on_phase(SavePhase.AFTER_LATEST, 0)
         self._ledger_row(info, recovered=False)
@@ -444,7 +531,10 @@ class CheckpointManager:
             recovered=recovered,
         )
 
-    def _rel(self, path: Path) -> str:
+    def _rel(self, path: Location) -> str:
+        """How the ledger names a checkpoint: relative to the ledger's directory, or its URL."""
+        if isinstance(path, ObjectPath):
+            return str(path)
         return os.path.relpath(path, self.ledger.path.parent)
 
     def wait(self) -> CheckpointInfo | None:
@@ -475,7 +565,10 @@ class CheckpointManager:
 
     def _move_aside(self, path: Path, reason: str) -> str:
         """Rank 0: record, then move a checkpoint that failed verification aside (with its signature), and
-        repoint ``latest``; returns the new path (see the module note)."""
+        repoint ``latest``; returns the new path (see the module note).
+        """
+        if isinstance(path, ObjectPath):
+            return self._move_aside_in_store(path, reason)
         step = step_of(path.name) or 0
         recorded = self.ledger.recorded_hash(path)
         target = aside_path(path)
@@ -510,6 +603,49 @@ class CheckpointManager:
         )
         return str(moved)
 
+    def _move_aside_in_store(self, path: ObjectPath, reason: str) -> str:
+        """Rank 0, object store: record, copy the checkpoint to ``step-N.damaged-<time>`` beside it, then delete it
+        (its manifest first); returns the new URL.
+
+        Note: an object store has no rename. The ``quarantine`` row comes first, as on disk; then
+        every object is copied (server side) to the aside prefix, whose name is not a checkpoint
+        name; then the original's ``manifest.json`` -- its commit record -- is deleted, so from that
+        request on it is no longer listed or resumed, and the rest after it. A crash in between
+        leaves either the original still committed (the next ``resume=auto`` fails it again and
+        moves it again, to a new name) or an uncommitted prefix that is never listed and that a
+        save of the same step reports as taken.
+        """
+        step = step_of(path.name) or 0
+        recorded = self._recorded_hash(path)
+        target = aside_path(path)
+        self.ledger.append(
+            step=step,
+            tag=None,
+            checkpoint=self._rel(target),
+            manifest_sha256=recorded or "",
+            parent_manifest_sha256=None,
+            world_size=0,
+            event="quarantine",
+            detail={"checkpoint": self._rel(path), "moved_to": self._rel(target), "reason": reason},
+        )
+        fs = path.fs
+        objects = sorted(str(k) for k in fs.find(path.key))
+        for key in objects:
+            fs.copy(key, f"{target.key}/{key[len(path.key) :].lstrip('/')}")
+        manifest = f"{path.key}/{MANIFEST}"
+        if manifest in objects:
+            fs.rm_file(manifest)
+        path.remove_tree()  # the rest, and the prefix itself (a store with directories keeps an empty one)
+        if self._last_good == path:
+            self._last_good = None
+        log.warning(
+            "checkpoint %s failed verification and was moved aside to %s (recorded in the ledger): %s",
+            path,
+            target.name,
+            reason,
+        )
+        return str(target)
+
     def load(
         self,
         resume: str | os.PathLike | None,
@@ -541,10 +677,10 @@ class CheckpointManager:
         auto = is_auto_resume(resume)
         plan = coord.rank0_decides(lambda: self._candidates(resume), self._group)
         for path, reason in plan["damaged"]:
-            moved = coord.rank0_decides(lambda p=path, r=reason: self._move_aside(Path(p), r), self._group)
-            self.moved_aside.append(Path(moved))
+            moved = coord.rank0_decides(lambda p=path, r=reason: self._move_aside(self._location(p), r), self._group)
+            self.moved_aside.append(self._location(moved))
         for path_text, expected in plan["paths"]:
-            path = Path(path_text)
+            path = self._location(path_text)
             try:
                 state = load_checkpoint(
                     path,
@@ -558,7 +694,7 @@ class CheckpointManager:
                 if not auto:
                     raise
                 moved = coord.rank0_decides(lambda p=path, r=str(e): self._move_aside(p, r), self._group)
-                self.moved_aside.append(Path(moved))
+                self.moved_aside.append(self._location(moved))
                 continue
             self.resumed_from = path
             self.parent_manifest_hash = coord.rank0_decides(  # one answer for every rank, or one error
@@ -608,3 +744,25 @@ def no_resume(resume: Any) -> bool:
 def is_auto_resume(resume: Any) -> bool:
     """Whether a ``resume`` argument is :data:`RESUME_AUTO` (the newest committed checkpoint that verifies)."""
     return resume is not None and str(resume) == RESUME_AUTO
+
+
+def check_object_store_options(url: str, *, async_save: bool, keep_last_n: int, prefix: str = "") -> None:
+    """Refuse what checkpoints in an object store do not support yet (see :class:`CheckpointManager`'s note).
+
+    Args:
+        url: The checkpoint directory (for the message).
+        prefix: Prepended to option names in the message (``checkpoint.`` for the train config).
+
+    Raises:
+        ConfigurationError: ``async_save`` or ``keep_last_n`` with an object-store directory.
+    """
+    if async_save:
+        raise ConfigurationError(
+            f"{prefix}async_save=true is not supported with checkpoints in an object store ({url}); "
+            f"set {prefix}async_save=false, or save to a local directory"
+        )
+    if keep_last_n:
+        raise ConfigurationError(
+            f"{prefix}keep_last_n={keep_last_n} is not supported with checkpoints in an object store ({url}) yet; "
+            f"set {prefix}keep_last_n=0 and expire old checkpoints with a bucket lifecycle rule"
+        )

@@ -52,6 +52,7 @@ from typing import Any
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.storage.fsutil import atomic_write_bytes, fsync_dir, fsync_file
+from shardline.checkpoint.storage.objects import as_location, is_url
 from shardline.errors import LineageError
 
 __all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "TOMBSTONE", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
@@ -400,7 +401,8 @@ class Ledger:
                     f"{later[1]} (row {later[0]})"
                 )
                 continue
-            where = self.path.parent / row.checkpoint
+            # A row naming a URL (checkpoints in an object store) is checked in the store itself.
+            where = as_location(row.checkpoint) if is_url(row.checkpoint) else self.path.parent / row.checkpoint
             tomb = next(
                 (
                     t

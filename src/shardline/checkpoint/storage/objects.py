@@ -283,9 +283,19 @@ class ObjectPath:
         return len(data)
 
     def remove_tree(self) -> None:
-        """Delete every object under this prefix (nothing if there is none)."""
+        """Delete every object under this prefix (nothing if there is none), and the prefix's own marker.
+
+        Note: stores backed by a file system (SeaweedFS's filer, for one) keep an empty directory
+        after its objects are deleted, and list it as a common prefix -- so a later save of the same
+        step would find its prefix "taken". Deleting the ``prefix/`` key removes it; on S3 proper
+        that key does not exist and the delete is a no-op.
+        """
         if self._fs.exists(self.key):
             self._fs.rm(self.key, recursive=True)
+        call = getattr(self._fs, "call_s3", None)
+        if call is not None and "/" in self.key:
+            bucket, key = self.key.split("/", 1)
+            call("delete_object", Bucket=bucket, Key=key + "/")
 
 
 Location = Path | ObjectPath
