@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import shardline.checkpoint as ckpt
 from shardline import cli
 from shardline.checkpoint.provenance.directory import scan
+from shardline.checkpoint.provenance.retention import record_deletions
 from shardline.checkpoint.storage.objects import as_location
 from shardline.errors import ConfigurationError, IntegrityError, StorageAccessError
 from shardline.testing import RankFailedError, run_distributed
@@ -241,9 +242,13 @@ def test_manager_on_a_bucket_latest_ledger_and_quarantine(s3_env: S3Server, tmp_
     # move is recorded), then a committed checkpoint deleted from the bucket is named.
     report = ckpt.Ledger(Path(ledger)).verify()
     assert report.ok, report.problems
+    # `lineage --record-deletions` looks for URL rows in the bucket: nothing is gone, nothing is buried.
+    assert record_deletions(ckpt.Ledger(Path(ledger))) == []
     fs.rm(f"{key}/step-1", recursive=True)
     report = ckpt.Ledger(Path(ledger)).verify()
     assert any(f"{root}/step-1" in problem for problem in report.problems), report.problems
+    [buried] = record_deletions(ckpt.Ledger(Path(ledger)))
+    assert (buried.event, buried.checkpoint) == ("tombstone", f"{root}/step-1")
 
     # What a bucket does not support yet, and a ledger it cannot hold, are refused before anything starts.
     with pytest.raises(ConfigurationError, match="keep_last_n=2 is not supported with checkpoints in an object store"):

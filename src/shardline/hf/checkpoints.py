@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardline.checkpoint as ckpt
+from shardline.checkpoint.provenance.ledger import LEDGER_NAME
+from shardline.checkpoint.provenance.retention import record_deletions
 from shardline.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = [
@@ -54,8 +56,7 @@ __all__ = [
 
 CHECKPOINT_DIR = "shardline"
 SCHEDULER_KEY = "lr_scheduler"
-LEDGER_FILE = "lineage.sqlite"  # the name shardline's ledger has beside every run's checkpoints
-_TOMBSTONE = "tombstone"
+LEDGER_FILE = LEDGER_NAME  # the name shardline's ledger has beside every run's checkpoints
 T = TypeVar("T")
 
 
@@ -157,25 +158,7 @@ def record_rotations(run_dir: str | os.PathLike, reason: str) -> int:
         ledger = ckpt.Ledger(run / LEDGER_FILE)
         if not ledger.path.is_file():
             return 0
-        rows = ledger.rows()
-        buried = {(r.checkpoint, r.manifest_sha256) for r in rows if r.event == _TOMBSTONE}
-        appended = 0
-        for row in rows:
-            if not row.is_commit or (row.checkpoint, row.manifest_sha256) in buried or (run / row.checkpoint).exists():
-                continue
-            ledger.append(
-                step=row.step,
-                tag=row.tag,
-                checkpoint=row.checkpoint,
-                manifest_sha256=row.manifest_sha256,
-                parent_manifest_sha256=row.parent_manifest_sha256,
-                world_size=row.world_size,
-                event=_TOMBSTONE,
-                detail={"checkpoint": row.checkpoint, "reason": reason, "commit_row": row.seq},
-            )
-            buried.add((row.checkpoint, row.manifest_sha256))
-            appended += 1
-        return appended
+        return len(record_deletions(ledger, reason=reason))
 
     return _on_rank0(bury)
 

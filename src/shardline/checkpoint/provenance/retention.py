@@ -48,6 +48,7 @@ from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import live_branch, order
 from shardline.checkpoint.provenance.statement import read_statement
 from shardline.checkpoint.storage.fsutil import fsync_dir, trash_dir_for
+from shardline.checkpoint.storage.objects import as_location, is_url
 from shardline.errors import CheckpointError, ConfigurationError, IntegrityError
 
 __all__ = [
@@ -244,11 +245,17 @@ def retire(path: Path, *, ledger: Ledger, reason: str) -> LedgerRow | None:
     return row
 
 
-def record_deletions(ledger: Ledger) -> list[LedgerRow]:
+_AFTER_THE_FACT = (
+    "gone from disk, deleted outside shardline; recorded after the fact by `shardline lineage --record-deletions`"
+)
+
+
+def record_deletions(ledger: Ledger, *, reason: str = _AFTER_THE_FACT) -> list[LedgerRow]:
     """Append a tombstone for every recorded checkpoint that is gone from disk without one (deleted by hand).
 
     Checkpoints moved aside by a quarantine, or already tombstoned, are left alone. The rows say
-    the deletion was recorded after the fact, so nothing about the files can be vouched for.
+    the deletion was recorded after the fact (``reason``: by default, by ``shardline lineage
+    --record-deletions``), so nothing about the files can be vouched for.
     """
     rows = ledger.rows()
     buried = tombstones(rows)
@@ -262,7 +269,13 @@ def record_deletions(ledger: Ledger) -> list[LedgerRow]:
         earlier = buried.get(row.checkpoint)
         if earlier is not None and earlier.seq > row.seq and earlier.manifest_sha256 == row.manifest_sha256:
             continue
-        if (ledger.path.parent / row.checkpoint).exists():
+        # A row naming a URL (a checkpoint in an object store) is looked for in the store, not beside the
+        # ledger, by its commit record: a store may keep listing a prefix whose objects are all gone.
+        if is_url(row.checkpoint):
+            present = (as_location(row.checkpoint) / "manifest.json").exists()
+        else:
+            present = (ledger.path.parent / row.checkpoint).exists()
+        if present:
             continue
         appended.append(
             ledger.append(
@@ -273,12 +286,7 @@ def record_deletions(ledger: Ledger) -> list[LedgerRow]:
                 parent_manifest_sha256=row.parent_manifest_sha256,
                 world_size=row.world_size,
                 event=TOMBSTONE,
-                detail={
-                    "checkpoint": row.checkpoint,
-                    "reason": "gone from disk, deleted outside shardline; recorded after the fact by "
-                    "`shardline lineage --record-deletions`",
-                    "commit_row": row.seq,
-                },
+                detail={"checkpoint": row.checkpoint, "reason": reason, "commit_row": row.seq},
             )
         )
         buried[row.checkpoint] = appended[-1]
