@@ -39,6 +39,7 @@ checkpoint is tagged only once it is in the ledger.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import importlib.util
 import json
@@ -107,7 +108,7 @@ class TrackerError(RuntimeError):
     """A call to an experiment tracker failed (raised on rank 0; the job stops like on any worker error)."""
 
 
-class _Tracker:
+class _Tracker(abc.ABC):
     """What both trackers share: rank 0 only, metrics buffered to each read interval, checkpoints from the ledger,
     and every tracker call on a background thread (see the module docstring)."""
 
@@ -126,17 +127,21 @@ class _Tracker:
         self._every = 1
 
     # -- what each tracker implements (called on the background thread, in order)
+    @abc.abstractmethod
     def _start(self, run: RunInfo, params: dict[str, str], tags: dict[str, str]) -> None:
-        raise NotImplementedError
+        """Open the tracker's run: the resolved config as params, the run's identity as tags."""
 
+    @abc.abstractmethod
     def _log_metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
-        raise NotImplementedError
+        """Log one burst of ``(step, {metric: value})`` rows."""
 
+    @abc.abstractmethod
     def _log_checkpoints(self, hashes: dict[str, str]) -> None:
-        raise NotImplementedError
+        """Record each newly committed checkpoint's manifest hash, keyed by its name."""
 
+    @abc.abstractmethod
     def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
-        raise NotImplementedError
+        """Attach the summary and config, and close the run as finished or failed."""
 
     # -- the background thread
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
