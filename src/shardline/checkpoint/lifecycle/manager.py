@@ -563,17 +563,10 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _move_aside(self, path: Path, reason: str) -> str:
-        """Rank 0: record, then move a checkpoint that failed verification aside (with its signature), and
-        repoint ``latest``; returns the new path (see the module note).
-        """
-        if isinstance(path, ObjectPath):
-            return self._move_aside_in_store(path, reason)
-        step = step_of(path.name) or 0
-        recorded = self.ledger.recorded_hash(path)
-        target = aside_path(path)
+    def _record_quarantine(self, path: Location, target: Location, recorded: str | None, reason: str) -> None:
+        """The ``quarantine`` row, appended before anything is moved (on disk or in a store)."""
         self.ledger.append(
-            step=step,
+            step=step_of(path.name) or 0,
             tag=None,
             checkpoint=self._rel(target),
             manifest_sha256=recorded or "",
@@ -582,6 +575,15 @@ class CheckpointManager:
             event="quarantine",
             detail={"checkpoint": self._rel(path), "moved_to": self._rel(target), "reason": reason},
         )
+
+    def _move_aside(self, path: Path, reason: str) -> str:
+        """Rank 0: record, then move a checkpoint that failed verification aside (with its signature), and
+        repoint ``latest``; returns the new path (see the module note).
+        """
+        if isinstance(path, ObjectPath):
+            return self._move_aside_in_store(path, reason)
+        target = aside_path(path)
+        self._record_quarantine(path, target, self.ledger.recorded_hash(path), reason)
         crash_point("quarantine.recorded")
         moved = move_aside(path, target)
         crash_point("quarantine.moved")
@@ -615,19 +617,8 @@ class CheckpointManager:
         moves it again, to a new name) or an uncommitted prefix that is never listed and that a
         save of the same step reports as taken.
         """
-        step = step_of(path.name) or 0
-        recorded = self._recorded_hash(path)
         target = aside_path(path)
-        self.ledger.append(
-            step=step,
-            tag=None,
-            checkpoint=self._rel(target),
-            manifest_sha256=recorded or "",
-            parent_manifest_sha256=None,
-            world_size=0,
-            event="quarantine",
-            detail={"checkpoint": self._rel(path), "moved_to": self._rel(target), "reason": reason},
-        )
+        self._record_quarantine(path, target, self._recorded_hash(path), reason)
         fs = path.fs
         objects = sorted(str(k) for k in fs.find(path.key))
         for key in objects:
