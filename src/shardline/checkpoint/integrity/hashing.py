@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -48,6 +49,7 @@ from torch.futures import Future
 from shardline import _torch_compat
 from shardline.checkpoint.coordination.parallelism import AUTO, available_cores, files_for_share, resolve_files_per_rank
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
 from shardline.checkpoint.storage.objects import ObjectPath
 from shardline.errors import CheckpointError, IntegrityError
 
@@ -103,23 +105,33 @@ def hasher_pool() -> ThreadPoolExecutor:
 class _HashingStream(io.RawIOBase):
     """A write-only stream that hashes every byte it passes on to ``raw``.
 
-    Note: hashing and writing overlap. For a large buffer, the digest update runs on a helper
-    thread while this thread copies the same buffer into the file; both release the GIL
-    (hashlib for updates over 2 KiB, the file write in the kernel), so on two cores the save
-    takes about max(hash, write) instead of their sum. ``write`` waits for the digest before
-    returning, so the caller may reuse its buffer and digest updates stay in file order.
+    Note: hashing trails the write (:mod:`.digest_queue`). A buffer that will keep its bytes
+    -- an immutable ``bytes``, or a tensor storage in ``retained`` -- is queued for the hasher
+    pool and ``write`` returns once the bytes are in the file. A local file's queue is hashed
+    from the moment the writer asks for the descriptor to fsync it (an upload's as it grows), and
+    the digest is completed at ``close``, so the hash runs while the disk works. Any other large
+    buffer is hashed on a helper thread while this thread writes it, and ``write`` waits for both
+    (the caller may reuse it); small ones are copied into the queue. Updates stay in file order.
     """
 
     def __init__(
-        self, raw: Any, on_close: Any, hasher_pool: ThreadPoolExecutor, before_write: Any, on_error: Any
+        self,
+        raw: Any,
+        on_close: Any,
+        hasher_pool: ThreadPoolExecutor,
+        before_write: Any,
+        on_error: Any,
+        retained: RetainedMemory | None = None,
+        *,
+        local: bool = True,
     ) -> None:
         super().__init__()
         self._raw = raw
         self._on_close = on_close
-        self._pool = hasher_pool
         self._before_write = before_write
         self._on_error = on_error
-        self._hash = hashlib.sha256()
+        self._digest = OrderedDigest(hasher_pool, eager=not local)
+        self._retained = retained
         self._size = 0
 
     def writable(self) -> bool:
@@ -135,25 +147,30 @@ class _HashingStream(io.RawIOBase):
         except OSError as e:
             self._on_error(e)
             raise
-        pending = self._pool.submit(self._hash.update, view) if len(view) >= _OVERLAP_MIN else None
         try:
-            written = 0
-            while written < len(view):
-                n = self._raw.write(view[written:])
-                if n is None or n <= 0:  # a non-blocking raw file would do this; ours never is
-                    raise OSError(f"short write to checkpoint file ({written} of {len(view)} bytes)")
-                written += n
+            if isinstance(view.obj, bytes) or (self._retained is not None and self._retained.covers(view)):
+                written = self._write_all(view)
+                self._digest.later(view)
+            elif len(view) < _OVERLAP_MIN:
+                written = self._write_all(view)
+                self._digest.later(bytes(view))
+            else:
+                written = self._digest.now(view, lambda: self._write_all(view))
         except OSError as e:
             # torch.save reaches this stream through C++, which swallows the exception and reports only
             # "unexpected pos": the error is kept here so the writer can raise the real cause (a full disk).
             self._on_error(e)
             raise
-        finally:
-            if pending is not None:
-                pending.result()
-        if pending is None:
-            self._hash.update(view)
         self._size += written
+        return written
+
+    def _write_all(self, view: memoryview) -> int:
+        written = 0
+        while written < len(view):
+            n = self._raw.write(view[written:])
+            if n is None or n <= 0:  # a non-blocking raw file would do this; ours never is
+                raise OSError(f"short write to checkpoint file ({written} of {len(view)} bytes)")
+            written += n
         return written
 
     def tell(self) -> int:
@@ -163,8 +180,10 @@ class _HashingStream(io.RawIOBase):
         raise io.UnsupportedOperation("checkpoint files are hashed while written and must be written sequentially")
 
     def fileno(self) -> int:
-        # Callers ask for the descriptor to fsync it: Python's buffer must reach the OS first.
+        # Callers ask for the descriptor to fsync it: Python's buffer must reach the OS first, and the
+        # queued hashing starts, to run while the disk flushes.
         self._flush_raw()
+        self._digest.start()
         return self._raw.fileno()
 
     def flush(self) -> None:
@@ -188,7 +207,7 @@ class _HashingStream(io.RawIOBase):
             except OSError as e:
                 self._on_error(e)
                 raise
-            self._on_close(self._size, self._hash.hexdigest())
+            self._on_close(self._size, self._digest.hexdigest())
         finally:
             super().close()
 
@@ -211,6 +230,7 @@ class HashingFileSystem(FileSystem):
         self._abandoned = False
         self.observer = observer
         self.rank = 0
+        self.retained = RetainedMemory()  # the tensors of the write in progress (see _RetainingPlanner)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
@@ -246,7 +266,9 @@ class HashingFileSystem(FileSystem):
             except OSError as e:
                 failed(e)
                 raise
-            stream = _HashingStream(raw, record, hasher_pool(), before_write, failed)
+            stream = _HashingStream(
+                raw, record, hasher_pool(), before_write, failed, self.retained, local=self._objects is None
+            )
             try:
                 yield stream
             finally:
@@ -317,6 +339,33 @@ class HashingFileSystem(FileSystem):
         with self._lock:
             out, self._errors = self._errors, []
         return out
+
+
+class _RetainingPlanner:
+    """The save planner, seen by DCP's writer threads through this: every CPU tensor it resolves is retained.
+
+    Note: so a file's hash may trail its write (:mod:`.digest_queue`). torch.save writes a
+    tensor's storage straight from its memory; holding the tensor until every file is hashed
+    makes that memory safe to hash after ``write`` returned. A tensor that does not own its whole
+    storage is cloned here, as DCP's own loader would clone it (torch.save writes whole
+    storages), so DCP writes the retained clone rather than one of its own.
+    """
+
+    def __init__(self, planner: SavePlanner, retained: RetainedMemory) -> None:
+        self._planner = planner
+        self._retained = retained
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = self._planner.resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and data.device.type == "cpu":
+            data = data.detach()
+            if data.untyped_storage().nbytes() != data.nbytes:
+                data = data.clone()
+            self._retained.keep(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
 
 
 def _nbytes(item: WriteItem) -> int:
@@ -391,13 +440,15 @@ class HashingWriter(FileSystemWriter):
         share = sum(_nbytes(item) for item in plan.items)
         self.thread_count = files_for_share(self.files_per_rank, share_bytes=share, items=len(plan.items))
         try:
-            results = list(super().write_data(plan, planner).wait())
+            results = list(super().write_data(plan, _RetainingPlanner(planner, self._hfs.retained)).wait())
         except Exception:
             self._hfs.abandon()
             errors = self._hfs.take_errors()
             if errors:  # the OS error behind DCP's (or torch.save's) own, e.g. "unexpected pos ..." for a full disk
                 raise errors[0] from None
             raise
+        finally:
+            self._hfs.retained.release()  # every stream is closed, so every file is hashed
         errors = self._hfs.take_errors()
         if errors:  # DCP's extra writer threads end silently on an error: their files are incomplete
             raise errors[0]

@@ -70,7 +70,14 @@ from shardline.checkpoint.lifecycle.host_staging import HostBuffers
 from shardline.checkpoint.lifecycle.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
 from shardline.checkpoint.lifecycle.summary import human_bytes
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, build_statement
-from shardline.checkpoint.storage.fsutil import fsync_dir, fsync_new_dirs, lock_tmp, release_tmp, tmp_dir_for
+from shardline.checkpoint.storage.fsutil import (
+    fsync_dir,
+    fsync_new_dirs,
+    fsync_together,
+    lock_tmp,
+    release_tmp,
+    tmp_dir_for,
+)
 from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, describe, is_url
 from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, PublishError, error_chain
 
@@ -420,11 +427,10 @@ def _info(
     )
 
 
-def _write_durable(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes) -> Path:
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    return path
 
 
 def _finalize(
@@ -445,14 +451,16 @@ def _finalize(
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
     _check_listing(tmp, digests)
     statement, statement_digest, files, data, digest = _records(staged, digests)
-    _write_durable(tmp / STATEMENT_FILE, statement)
+    # Nothing in tmp counts until the rename, so the four records are written first and flushed together
+    # (one journal commit rather than four), with tmp's entries, before it.
+    written = [_write(tmp / STATEMENT_FILE, statement)]
     crash_point("save.statement_written")
-    _write_durable(tmp / MANIFEST, data)
+    written.append(_write(tmp / MANIFEST, data))
     crash_point("save.manifest_written")
-    _write_durable(tmp / MANIFEST_HASH_FILE, render_manifest_hash_file(digest))
+    written.append(_write(tmp / MANIFEST_HASH_FILE, render_manifest_hash_file(digest)))
     crash_point("save.hash_file_written")
-    _write_durable(tmp / SUMS_FILE, render_sums(digest, [d.to_json() for d in files]))
-    fsync_dir(tmp)
+    written.append(_write(tmp / SUMS_FILE, render_sums(digest, [d.to_json() for d in files])))
+    fsync_together(files=written, directories=[tmp])
     crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
     if final.exists() or final.is_symlink():

@@ -6,6 +6,7 @@ import errno
 import os
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from shardline.checkpoint.faults.crashpoints import crash_point
@@ -17,6 +18,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "fsync_new_dirs",
+    "fsync_together",
     "is_tmp_lock_name",
     "is_tmp_name",
     "is_trash_name",
@@ -154,6 +156,28 @@ def fsync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def fsync_together(*, files: list[Path], directories: list[Path]) -> None:
+    """Flush several files' contents and directories' entries to stable storage at once.
+
+    Note: one journal commit instead of one each. A journaling file system (ext4, XFS) commits
+    the fsyncs that wait at the same moment in one transaction, so small files fsynced from
+    several threads at once cost about one commit, where fsyncing them one after another costs
+    one commit each (about 4 ms apiece on this project's reference disk). Durability is the same:
+    this returns only once every one of them is flushed.
+
+    Raises:
+        OSError: the first flush that failed (as :func:`fsync_file` and :func:`fsync_dir` raise).
+    """
+    jobs = [(fsync_file, p) for p in files] + [(fsync_dir, d) for d in directories]
+    if len(jobs) <= 1:
+        for job, path in jobs:
+            job(path)
+        return
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="shardline-fsync") as pool:
+        for future in [pool.submit(job, path) for job, path in jobs]:
+            future.result()
 
 
 def fsync_new_dirs(path: Path, *, existed: Path) -> None:

@@ -1,0 +1,170 @@
+"""SHA-256 of a file being written, computed behind the writer: in file order, on helper threads, finished at close.
+
+Note: why hashing can trail the write, and when it may not.
+
+A durable save spends a large part of its time in ``fsync``, waiting for the disk with the CPU
+idle. If the digest had to be complete when each ``write`` returns, that idle time could not be
+used: the writer thread would wait for the hash of every buffer before writing the next, and on
+two cores two writer threads plus their hashing leave no core free. :class:`OrderedDigest` lets
+``write`` return as soon as the bytes are in the file, queues the buffer, and hashes the queue in
+order on the shared hasher pool; ``hexdigest`` (called once the file is closed, after its fsync)
+waits for the queue.
+
+When the queue is hashed depends on where the bytes go. A local file's writer threads are as
+many as the cores a rank has (:mod:`.parallelism`), and copying into the page cache keeps them
+busy, so hashing during the writes would only slow them down: the queue waits (``eager=False``)
+until the writer asks for the descriptor to fsync it, and is hashed while the disk flushes. An
+upload waits on the network, so its queue is hashed as it grows (``eager=True``).
+
+A queued buffer must still hold the bytes that were written when the hash reaches it. That is
+certain for two kinds only, and only those are queued without a copy:
+
+* a buffer of an immutable ``bytes`` object (``memoryview.obj``): the view keeps it alive;
+* raw memory lying inside a tensor :class:`RetainedMemory` keeps alive: torch.save hands the
+  stream the tensor's storage itself, and the writer retains every tensor it resolves until all
+  its files are hashed (the tensors of a save do not change while it runs: a synchronous save
+  blocks training, an async save writes a private staged copy).
+
+Small buffers (headers, pickled records) are copied into the queue. Any other large buffer (a
+mutable one, such as DCP's byte items; raw memory the writer does not retain, such as a tensor
+DCP copied on its own off an accelerator) is hashed before ``write`` returns, overlapped with the
+write itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["OrderedDigest", "RetainedMemory"]
+
+
+def _address(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers included)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class RetainedMemory:
+    """Tensors kept alive for the duration of a write, and a test of whether a buffer lies inside one of them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: list[tuple[int, int]] = []
+        self._tensors: list[torch.Tensor] = []
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        """Hold ``tensor`` (a CPU tensor that owns its whole storage) until :meth:`release`."""
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        with self._lock:
+            self._tensors.append(tensor)
+            self._ranges.append((start, start + storage.nbytes()))
+
+    def covers(self, view: memoryview) -> bool:
+        """True if every byte of ``view`` lies inside one retained tensor's storage."""
+        if not view.nbytes:
+            return False
+        start = _address(view)
+        end = start + view.nbytes
+        with self._lock:
+            return any(lo <= start and end <= hi for lo, hi in self._ranges)
+
+    def release(self) -> None:
+        """Drop every retained tensor (after every file written with them is hashed)."""
+        with self._lock:
+            self._tensors.clear()
+            self._ranges.clear()
+
+
+class OrderedDigest:
+    """A SHA-256 whose updates may run later, in order, on ``pool`` (see the module note).
+
+    Only one drain task of a digest is on the pool at a time, so its updates stay in order
+    without occupying more than one helper thread per file. With ``eager=False`` the queue is
+    only hashed from :meth:`start` on (see the module note); :meth:`now` and :meth:`hexdigest`
+    start it.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor, *, eager: bool = True) -> None:
+        self._pool = pool
+        self._started = eager
+        self._hash = hashlib.sha256()
+        self._cond = threading.Condition()
+        self._queue: deque[Any] = deque()
+        self._draining = False
+        self._error: BaseException | None = None
+
+    def _idle(self) -> bool:
+        return not self._queue and not self._draining
+
+    def later(self, buffer: Any) -> None:
+        """Queue ``buffer`` (which must stay unchanged until :meth:`hexdigest` returns)."""
+        with self._cond:
+            self._queue.append(buffer)
+        self._kick()
+
+    def start(self) -> None:
+        """Hash the queue from now on (a no-op once started)."""
+        self._started = True
+        self._kick()
+
+    def _kick(self) -> None:
+        with self._cond:
+            if not self._started or self._draining or not self._queue:
+                return
+            self._draining = True
+        self._pool.submit(self._drain)
+
+    def now(self, buffer: memoryview, write: Any) -> Any:
+        """Hash ``buffer`` before returning, overlapped with ``write()`` (which writes it); returns what it returns.
+
+        For a buffer that may change once this returns. Updates queued before it are hashed first.
+        """
+        self.start()
+        self.wait()
+        if buffer.nbytes < (1 << 20):
+            result = write()
+            self._hash.update(buffer)
+            return result
+        pending = self._pool.submit(self._hash.update, buffer)
+        try:
+            return write()
+        finally:
+            pending.result()
+
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._draining = False
+                    self._cond.notify_all()
+                    return
+                buffer = self._queue.popleft()
+            try:
+                self._hash.update(buffer)
+            except BaseException as e:  # kept, and raised by hexdigest in the writer's thread
+                with self._cond:
+                    self._error = e
+                    self._queue.clear()
+                    self._draining = False
+                    self._cond.notify_all()
+                return
+
+    def wait(self) -> None:
+        """Block until every queued update is done; raise the error a queued update raised."""
+        with self._cond:
+            self._cond.wait_for(self._idle)
+            if self._error is not None:
+                raise self._error
+
+    def hexdigest(self) -> str:
+        """The digest of everything given so far (waits for the queue)."""
+        self.start()
+        self.wait()
+        return self._hash.hexdigest()

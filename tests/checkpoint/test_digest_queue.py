@@ -1,0 +1,148 @@
+"""Hashing that trails the write: in file order, only over memory that keeps its bytes, finished at close."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardline.checkpoint.integrity import digest_queue
+from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
+from shardline.checkpoint.integrity.hashing import HashingFileSystem
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ThreadPoolExecutor(max_workers=2) as p:
+        yield p
+
+
+def _view(tensor: torch.Tensor, start: int = 0, length: int | None = None) -> memoryview:
+    """A view of part of a tensor's memory."""
+    return memoryview(tensor.numpy().view(np.uint8).reshape(-1))[start : None if length is None else start + length]
+
+
+def test_updates_run_in_order_whatever_path_each_buffer_takes(pool) -> None:
+    rng = np.random.default_rng(0)
+    chunks = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in (5, 3 * MIB, 17, 2 * MIB + 1, 4096, MIB)]
+    for eager in (True, False):
+        digest = OrderedDigest(pool, eager=eager)
+        for i, chunk in enumerate(chunks):
+            if i % 3 == 2:
+                digest.now(memoryview(bytearray(chunk)), lambda: None)  # a buffer the caller may reuse
+            else:
+                digest.later(memoryview(chunk))
+        assert digest.hexdigest() == hashlib.sha256(b"".join(chunks)).hexdigest()
+
+
+def test_a_lazy_queue_is_not_hashed_before_it_is_started(pool) -> None:
+    digest = OrderedDigest(pool, eager=False)
+    hashed = threading.Event()
+    real = digest._hash
+
+    class Spy:
+        def update(self, data):
+            hashed.set()
+            real.update(data)
+
+        def hexdigest(self):
+            return real.hexdigest()
+
+    digest._hash = Spy()
+    digest.later(b"x" * MIB)
+    assert not hashed.wait(0.2)  # queued, not hashed: the writer's cores are left to the writes
+    digest.start()
+    assert hashed.wait(5)
+    assert digest.hexdigest() == hashlib.sha256(b"x" * MIB).hexdigest()
+
+
+def test_a_failing_update_is_raised_in_the_writers_thread(pool) -> None:
+    digest = OrderedDigest(pool)
+    digest.later(object())  # not a buffer: hashlib raises TypeError on the helper thread
+    with pytest.raises(TypeError):
+        digest.hexdigest()
+
+
+def test_retained_memory_covers_only_the_storages_it_holds() -> None:
+    retained = RetainedMemory()
+    kept = torch.arange(MIB, dtype=torch.float32)
+    other = torch.arange(MIB, dtype=torch.float32)
+    retained.keep(kept)
+    inside = _view(kept, 4096, MIB)
+    assert retained.covers(inside)
+    outside = _view(other, 0, MIB)
+    assert not retained.covers(outside)
+    assert not retained.covers(memoryview(np.empty(0, np.uint8)))
+    retained.release()
+    assert not retained.covers(inside)
+
+
+def test_a_stream_hashes_the_bytes_it_wrote_on_every_path(tmp_path: Path) -> None:
+    """Raw retained tensor memory, raw memory not retained, bytes, a reused bytearray: the file's digest is exact."""
+    fs = HashingFileSystem()
+    kept = torch.randn(MIB)  # 4 MiB, retained: queued without a copy
+    fs.retained.keep(kept)
+    loose = torch.randn(MIB // 2)  # 2 MiB, not retained: hashed before write returns
+    reused = bytearray(b"a" * (2 * MIB))
+    target = tmp_path / "f.distcp"
+    with fs.create_stream(target, "wb") as stream:
+        stream.write(kept.numpy().view(np.uint8).reshape(-1).data)
+        stream.write(b"header" * 10)
+        stream.write(loose.numpy().view(np.uint8).reshape(-1).data)
+        stream.write(reused)
+        reused[:] = b"b" * len(reused)  # the caller reuses its buffer as soon as write returned
+        stream.write(reused)
+        stream.fileno()  # what DCP's writer does before fsync: the lazy queue starts
+    size, digest = fs.take()[str(target)]
+    data = target.read_bytes()
+    assert size == len(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    fs.retained.release()
+
+
+def test_the_address_of_a_read_only_buffer_is_its_first_byte() -> None:
+    array = np.arange(64, dtype=np.uint8)
+    view = memoryview(array.tobytes())
+    assert digest_queue._address(memoryview(array)[8:]) == array.ctypes.data + 8
+    assert digest_queue._address(view) != 0
+
+
+def test_a_dcp_save_queues_every_tensor_without_copying_it(tmp_path: Path, monkeypatch) -> None:
+    """Through DCP and torch.save: every large buffer is a retained tensor's memory, and each digest is exact."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardline.checkpoint.integrity.hashing import HashingWriter
+
+    paths: dict[str, int] = {"later": 0, "now": 0}
+    later, now = OrderedDigest.later, OrderedDigest.now
+
+    def spy_later(self, buffer):
+        if memoryview(buffer).nbytes >= MIB:
+            paths["later"] += memoryview(buffer).nbytes
+        return later(self, buffer)
+
+    def spy_now(self, buffer, write):
+        paths["now"] += buffer.nbytes
+        return now(self, buffer, write)
+
+    monkeypatch.setattr(OrderedDigest, "later", spy_later)
+    monkeypatch.setattr(OrderedDigest, "now", spy_now)
+    big = torch.randn(4096, 256)
+    state = {"a": torch.randn(512, 1024), "b": big[:, :128], "c": torch.randn(3)}  # b: a view DCP must clone
+    writer = HashingWriter(tmp_path, files_per_rank=2)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    assert paths == {"later": 512 * 1024 * 4 + 4096 * 128 * 4, "now": 0}
+    for record in writer.file_digests:
+        data = (tmp_path / record.path).read_bytes()
+        assert (record.bytes, record.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    loaded = {"a": torch.empty(512, 1024), "b": torch.empty(4096, 128), "c": torch.empty(3)}
+    dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
+    assert torch.equal(loaded["b"], big[:, :128])
+    assert torch.equal(loaded["a"], state["a"])
