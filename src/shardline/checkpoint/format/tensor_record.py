@@ -108,7 +108,36 @@ class _TensorUnpickler(pickle.Unpickler):
         return _StorageRef(key, kind.dtype, numel)
 
 
-def _record_start(data: bytes, info: zipfile.ZipInfo) -> int:
+class _BufferFile(io.RawIOBase):
+    """A read-only, seekable file over a buffer that never copies it (``io.BytesIO`` copies all but ``bytes``)."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._view[self._pos : self._pos + len(buffer)]
+        memoryview(buffer).cast("B")[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+def _record_start(data: bytes | memoryview, info: zipfile.ZipInfo) -> int:
     """Where a stored (uncompressed) record's bytes begin, from its local header."""
     at = info.header_offset
     signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(data, at)
@@ -117,15 +146,18 @@ def _record_start(data: bytes, info: zipfile.ZipInfo) -> int:
     return at + _LOCAL_HEADER.size + name_len + extra_len
 
 
-def decode_tensor(data: bytes) -> torch.Tensor | None:
+def decode_tensor(data: bytes | memoryview) -> torch.Tensor | None:
     """The tensor ``torch.save`` wrote into ``data``, as a read-only view of ``data`` (no copy).
+
+    ``data`` may be any buffer (``bytes``, or a ``memoryview`` of a mapped file).
 
     Returns ``None`` when ``data`` is not a plain dense tensor archive in this machine's byte
     order (use ``torch.load`` then). Raises when the archive is damaged in a way ``torch.load``
     would also refuse (e.g. a record shorter than its tensor); the caller reports it.
     """
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))  # shares ``data`` (bytes are immutable)
+        # bytes are shared by BytesIO; any other buffer (a mapped file) is read through a view, never copied
+        archive = zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else io.BufferedReader(_BufferFile(data)))
         names = archive.namelist()
         pickles = [n for n in names if n.endswith("/data.pkl")]
         if len(pickles) != 1:

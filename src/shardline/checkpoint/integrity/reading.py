@@ -24,9 +24,11 @@ Note: how a verified load reads every byte once and hashes it once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
+import mmap
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -235,21 +237,90 @@ class VerifyingReader(MetadataReader):
         if entry is None:
             problems.append(FileProblem(name, "unexpected", "read by DCP but not listed in the manifest"))
             return
+        file = self._root / name
+        if isinstance(file, ObjectPath):
+            actual, size, unreadable = self._stream_hashing(name, items, planner, problems)
+        else:
+            actual, size, unreadable = self._map_hashing(file, items, planner, problems)
+        if actual is None:
+            return
+        self.hashed[name] = actual
+        if size != int(entry["bytes"]):
+            problems.append(FileProblem(name, "altered", f"size {size} bytes, manifest records {entry['bytes']}"))
+        elif actual != entry["sha256"]:
+            problems.append(FileProblem(name, "altered", f"sha256 {actual}, manifest records {entry['sha256']}"))
+        elif unreadable is not None:  # it matches the manifest, yet does not deserialize: a writer's bug, not damage
+            problems.append(FileProblem(name, "unreadable", unreadable))
+
+    def _map_hashing(
+        self, file: Path, items: list[ReadItem], planner: LoadPlanner, problems: list[FileProblem]
+    ) -> tuple[str | None, int, str | None]:
+        """A local file, mapped read-only: ``(sha256, size, why an item could not be decoded)``.
+
+        Note: one pass over the page cache, no copy. The whole file is hashed on a helper thread
+        straight from the mapping while this thread decodes each item from the same pages and
+        copies it into its target, so the bytes are never copied into a buffer first (a read's
+        memcpy and its fresh pages cost about as much as the decoding). The kernel is told the
+        file is read once, in order (``MADV_SEQUENTIAL``), so a cold file streams in by aggressive
+        readahead under both threads.
+        A file truncated by another process while mapped would fault (SIGBUS); checkpoint files
+        are written once and never truncated in place -- shardline's own deletions unlink, which
+        leaves a mapping intact.
+        """
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:  # nothing to map; an empty file hashes as empty
+                return hashlib.sha256().hexdigest(), 0, None
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        view = memoryview(mapping)
+        try:
+            if hasattr(mmap, "MADV_SEQUENTIAL"):  # (not WILLNEED: queueing the whole file's reads up front costs more)
+                mapping.madvise(mmap.MADV_SEQUENTIAL)
+            digest = hashlib.sha256()
+            pending = hasher_pool().submit(digest.update, view)
+            unreadable: str | None = None
+            try:
+                pos = 0
+                for offset, length, group in self._groups(items):
+                    if offset < pos:
+                        problems.append(FileProblem(file.name, "altered", f"items overlap at byte {offset}"))
+                        return None, size, None
+                    if offset + length > size:
+                        break  # a short file: the size check reports it
+                    pos = offset + length
+                    if unreadable is not None:
+                        continue
+                    try:
+                        self._load(group, view[offset : offset + length], planner)
+                    except Exception as e:
+                        unreadable = f"an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
+            finally:
+                pending.result()
+            return digest.hexdigest(), size, unreadable
+        finally:
+            view.release()
+            with contextlib.suppress(BufferError):  # a decoded view still alive: the mapping goes with it
+                mapping.close()
+
+    def _stream_hashing(
+        self, name: str, items: list[ReadItem], planner: LoadPlanner, problems: list[FileProblem]
+    ) -> tuple[str | None, int, str | None]:
+        """An object, read in one sequential streamed pass: ``(sha256, size, why an item could not be decoded)``."""
         digest = hashlib.sha256()
         pool = hasher_pool()
         pos = 0
         short = False
         unreadable: str | None = None  # once an item fails to deserialize, the rest is only hashed
         # Note: the digest of item k runs on a helper thread while this thread deserializes item k and
-        # reads item k+1 from disk; it is waited for only before the next update, so updates stay in
-        # file order and hashing overlaps both decoding and I/O.
+        # reads item k+1; it is waited for only before the next update, so updates stay in file order and
+        # hashing overlaps both decoding and the download.
         pending: Any = None
         try:
             with self._open(name) as f:
                 for offset, length, group in self._groups(items):
                     if offset < pos:
                         problems.append(FileProblem(name, "altered", f"items overlap at byte {offset}"))
-                        return
+                        return None, 0, None
                     if offset > pos:
                         pending = _settle(pending)
                         pos = self._hash_span(f, digest, pos, offset)
@@ -274,14 +345,11 @@ class VerifyingReader(MetadataReader):
         finally:
             _settle(pending)
         size = (self._root / name).stat().st_size
-        actual = digest.hexdigest()
-        self.hashed[name] = actual
-        if short or size != int(entry["bytes"]):
-            problems.append(FileProblem(name, "altered", f"size {size} bytes, manifest records {entry['bytes']}"))
-        elif actual != entry["sha256"]:
-            problems.append(FileProblem(name, "altered", f"sha256 {actual}, manifest records {entry['sha256']}"))
-        elif unreadable is not None:  # it matches the manifest, yet does not deserialize: a writer's bug, not damage
-            problems.append(FileProblem(name, "unreadable", unreadable))
+        if short:  # the file ended inside an item: whatever its size, it is not what the manifest records
+            recorded = self._to_hash[name]["bytes"]
+            problems.append(FileProblem(name, "altered", f"size {size} bytes, manifest records {recorded}"))
+            return None, size, None
+        return digest.hexdigest(), size, unreadable
 
     @staticmethod
     def _hash_span(f: Any, digest: Any, pos: int, end: int | None) -> int:
@@ -294,27 +362,28 @@ class VerifyingReader(MetadataReader):
             pos += len(chunk)
         return pos
 
-    def _load(self, group: list[ReadItem], data: bytes, planner: LoadPlanner) -> None:
+    def _load(self, group: list[ReadItem], data: bytes | memoryview, planner: LoadPlanner) -> None:
         # The group's items all read one stored tensor: decode it once, as a view of ``data`` (no copy,
         # no torch.load; see tensor_record.py), or leave it None for torch.load when that declines.
         decoded: torch.Tensor | None = None
         tried = False
         for item in group:
             info = self.storage_data[item.storage_index]
-            stream: Any = io.BytesIO(data)
             descriptors = getattr(info, "transform_descriptors", None) or ()
+            stream: Any = None
             if descriptors:  # DCP extensions (e.g. compression); shardline writes none
-                stream = self.transforms.transform_load_stream(item, descriptors, stream)
+                stream = self.transforms.transform_load_stream(item, descriptors, io.BytesIO(data))
             if item.type == LoadItemType.BYTE_IO:
-                value = io.BytesIO(stream.read(-1))
+                value = io.BytesIO(stream.read(-1) if stream is not None else bytes(data))
                 with self._planner_lock:
                     planner.load_bytes(item, value)
                 continue
-            if not tried and not descriptors:
+            if stream is None and not tried:
                 decoded, tried = decode_tensor(data), True
-            if decoded is not None and not descriptors:
+            if stream is None and decoded is not None:
                 stored = decoded
             else:
+                stream = stream if stream is not None else io.BytesIO(data)  # (a copy of a mapped view: a fallback)
                 if not stream.seekable():
                     stream = io.BytesIO(stream.read(-1))
                 stored = torch.load(stream, map_location="cpu", weights_only=True)
