@@ -16,13 +16,21 @@ ranks per shard group:
   largest unit, is dropped at the end of every backward and taken again (``P_u r`` fresh);
 * ZeRO-1: the gradients are packed into a new buffer whose rows become the ``.grad`` (``r``
   copied, ``r`` fresh), all-reduced in place; the next forward zeroes the other ranks' rows of
-  the fp32 parameters (``4 (S-1)/S`` zeroed) before the all-gather, once per step;
+  the fp32 parameters (``4 (S-1)/S`` zeroed) before the all-gather -- every micro-batch's
+  forward, since each reduction marks the parameters for gathering again;
 * ZeRO-0: the gradients are packed into the scratch buffer and copied back after the all-reduce
   (``2 r`` copied, ``P_u r`` fresh per backward); when ``r`` is not the parameters' dtype, the
   ZeRO-1 path instead;
 * without mixed precision (``p = 4``) ZeRO-0/1 compute on the fp32 parameters themselves;
   otherwise each forward casts them (``p`` copied);
-* accumulation: every micro-batch after the first adds its reduced rows into the ``.grad``.
+* accumulation: every micro-batch after the first adds its reduced rows into the ``.grad``
+  (an addition, not counted: autograd's own accumulation is of the same kind and not counted
+  either).
+
+``tests/diagnostics/test_plan.py::test_host_traffic_counts_the_engines_copies`` runs the engine
+and checks the copied and zeroed bytes exactly against these counts, for every strategy, with and
+without accumulation. The fresh bytes are an upper bound: the allocator sometimes serves a new
+buffer from memory freed earlier in the step (docs/planning.md has the page faults measured).
 
 Autograd's own allocations (activations, the full gradients of each unit before they are
 packed) are the model's and the same for every strategy; the calibrated matmul rate includes
@@ -110,7 +118,6 @@ def host_traffic(
         fresh += accum * (gathered * p + psi * r / shard + unit * r)
         zeroed += accum * gathered * p
         copied += accum * (gathered * p / shard + psi * r + psi * r / shard)
-        copied += (accum - 1) * psi * r / shard
     else:
         if p != _MASTER_BYTES:  # each forward casts the fp32 parameters to the compute dtype
             copied += accum * psi * p
@@ -120,7 +127,6 @@ def host_traffic(
         else:  # ZeRO-0: pack into the scratch buffer, copy the reduced values back
             copied += accum * 2 * psi * r
             fresh += accum * unit * r
-        if policy.shard_optimizer:  # the in-place all-gather of the updated rows, once per step
-            zeroed += psi * _MASTER_BYTES * (world - 1) / world
-        copied += (accum - 1) * psi * r / (world if policy.shard_optimizer else 1)
+        if policy.shard_optimizer:  # the in-place all-gather of the rows, before every micro-batch's forward
+            zeroed += accum * psi * _MASTER_BYTES * (world - 1) / world
     return HostTraffic(copied=copied, zeroed=zeroed, fresh=fresh)
