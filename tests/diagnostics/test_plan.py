@@ -198,8 +198,9 @@ def test_cli_predicts_one_configuration_as_json(capsys: pytest.CaptureFixture[st
     for key in ("step_time_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "fits"):
         assert key in record
     split = record["time_split_s"]
-    assert set(split) == {"compute", "exposed_comm", "recompute", "optimizer"}
+    assert set(split) == {"compute", "exposed_comm", "recompute", "optimizer", "engine_memory"}
     assert sum(split.values()) == pytest.approx(record["step_time_s"])
+    assert split["engine_memory"] == 0  # a GPU: the engine's host-memory work is not charged
     assert 0 < record["mfu"] < 1
     assert record["fits"] is True
 
