@@ -292,16 +292,18 @@ def test_calibrated_plan_predicts_the_saved_bench_run(key: str) -> None:
 
 # The engine's own memory work on gloo, counted by the plan (plan/host_traffic.py), against the engine running:
 # every copy_, zero_ and cat(out=) of one step (forward and backward, one or two micro-batches) of a tiny GPT at
-# W=2, minus those of the same steps of the plain model, must be exactly the counted bytes.
+# W=2, minus those of the same steps of the plain model, must be exactly the counted bytes; and the bytes its
+# collectives moved, exactly the plan's volume per step (the saved benchmark checks one micro-batch only).
 _TRAFFIC_STRATEGIES = ("full_shard", "shard_grad_op", "shard_opt", "no_shard")
 _TRAFFIC_GPT = {"vocab_size": 64, "seq_len": 16, "dim": 32, "n_layers": 3, "n_heads": 2}
 
 
-def _memory_work(rank: int, world: int) -> dict[tuple[str, int], tuple[int, int]]:
+def _memory_work(rank: int, world: int) -> dict[tuple[str, int], tuple[int, ...]]:
     import torch.nn.functional as F
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import shardline
+    from shardline.engine import comm_stats, reset_comm_stats
     from shardline.models.gpt import GPT, Block
 
     aten = torch.ops.aten
@@ -321,6 +323,11 @@ def _memory_work(rank: int, world: int) -> dict[tuple[str, int], tuple[int, int]
                 self.zeroed += args[0].numel() * args[0].element_size()
             return func(*args, **kwargs)
 
+    def record(count: Count, sharded: torch.nn.Module | None) -> tuple[int, ...]:
+        stats = comm_stats(sharded) if sharded is not None else None
+        kinds = ("all_gather", "reduce_scatter", "all_reduce")
+        return (count.copied, count.zeroed, *(stats.nbytes(k) if stats else 0 for k in kinds))
+
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
 
     def micro_batch(model: torch.nn.Module) -> None:
@@ -337,11 +344,14 @@ def _memory_work(rank: int, world: int) -> dict[tuple[str, int], tuple[int, int]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         count = Count()
+        if strategy != "plain":
+            reset_comm_stats(model)
+
         with count:
             micro_batch(model)
-            out[(strategy, 1)] = (count.copied, count.zeroed)
+            out[(strategy, 1)] = record(count, model if strategy != "plain" else None)
             micro_batch(model)  # accumulation: a second micro-batch before the optimizer step
-            out[(strategy, 2)] = (count.copied, count.zeroed)
+            out[(strategy, 2)] = record(count, model if strategy != "plain" else None)
     return out
 
 
@@ -352,10 +362,18 @@ def test_host_traffic_counts_the_engines_copies() -> None:
         for accum in (1, 2):
             counted = host_traffic(arch, policy=ShardingStrategy.parse(strategy).policy, world=2, shard=2,
                                    reshard_after_forward=None, param_bytes=4, reduce_bytes=4, accum=accum)  # fmt: skip
+            # and the communication volume with accumulation (every micro-batch gathers and reduces again)
+            cluster = Cluster(device=get_device("H100-SXM"), nodes=1, gpus_per_node=2)
+            training = Training(seq_len=16, global_batch=2 * 2 * accum, param_dtype=torch.float32)
+            candidate = Candidate(strategy=ShardingStrategy.parse(strategy), micro_batch=2,
+                                  ac=ActivationCheckpointing.NONE)  # fmt: skip
+            volume = step_volume(arch, cluster=cluster, training=training, candidate=candidate)
+            planned = [volume.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")]
             for rank, res in enumerate(results):
                 engine = [a - b for a, b in zip(res[(strategy, accum)], res[("plain", accum)], strict=True)]
-                assert engine == [counted.copied, counted.zeroed], (strategy, accum, rank)
+                assert engine[:2] == [counted.copied, counted.zeroed], (strategy, accum, rank)
                 assert engine[0] > 0
+                assert engine[2:] == planned, (strategy, accum, rank)
 
 
 @pytest.mark.slow

@@ -11,8 +11,9 @@ gradient accumulation without ``no_sync``):
   ``Psi`` parameters, ``p``/``r`` bytes per parameter / reduced gradient, ``S`` ranks per shard group:
   forward all-gather ``Psi*p`` (ZeRO-2/3), a second one in backward for the blocks except the last
   when parameters are freed after forward (ZeRO-3), reduce-scatter ``Psi*r``, plus an all-reduce of
-  ``Psi*r/S`` across replicas (hybrid); ZeRO-1 all-reduces ``Psi*r`` and all-gathers the updated
-  fp32 rows ``Psi*4`` once per step; ZeRO-0 all-reduces ``Psi*r``;
+  ``Psi*r/S`` across replicas (hybrid); ZeRO-1 all-reduces ``Psi*r`` and all-gathers the fp32
+  rows ``Psi*4`` before every micro-batch (the engine gathers again after every reduction);
+  ZeRO-0 all-reduces ``Psi*r``;
 * a ring collective over ``n`` ranks moves ``(n-1)/n`` of the buffer per rank (twice that for an
   all-reduce) at the group's bus bandwidth: the intra-node link when the group is inside one
   node, else ``min(intra, k * inter)`` for ``k`` group members per node (the node's NICs carry one
@@ -199,7 +200,7 @@ class _Collective:
     nbytes: float  # the whole buffer (gathered / reduced size)
     group: int
     stride: int
-    phase: str  # "forward", "backward", "step" (forward of the first micro-batch only)
+    phase: str  # "forward" or "backward" (of every micro-batch)
     edge: float  # the share that cannot overlap (first gather / last reduction)
 
 
@@ -244,7 +245,8 @@ def _collectives(arch: Architecture, cluster: Cluster, training: Training, c: Ca
             out.append(_Collective("all_reduce", psi * r / shard, replicas, shard, "backward", edge_last))
     elif knobs.shard_optimizer and not knobs.shard_params and world > 1:  # ZeRO-1
         out.append(_Collective("all_reduce", psi * r, world, 1, "backward", edge_last))
-        out.append(_Collective("all_gather", psi * 4, world, 1, "step", edge_first))
+        # Every micro-batch's forward: each reduction marks the rows for gathering again (docs/planning.md).
+        out.append(_Collective("all_gather", psi * 4, world, 1, "forward", edge_first))
     elif world > 1:  # ZeRO-0
         out.append(_Collective("all_reduce", psi * r, world, 1, "backward", edge_last))
     return out
@@ -255,7 +257,7 @@ def step_volume(arch: Architecture, *, cluster: Cluster, training: Training, can
     accum = accumulation_steps(cluster, training, candidate.micro_batch)
     volume: dict[str, float] = {}
     for coll in _collectives(arch, cluster, training, candidate):
-        times = 1 if coll.phase == "step" else accum
+        times = accum
         volume[coll.kind] = volume.get(coll.kind, 0.0) + coll.nbytes * times
     return {kind: round(n) for kind, n in volume.items()}
 
@@ -307,7 +309,6 @@ def predict(
         return total, edge
 
     fwd_comm, fwd_edge = phase("forward")
-    step_comm, step_edge = phase("step")
     bwd_comm, bwd_edge = phase("backward")
 
     def forward_time(comm: float, edge: float) -> float:
@@ -319,8 +320,7 @@ def predict(
         backward_time = max(backward + recompute, bwd_comm - bwd_edge) + bwd_edge
     else:
         backward_time = backward + recompute + bwd_comm
-    fwd_first = forward_time(fwd_comm + step_comm, fwd_edge + step_edge)
-    fwd_rest = forward_time(fwd_comm, fwd_edge)
+    forward_each = forward_time(fwd_comm, fwd_edge)
     knobs = c.strategy.policy
     shard = (c.shard_size or world) if knobs.hybrid else world
     local_params = arch.num_params / (shard if knobs.shard_optimizer else 1)
@@ -333,7 +333,7 @@ def predict(
         )  # fmt: skip
         copy_gbps, fill_gbps, first_touch_gbps = device.host_memory_gbps
         engine_memory = traffic.seconds(copy_gbps=copy_gbps, fill_gbps=fill_gbps, first_touch_gbps=first_touch_gbps)
-    step = fwd_first + (accum - 1) * fwd_rest + accum * backward_time + optimizer + engine_memory
+    step = accum * (forward_each + backward_time) + optimizer + engine_memory
 
     if memory is None:
         memory = plan_memory(
@@ -366,7 +366,7 @@ def predict(
         compute_s=compute,
         recompute_s=recompute_total,
         exposed_comm_s=max(0.0, step - compute - recompute_total - optimizer - engine_memory),
-        comm_s=sum(t for _, t in timed) * accum - step_comm * (accum - 1),
+        comm_s=sum(t for _, t in timed) * accum,
         optimizer_s=optimizer,
         grad_accum=accum,
         memory=memory,
