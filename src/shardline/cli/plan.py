@@ -76,7 +76,12 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         print(
             f"this machine: matmul {cal.matmul_gflops:.1f} GFLOP/s; gloo bus bandwidth: all-reduce "
             f"{cal.all_reduce_gbps:.2f}, all-gather {cal.all_gather_gbps:.2f}, reduce-scatter "
-            f"{cal.reduce_scatter_gbps:.2f} Gb/s; AdamW {cal.optimizer_gbps:.2f} Gb/s per rank",
+            f"{cal.reduce_scatter_gbps:.2f} Gb/s; AdamW {cal.optimizer_gbps:.2f} Gb/s per rank"
+            + (
+                f"; copy {cal.copy_gbps:.1f}, fill {cal.fill_gbps:.1f}, first touch {cal.first_touch_gbps:.1f} Gb/s"
+                if cal.host_memory_gbps is not None
+                else ""
+            ),
             file=sys.stderr,
         )
         device, gpus_per_node = cal.device(), cal.ranks

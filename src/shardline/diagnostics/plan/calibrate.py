@@ -11,7 +11,12 @@
   (``2(n-1)/n`` of the buffer per rank per second for an all-reduce, ``(n-1)/n`` for the others);
 * times ``torch.optim.AdamW.step()`` on four ``dim x 4dim`` parameters (the MLP's shapes: the
   optimizer's speed depends on the tensor sizes through the caches): bytes streamed per second,
-  the memory bandwidth of the optimizer step.
+  the memory bandwidth of the optimizer step;
+* times, on a buffer as large as the collectives' (the size of the engine's gather buffers):
+  ``copy_`` between two warm buffers (bytes copied per second), ``zero_`` of a warm buffer (bytes
+  zeroed per second), and ``zero_`` of a buffer allocated just before: the difference between
+  the last two is the cost of a first touch (a fresh ``mmap``'s page faults), expressed as
+  bytes per second. These price the engine's own memory work (:mod:`.host_traffic`).
 
 Each figure is the best of several repetitions (each repetition as long as its slowest rank):
 on a machine shared with other work the best repetition is the machine's own speed and the
@@ -50,6 +55,11 @@ class Calibration:
         all_gather_gbps: All-gather bus bandwidth as shardline issues it on gloo, Gb/s.
         reduce_scatter_gbps: Reduce-scatter bus bandwidth as shardline issues it on gloo, Gb/s.
         optimizer_gbps: AdamW streaming bandwidth, Gb/s.
+        copy_gbps: ``copy_`` between warm buffers, bytes copied per second, Gb/s (None: a calibration
+            saved before this was measured; then the engine's memory work is not charged).
+        fill_gbps: ``zero_`` of a warm buffer, Gb/s (None: as ``copy_gbps``).
+        first_touch_gbps: Freshly allocated bytes per second of extra time their first write
+            takes over a warm one, Gb/s (None: as ``copy_gbps``).
         memory_gib: Memory per rank (the machine's memory shared by the ranks), GiB.
         shape: The matmul measured, ``(tokens, dim, 4 * dim)``.
     """
@@ -62,6 +72,16 @@ class Calibration:
     optimizer_gbps: float
     memory_gib: float
     shape: tuple[int, int, int]
+    copy_gbps: float | None = None
+    fill_gbps: float | None = None
+    first_touch_gbps: float | None = None
+
+    @property
+    def host_memory_gbps(self) -> tuple[float, float, float] | None:
+        """Copy, fill and first-touch rates, when this calibration measured them."""
+        if self.copy_gbps is None or self.fill_gbps is None or self.first_touch_gbps is None:
+            return None
+        return (self.copy_gbps, self.fill_gbps, self.first_touch_gbps)
 
     def device(self) -> Device:
         """This machine as a planner device (one rank = one "GPU")."""
@@ -79,6 +99,7 @@ class Calibration:
                 ("all_gather", self.all_gather_gbps),
                 ("reduce_scatter", self.reduce_scatter_gbps),
             ),
+            host_memory_gbps=self.host_memory_gbps,
         )
 
     def save(self, path: str | Path) -> None:
@@ -135,6 +156,10 @@ def _measure(rank: int, world: int, shape: tuple[int, int, int], comm_mib: int, 
         p.grad = torch.randn_like(p) * 1e-3
     opt = torch.optim.AdamW(params, lr=1e-3)
     step = _best_slowest(_timed(opt.step, repeats))
+    source, target = torch.ones_like(full), torch.ones_like(full)
+    copy = _best_slowest(_timed(lambda: target.copy_(source), repeats))
+    fill = _best_slowest(_timed(target.zero_, repeats))
+    fresh = _best_slowest(_timed(lambda: torch.empty_like(full).zero_(), repeats))
     nbytes = full.numel() * 4
     frac = (world - 1) / world
     return {
@@ -143,6 +168,11 @@ def _measure(rank: int, world: int, shape: tuple[int, int, int], comm_mib: int, 
         "all_gather_gbps": frac * nbytes / ag * 8 / 1e9,
         "reduce_scatter_gbps": frac * nbytes / rs * 8 / 1e9,
         "optimizer_gbps": ADAMW_BYTES_PER_PARAM * 4 * k * n / step * 8 / 1e9,
+        "copy_gbps": nbytes / copy * 8 / 1e9,
+        "fill_gbps": nbytes / fill * 8 / 1e9,
+        # a first touch costs at least a hundredth of the whole fresh write (no division by ~0 where
+        # an allocator hands back warm pages)
+        "first_touch_gbps": nbytes / max(fresh - fill, fresh / 100) * 8 / 1e9,
     }
 
 

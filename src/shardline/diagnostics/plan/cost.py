@@ -11,8 +11,9 @@ gradient accumulation without ``no_sync``):
   ``Psi`` parameters, ``p``/``r`` bytes per parameter / reduced gradient, ``S`` ranks per shard group:
   forward all-gather ``Psi*p`` (ZeRO-2/3), a second one in backward for the blocks except the last
   when parameters are freed after forward (ZeRO-3), reduce-scatter ``Psi*r``, plus an all-reduce of
-  ``Psi*r/S`` across replicas (hybrid); ZeRO-1 all-reduces ``Psi*r`` and all-gathers the updated
-  fp32 rows ``Psi*4`` once per step; ZeRO-0 all-reduces ``Psi*r``;
+  ``Psi*r/S`` across replicas (hybrid); ZeRO-1 all-reduces ``Psi*r`` and all-gathers the fp32
+  rows ``Psi*4`` before every micro-batch (the engine gathers again after every reduction);
+  ZeRO-0 all-reduces ``Psi*r``;
 * a ring collective over ``n`` ranks moves ``(n-1)/n`` of the buffer per rank (twice that for an
   all-reduce) at the group's bus bandwidth: the intra-node link when the group is inside one
   node, else ``min(intra, k * inter)`` for ``k`` group members per node (the node's NICs carry one
@@ -28,6 +29,10 @@ gradient accumulation without ``no_sync``):
 
 The optimizer step streams ``28`` bytes per local trainable parameter (AdamW reads parameter,
 gradient and two moments, writes three) at the ``memory`` efficiency of the memory bandwidth.
+
+On a calibrated CPU the engine's own memory work (copies into and out of the collectives'
+buffers, zeroed gather buffers, buffers allocated anew each step: :mod:`.host_traffic`) is
+charged at the copy, fill and first-touch rates ``--calibrate`` measured; it overlaps nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 
 from shardline.diagnostics.plan.architecture import ActivationCheckpointing, Architecture
 from shardline.diagnostics.plan.devices import Device, DeviceClass
+from shardline.diagnostics.plan.host_traffic import backward_regather_params, host_traffic
 from shardline.diagnostics.plan.memory import MemoryBreakdown, plan_memory
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
@@ -154,6 +160,7 @@ class Prediction:
     optimizer_s: float
     grad_accum: int
     memory: MemoryBreakdown
+    engine_memory_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` record."""
@@ -176,6 +183,7 @@ class Prediction:
                 "recompute": self.recompute_s,
                 "exposed_comm": self.exposed_comm_s,
                 "optimizer": self.optimizer_s,
+                "engine_memory": self.engine_memory_s,
             },
             "comm_total_s": self.comm_s,
             "memory_gib": {
@@ -192,7 +200,7 @@ class _Collective:
     nbytes: float  # the whole buffer (gathered / reduced size)
     group: int
     stride: int
-    phase: str  # "forward", "backward", "step" (forward of the first micro-batch only)
+    phase: str  # "forward" or "backward" (of every micro-batch)
     edge: float  # the share that cannot overlap (first gather / last reduction)
 
 
@@ -227,20 +235,18 @@ def _collectives(arch: Architecture, cluster: Cluster, training: Training, c: Ca
     out: list[_Collective] = []
     if knobs.shard_params and shard > 1:
         out.append(_Collective("all_gather", psi * p, shard, 1, "forward", edge_first))
-        frees = knobs.reshard_after_forward if c.reshard_after_forward is None else bool(c.reshard_after_forward)
-        if frees and arch.n_layers > 1:
-            again = shard
-            if isinstance(c.reshard_after_forward, int) and not isinstance(c.reshard_after_forward, bool):
-                again = c.reshard_after_forward
-            if again > 1:
-                regathered = (arch.n_layers - 1) * arch.block_params
-                out.append(_Collective("all_gather", regathered * p, again, 1, "backward", 0.0))
+        regathered, again = backward_regather_params(
+            arch, policy=knobs, shard=shard, reshard_after_forward=c.reshard_after_forward
+        )
+        if regathered:
+            out.append(_Collective("all_gather", regathered * p, again, 1, "backward", 0.0))
         out.append(_Collective("reduce_scatter", psi * r, shard, 1, "backward", edge_last))
         if replicas > 1:
             out.append(_Collective("all_reduce", psi * r / shard, replicas, shard, "backward", edge_last))
     elif knobs.shard_optimizer and not knobs.shard_params and world > 1:  # ZeRO-1
         out.append(_Collective("all_reduce", psi * r, world, 1, "backward", edge_last))
-        out.append(_Collective("all_gather", psi * 4, world, 1, "step", edge_first))
+        # Every micro-batch's forward: each reduction marks the rows for gathering again (docs/planning.md).
+        out.append(_Collective("all_gather", psi * 4, world, 1, "forward", edge_first))
     elif world > 1:  # ZeRO-0
         out.append(_Collective("all_reduce", psi * r, world, 1, "backward", edge_last))
     return out
@@ -251,7 +257,7 @@ def step_volume(arch: Architecture, *, cluster: Cluster, training: Training, can
     accum = accumulation_steps(cluster, training, candidate.micro_batch)
     volume: dict[str, float] = {}
     for coll in _collectives(arch, cluster, training, candidate):
-        times = 1 if coll.phase == "step" else accum
+        times = accum
         volume[coll.kind] = volume.get(coll.kind, 0.0) + coll.nbytes * times
     return {kind: round(n) for kind, n in volume.items()}
 
@@ -303,7 +309,6 @@ def predict(
         return total, edge
 
     fwd_comm, fwd_edge = phase("forward")
-    step_comm, step_edge = phase("step")
     bwd_comm, bwd_edge = phase("backward")
 
     def forward_time(comm: float, edge: float) -> float:
@@ -315,13 +320,20 @@ def predict(
         backward_time = max(backward + recompute, bwd_comm - bwd_edge) + bwd_edge
     else:
         backward_time = backward + recompute + bwd_comm
-    fwd_first = forward_time(fwd_comm + step_comm, fwd_edge + step_edge)
-    fwd_rest = forward_time(fwd_comm, fwd_edge)
+    forward_each = forward_time(fwd_comm, fwd_edge)
     knobs = c.strategy.policy
     shard = (c.shard_size or world) if knobs.hybrid else world
     local_params = arch.num_params / (shard if knobs.shard_optimizer else 1)
     optimizer = local_params * ADAMW_BYTES_PER_PARAM / (device.memory_gbps * 1e9 / 8 * eff.memory)
-    step = fwd_first + (accum - 1) * fwd_rest + accum * backward_time + optimizer
+    engine_memory = 0.0
+    if device.host_memory_gbps is not None:  # measured on CPU: the engine's copies take turns with compute
+        traffic = host_traffic(
+            arch, policy=knobs, world=world, shard=shard, reshard_after_forward=c.reshard_after_forward,
+            param_bytes=training.param_dtype.itemsize, reduce_bytes=training.reduce_dtype.itemsize, accum=accum,
+        )  # fmt: skip
+        copy_gbps, fill_gbps, first_touch_gbps = device.host_memory_gbps
+        engine_memory = traffic.seconds(copy_gbps=copy_gbps, fill_gbps=fill_gbps, first_touch_gbps=first_touch_gbps)
+    step = accum * (forward_each + backward_time) + optimizer + engine_memory
 
     if memory is None:
         memory = plan_memory(
@@ -353,9 +365,10 @@ def predict(
         fits=peak_gib <= device.memory_gib * USABLE_MEMORY_FRACTION,
         compute_s=compute,
         recompute_s=recompute_total,
-        exposed_comm_s=max(0.0, step - compute - recompute_total - optimizer),
-        comm_s=sum(t for _, t in timed) * accum - step_comm * (accum - 1),
+        exposed_comm_s=max(0.0, step - compute - recompute_total - optimizer - engine_memory),
+        comm_s=sum(t for _, t in timed) * accum,
         optimizer_s=optimizer,
         grad_accum=accum,
         memory=memory,
+        engine_memory_s=engine_memory,
     )

@@ -109,6 +109,9 @@ class Device:
         measured_bus_gbps: Bus bandwidth per collective kind (``all_gather``, ``reduce_scatter``,
             ``all_reduce``), Gb/s, measured through shardline's own collectives by ``--calibrate``;
             where given it replaces the link model for that kind.
+        host_memory_gbps: Measured by ``--calibrate`` on CPU: copy bandwidth, fill bandwidth and
+            the extra cost of touching freshly allocated memory, Gb/s; where given, the engine's
+            own copies and allocations are charged (:mod:`.host_traffic`). None on GPUs.
     """
 
     name: str
@@ -120,6 +123,7 @@ class Device:
     device_class: DeviceClass
     note: str = ""
     measured_bus_gbps: tuple[tuple[str, float], ...] = ()
+    host_memory_gbps: tuple[float, float, float] | None = None
 
     @property
     def efficiency(self) -> Efficiency:

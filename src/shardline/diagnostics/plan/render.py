@@ -11,7 +11,7 @@ from shardline.errors import ConfigurationError
 __all__ = ["plot_predictions", "table_rows"]
 
 HEADER = ("#", "configuration", "step s", "tokens/s/GPU", "MFU", "peak GiB", "compute", "recompute", "exposed comm",
-          "optimizer")  # fmt: skip
+          "optimizer", "engine memory")  # fmt: skip
 
 
 def table_rows(predictions: Sequence[Prediction]) -> list[tuple[str, ...]]:
@@ -28,13 +28,15 @@ def table_rows(predictions: Sequence[Prediction]) -> list[tuple[str, ...]]:
             f"{p.recompute_s:.3f}",
             f"{p.exposed_comm_s:.3f}",
             f"{p.optimizer_s:.3f}",
+            f"{p.engine_memory_s:.3f}",
         )
         for i, p in enumerate(predictions, 1)
     ]
 
 
 def plot_predictions(predictions: Sequence[Prediction], *, cluster: Cluster, title: str, path: str | Path) -> None:
-    """A horizontal bar per configuration: its step time split into compute, recompute, exposed comm, optimizer."""
+    """A horizontal bar per configuration: its step time split into compute, recompute, exposed comm, optimizer
+    and the engine's memory work."""
     try:
         import matplotlib
 
@@ -46,7 +48,7 @@ def plot_predictions(predictions: Sequence[Prediction], *, cluster: Cluster, tit
         ) from None
     labels = [p.candidate.label for p in predictions][::-1]
     parts = (("compute", "compute_s"), ("recompute", "recompute_s"), ("exposed comm", "exposed_comm_s"),
-             ("optimizer", "optimizer_s"))  # fmt: skip
+             ("optimizer", "optimizer_s"), ("engine memory", "engine_memory_s"))  # fmt: skip
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(labels) + 1.5))
     left = [0.0] * len(labels)
     for name, attr in parts:
