@@ -10,11 +10,13 @@ two cores two writer threads plus their hashing leave no core free. :class:`Orde
 order on the shared hasher pool; ``hexdigest`` (called once the file is closed, after its fsync)
 waits for the queue.
 
-When the queue is hashed depends on where the bytes go. A local file's writer threads are as
-many as the cores a rank has (:mod:`.parallelism`), and copying into the page cache keeps them
-busy, so hashing during the writes would only slow them down: the queue waits (``eager=False``)
-until the writer asks for the descriptor to fsync it, and is hashed while the disk flushes. An
-upload waits on the network, so its queue is hashed as it grows (``eager=True``).
+When the queue is hashed depends on where the bytes go. A local file's writer threads are
+usually as many as the cores a rank has (:mod:`.parallelism`), and copying into the page cache
+keeps them busy, so hashing during the writes would only slow them down: the queue waits
+(``eager=False``) until the writer asks for the descriptor to fsync it, and is hashed while the
+disk flushes. With fewer writers than cores (a small share, an explicit ``files_per_rank``) a
+core is free during the writes too, and an upload waits on the network: those queues are hashed
+as they grow (``eager=True``).
 
 A queued buffer must still hold the bytes that were written when the hash reaches it. That is
 certain for two kinds only, and only those are queued without a copy:

@@ -47,7 +47,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shardline import _torch_compat
-from shardline.checkpoint.coordination.parallelism import AUTO, available_cores, files_for_share, resolve_files_per_rank
+from shardline.checkpoint.coordination.parallelism import (
+    AUTO,
+    available_cores,
+    cores_per_rank,
+    files_for_share,
+    resolve_files_per_rank,
+)
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
 from shardline.checkpoint.storage.objects import ObjectPath
@@ -123,14 +129,14 @@ class _HashingStream(io.RawIOBase):
         on_error: Any,
         retained: RetainedMemory | None = None,
         *,
-        local: bool = True,
+        eager: bool = False,
     ) -> None:
         super().__init__()
         self._raw = raw
         self._on_close = on_close
         self._before_write = before_write
         self._on_error = on_error
-        self._digest = OrderedDigest(hasher_pool, eager=not local)
+        self._digest = OrderedDigest(hasher_pool, eager=eager)
         self._retained = retained
         self._size = 0
 
@@ -231,6 +237,10 @@ class HashingFileSystem(FileSystem):
         self.observer = observer
         self.rank = 0
         self.retained = RetainedMemory()  # the tensors of the write in progress (see _RetainingPlanner)
+        # Hash each file as it is written (True) or from its fsync on (False): see digest_queue.py. An upload
+        # waits on the network; local writer threads take a core each, so only fewer writers than cores
+        # leave one free for hashing during the writes.
+        self.hash_eagerly = objects is not None
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
@@ -267,7 +277,7 @@ class HashingFileSystem(FileSystem):
                 failed(e)
                 raise
             stream = _HashingStream(
-                raw, record, hasher_pool(), before_write, failed, self.retained, local=self._objects is None
+                raw, record, hasher_pool(), before_write, failed, self.retained, eager=self.hash_eagerly
             )
             try:
                 yield stream
@@ -280,6 +290,11 @@ class HashingFileSystem(FileSystem):
             with self._open:
                 self._active -= 1
                 self._open.notify_all()
+
+    @property
+    def is_object_store(self) -> bool:
+        """True when files are uploaded through fsspec rather than written locally."""
+        return self._objects is not None
 
     def start(self) -> None:
         """Before a write: accept new files again, forget earlier errors and digests."""
@@ -439,6 +454,7 @@ class HashingWriter(FileSystemWriter):
         # One file per writer thread (DCP's thread_count), as parallelism.py decides for this rank's share.
         share = sum(_nbytes(item) for item in plan.items)
         self.thread_count = files_for_share(self.files_per_rank, share_bytes=share, items=len(plan.items))
+        self._hfs.hash_eagerly = self._hfs.is_object_store or self.thread_count < cores_per_rank()
         try:
             results = list(super().write_data(plan, _RetainingPlanner(planner, self._hfs.retained)).wait())
         except Exception:
