@@ -32,3 +32,25 @@ def test_a_mapped_verified_load_restores_the_state_and_unmaps_every_file(tmp_pat
     assert mapped == []  # every mapping was closed when its file was verified
     assert kind == "IntegrityError"
     assert "__0_1.distcp: altered (sha256" in message
+
+
+def test_a_file_system_that_cannot_map_files_is_read_by_streaming(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import mmap
+
+    from shardline.checkpoint.integrity.reading import VerifyingReader
+
+    data = tmp_path / "f.distcp"
+    data.write_bytes(b"x" * 4096)
+    (tmp_path / "empty.distcp").write_bytes(b"")
+    mapped = VerifyingReader._map(data)
+    assert isinstance(mapped, mmap.mmap)
+    assert mapped[:4] == b"xxxx"
+    mapped.close()
+    assert VerifyingReader._map(tmp_path / "empty.distcp") == b""  # nothing to map; hashed as empty
+
+    def refuse(*_args, **_kwargs):
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    assert VerifyingReader._map(data) is None  # the caller streams the file instead

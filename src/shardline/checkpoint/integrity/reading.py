@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import io
 import mmap
@@ -238,10 +239,11 @@ class VerifyingReader(MetadataReader):
             problems.append(FileProblem(name, "unexpected", "read by DCP but not listed in the manifest"))
             return
         file = self._root / name
-        if isinstance(file, ObjectPath):
+        mapping = None if isinstance(file, ObjectPath) else self._map(file)
+        if mapping is None:  # an object, or a file system that cannot map files (some FUSE and network mounts)
             actual, size, unreadable = self._stream_hashing(name, items, planner, problems)
         else:
-            actual, size, unreadable = self._map_hashing(file, items, planner, problems)
+            actual, size, unreadable = self._map_hashing(file.name, mapping, items, planner, problems)
         if actual is None:
             return
         self.hashed[name] = actual
@@ -252,8 +254,26 @@ class VerifyingReader(MetadataReader):
         elif unreadable is not None:  # it matches the manifest, yet does not deserialize: a writer's bug, not damage
             problems.append(FileProblem(name, "unreadable", unreadable))
 
+    @staticmethod
+    def _map(file: Path) -> mmap.mmap | bytes | None:
+        """``file`` mapped read-only (``b""`` when it is empty), or None where the file system cannot map it."""
+        with open(file, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return b""
+            try:
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:
+                if e.errno in (errno.ENODEV, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES):
+                    return None
+                raise
+
     def _map_hashing(
-        self, file: Path, items: list[ReadItem], planner: LoadPlanner, problems: list[FileProblem]
+        self,
+        name: str,
+        mapping: mmap.mmap | bytes,
+        items: list[ReadItem],
+        planner: LoadPlanner,
+        problems: list[FileProblem],
     ) -> tuple[str | None, int, str | None]:
         """A local file, mapped read-only: ``(sha256, size, why an item could not be decoded)``.
 
@@ -267,14 +287,11 @@ class VerifyingReader(MetadataReader):
         are written once and never truncated in place -- shardline's own deletions unlink, which
         leaves a mapping intact.
         """
-        with open(file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:  # nothing to map; an empty file hashes as empty
-                return hashlib.sha256().hexdigest(), 0, None
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        size = len(mapping)
         view = memoryview(mapping)
         try:
-            if hasattr(mmap, "MADV_SEQUENTIAL"):  # (not WILLNEED: queueing the whole file's reads up front costs more)
+            # (not WILLNEED: queueing the whole file's reads up front costs more than readahead)
+            if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_SEQUENTIAL"):
                 mapping.madvise(mmap.MADV_SEQUENTIAL)
             digest = hashlib.sha256()
             pending = hasher_pool().submit(digest.update, view)
@@ -283,7 +300,7 @@ class VerifyingReader(MetadataReader):
                 pos = 0
                 for offset, length, group in self._groups(items):
                     if offset < pos:
-                        problems.append(FileProblem(file.name, "altered", f"items overlap at byte {offset}"))
+                        problems.append(FileProblem(name, "altered", f"items overlap at byte {offset}"))
                         return None, size, None
                     if offset + length > size:
                         break  # a short file: the size check reports it
@@ -298,9 +315,11 @@ class VerifyingReader(MetadataReader):
                 pending.result()
             return digest.hexdigest(), size, unreadable
         finally:
-            view.release()
-            with contextlib.suppress(BufferError):  # a decoded view still alive: the mapping goes with it
-                mapping.close()
+            with contextlib.suppress(BufferError):
+                view.release()
+            if isinstance(mapping, mmap.mmap):
+                with contextlib.suppress(BufferError):  # a decoded view still alive: the mapping goes with it
+                    mapping.close()
 
     def _stream_hashing(
         self, name: str, items: list[ReadItem], planner: LoadPlanner, problems: list[FileProblem]
