@@ -106,3 +106,15 @@ def manager_resume_auto(rank: int, world: int, root: str, ledger: str) -> tuple[
     except CheckpointError as e:
         return type(e).__name__, str(e)
     return "ok", str(None if state is None else state["step"])
+
+
+def save_strays(rank: int, world: int, root: str, steps: list[int]) -> list[str]:
+    """Save ``root/step-N`` for each of ``steps`` with the library's ``save`` (no manager, no ledger): checkpoints
+    a run's ledger does not know. Their manifest hashes."""
+    model, optimizer = build()
+    saved: list[str] = []
+    for step in steps:
+        train_step(model, optimizer, step, rank, world)
+        info = ckpt.save(f"{root}/step-{step}", model=model, optimizer=optimizer, step=step, config=CONFIG)
+        saved.append(info.manifest_hash)
+    return saved

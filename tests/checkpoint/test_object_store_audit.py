@@ -1,0 +1,84 @@
+"""Auditing a run whose checkpoints are in a bucket: ``shardline lineage`` against the session SeaweedFS server.
+
+One manager run (one worker, two checkpoints in a fresh prefix, the ledger in a local run directory)
+serves every check: the clean run verifies, with what was listed in the bucket named; checkpoints
+saved into the prefix outside the run are named by ``lineage``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shardline import cli
+from shardline.testing import run_distributed
+from tests.checkpoint import object_ranks
+from tests.checkpoint.conftest import S3_BUCKET
+from tests.checkpoint.seaweed import S3Server
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The server's endpoint and credentials in this process's AWS environment (the ranks get them too)."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+@pytest.fixture(scope="module")
+def bucket_run(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """``(run_dir, prefix)``: step-1 and step-2 saved by a manager into ``prefix``, the ledger in ``run_dir``."""
+    run_dir = tmp_path_factory.mktemp("bucket-run")
+    root = f"s3://{S3_BUCKET}/audit-{uuid.uuid4().hex[:12]}"
+    args = (root, str(run_dir / "lineage.sqlite"), [1, 2])
+    run_distributed(object_ranks.manager_saves, 1, args=args, timeout=90, env=s3_server.env)
+    return run_dir, root
+
+
+def test_lineage_lists_the_bucket_for_checkpoints_the_chain_lacks(
+    bucket_run: tuple[Path, str], s3_env: S3Server, capsys: pytest.CaptureFixture
+) -> None:
+    run_dir, root = bucket_run
+    # The clean run: exit 0, and the success line says which bucket prefix was listed.
+    assert cli.main(["lineage", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"and the bucket prefix {root}/ (endpoint {s3_env.endpoint}) is in the chain." in out
+    assert "on disk and in the object store matches its recorded manifest hash" in out
+    assert cli.main(["lineage", "--json", str(run_dir)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"]
+    assert [c["location"] for c in report["checked"] if c["store"]] == [root]
+    assert [r["checkpoint"] for r in report["rows"] if r["event"] in (None, "commit")] == [
+        f"{root}/step-1",
+        f"{root}/step-2",
+    ]
+    assert all(r["provenance"]["matches_ledger"] for r in report["rows"] if r["event"] in (None, "commit"))
+
+    # Two checkpoints saved into the prefix outside the run (the library's save, no ledger): exit 1 naming both.
+    strays = run_distributed(object_ranks.save_strays, 1, args=(root, [7, 9]), timeout=90, env=s3_env.env)[0]
+    assert cli.main(["lineage", str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    for step, digest in zip((7, 9), strays, strict=True):
+        assert (
+            f"{root}/step-{step} (step {step}, manifest {digest[:12]}) is committed in the object store but "
+            "missing from the ledger" in err
+        )
+    # The same check named from the bucket's side: the prefix, and the run's ledger.
+    assert cli.main(["lineage", root, "--ledger", str(run_dir / "lineage.sqlite")]) == 1
+    assert f"{root}/step-9" in capsys.readouterr().err
+    assert cli.main(["lineage", root]) == 2
+    assert "--ledger RUN_DIR/lineage.sqlite" in capsys.readouterr().err
+
+    # One alone reads as a save interrupted after its commit, exactly as on disk: a note, exit 0.
+    fs = s3_env.filesystem()
+    fs.rm(f"{root.removeprefix('s3://')}/step-7", recursive=True)
+    assert cli.main(["lineage", str(run_dir)]) == 0
+    assert f"note: {root}/step-9 (step 9, manifest {strays[1][:12]}) is committed but not yet in the ledger" in (
+        capsys.readouterr().out
+    )
+    fs.rm(f"{root.removeprefix('s3://')}/step-9", recursive=True)
