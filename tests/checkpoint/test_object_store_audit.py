@@ -1,19 +1,23 @@
-"""Auditing a run whose checkpoints are in a bucket: ``shardline lineage`` against the session SeaweedFS server.
+"""Auditing a run whose checkpoints are in a bucket: ``shardline lineage`` and ``shardline report`` against the
+session SeaweedFS server.
 
 One manager run (one worker, two checkpoints in a fresh prefix, the ledger in a local run directory)
-serves every check: the clean run verifies, with what was listed in the bucket named; checkpoints
-saved into the prefix outside the run are named by ``lineage``.
+serves every check: the clean run verifies, with what was listed in the bucket named; a flipped
+byte is named by the report; checkpoints saved into the prefix outside the run are named by
+``lineage``; an unreachable endpoint is one line and exit 2.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import uuid
 from pathlib import Path
 
 import pytest
 
 from shardline import cli
+from shardline.report import collect_run
 from shardline.testing import run_distributed
 from tests.checkpoint import object_ranks
 from tests.checkpoint.conftest import S3_BUCKET
@@ -38,6 +42,21 @@ def bucket_run(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) ->
     args = (root, str(run_dir / "lineage.sqlite"), [1, 2])
     run_distributed(object_ranks.manager_saves, 1, args=args, timeout=90, env=s3_server.env)
     return run_dir, root
+
+
+def _flip(fs, key: str) -> bytes:
+    """Flip one bit in the middle of the object ``key``; its original bytes."""
+    data = fs.cat_file(key)
+    changed = bytearray(data)
+    changed[len(changed) // 2] ^= 0x01
+    fs.pipe_file(key, bytes(changed))
+    return data
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_lineage_lists_the_bucket_for_checkpoints_the_chain_lacks(
@@ -82,3 +101,54 @@ def test_lineage_lists_the_bucket_for_checkpoints_the_chain_lacks(
         capsys.readouterr().out
     )
     fs.rm(f"{root.removeprefix('s3://')}/step-9", recursive=True)
+
+
+def test_report_verifies_every_checkpoint_in_the_bucket(
+    bucket_run: tuple[Path, str], s3_env: S3Server, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    run_dir, root = bucket_run
+    out = tmp_path / "report.html"
+    assert cli.main(["report", str(run_dir), "--out", str(out)]) == 0, capsys.readouterr()
+    assert "2 checkpoint(s), 2 verified" in capsys.readouterr().out
+    facts = collect_run(run_dir)
+    assert [(str(c.path), c.status) for c in facts.checkpoints] == [
+        (f"{root}/step-1", "verified"),
+        (f"{root}/step-2", "verified"),
+    ]
+    for c in facts.checkpoints:  # the statement was read from the bucket and matches the ledger's record
+        assert (c.statement_source, c.statement_matches_ledger) == ("checkpoint", True)
+        assert c.statement["predicate"]["checkpoint"]["step"] == c.row.step
+    page = out.read_text()
+    assert f"shardline verify {root}/step-2 --expect {facts.checkpoints[1].row.manifest_sha256}" in page
+
+    # A flipped byte in one object: the report says which checkpoint failed and names the object.
+    fs = s3_env.filesystem()
+    key = f"{root.removeprefix('s3://')}/step-1/__0_0.distcp"
+    original = _flip(fs, key)
+    try:
+        assert cli.main(["report", str(run_dir), "--out", str(out)]) == 1
+        assert "NOT verified: step-1" in capsys.readouterr().out
+        failed = collect_run(run_dir).checkpoints[0]
+        assert failed.status == "failed"
+        assert any(p.startswith("__0_0.distcp: altered") for p in failed.problems), failed.problems
+        assert "__0_0.distcp: altered" in out.read_text()
+    finally:
+        fs.pipe_file(key, original)
+
+
+def test_an_unreachable_bucket_is_one_line_and_exit_2(
+    bucket_run: tuple[Path, str], s3_env: S3Server, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir, _ = bucket_run
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for command in (["report", str(run_dir), "--out", str(run_dir / "r.html")], ["lineage", str(run_dir)]):
+        assert cli.main(command) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1, captured.err
+        assert endpoint in lines[0]
+        assert f"bucket {S3_BUCKET!r}" in lines[0]
+        assert "Traceback" not in captured.err
+    assert not (run_dir / "r.html").exists()
