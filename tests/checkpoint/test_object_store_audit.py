@@ -78,29 +78,31 @@ def test_lineage_lists_the_bucket_for_checkpoints_the_chain_lacks(
     ]
     assert all(r["provenance"]["matches_ledger"] for r in report["rows"] if r["event"] in (None, "commit"))
 
-    # Two checkpoints saved into the prefix outside the run (the library's save, no ledger): exit 1 naming both.
-    strays = run_distributed(object_ranks.save_strays, 1, args=(root, [7, 9]), timeout=90, env=s3_env.env)[0]
-    assert cli.main(["lineage", str(run_dir)]) == 1
-    err = capsys.readouterr().err
-    for step, digest in zip((7, 9), strays, strict=True):
-        assert (
-            f"{root}/step-{step} (step {step}, manifest {digest[:12]}) is committed in the object store but "
-            "missing from the ledger" in err
-        )
-    # The same check named from the bucket's side: the prefix, and the run's ledger.
-    assert cli.main(["lineage", root, "--ledger", str(run_dir / "lineage.sqlite")]) == 1
-    assert f"{root}/step-9" in capsys.readouterr().err
-    assert cli.main(["lineage", root]) == 2
-    assert "--ledger RUN_DIR/lineage.sqlite" in capsys.readouterr().err
-
-    # One alone reads as a save interrupted after its commit, exactly as on disk: a note, exit 0.
-    fs = s3_env.filesystem()
-    fs.rm(f"{root.removeprefix('s3://')}/step-7", recursive=True)
+    # Checkpoints saved outside the run with the library's save (no ledger): one into the run's prefix, one into
+    # another prefix that only the run's recorded config names.
+    other = f"{root}-other"
+    paths = [f"{root}/step-7", f"{other}/step-9"]
+    strays = run_distributed(object_ranks.save_strays, 1, args=(paths,), timeout=90, env=s3_env.env)[0]
+    # One alone reads as a save interrupted after its commit, exactly as on disk: a note naming it, exit 0.
     assert cli.main(["lineage", str(run_dir)]) == 0
-    assert f"note: {root}/step-9 (step 9, manifest {strays[1][:12]}) is committed but not yet in the ledger" in (
-        capsys.readouterr().out
-    )
-    fs.rm(f"{root.removeprefix('s3://')}/step-9", recursive=True)
+    note = f"note: {root}/step-7 (step 7, manifest {strays[0][:12]}) is committed but not yet in the ledger"
+    assert note in capsys.readouterr().out
+    # The other prefix named on the command line (with the run's ledger): two unrecorded, exit 1 naming both.
+    assert cli.main(["lineage", other, "--ledger", str(run_dir / "lineage.sqlite")]) == 1
+    err = capsys.readouterr().err
+    for path, digest in zip(paths, strays, strict=True):
+        step = path.rsplit("-", 1)[1]
+        assert f"{path} (step {step}, manifest {digest[:12]}) is committed in the object store but missing from " in err
+    assert cli.main(["lineage", other]) == 2
+    assert "--ledger RUN_DIR/lineage.sqlite" in capsys.readouterr().err
+    # ... or recorded as checkpoint.dir in the run's config.yaml: listed too.
+    (run_dir / "config.yaml").write_text(f"checkpoint:\n  dir: {other}\n")
+    try:
+        assert cli.main(["lineage", str(run_dir)]) == 1
+        assert f"{other}/step-9 (step 9," in capsys.readouterr().err
+    finally:
+        (run_dir / "config.yaml").unlink()
+        s3_env.filesystem().rm(f"{root.removeprefix('s3://')}/step-7", recursive=True)
 
 
 def test_report_verifies_every_checkpoint_in_the_bucket(
@@ -134,6 +136,16 @@ def test_report_verifies_every_checkpoint_in_the_bucket(
         assert "__0_0.distcp: altered" in out.read_text()
     finally:
         fs.pipe_file(key, original)
+
+    # Deleted from the bucket, and the deletion recorded: described from its tombstone row.
+    fs.rm(f"{root.removeprefix('s3://')}/step-1", recursive=True)
+    assert cli.main(["lineage", str(run_dir), "--record-deletions"]) == 0
+    capsys.readouterr()
+    assert cli.main(["report", str(run_dir), "--out", str(out)]) == 0
+    assert "1 verified, 1 deleted by retention" in capsys.readouterr().out
+    deleted = collect_run(run_dir).checkpoints[0]
+    assert (str(deleted.path), deleted.status) == (f"{root}/step-1", "deleted")
+    assert "recorded after the fact" in deleted.tombstone["reason"]  # the statement went with the objects
 
 
 def test_an_unreachable_bucket_is_one_line_and_exit_2(

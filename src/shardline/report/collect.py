@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardline.checkpoint.integrity.manifest import MANIFEST
 from shardline.checkpoint.integrity.verify import VerifyLevel, verify_checkpoint
 from shardline.checkpoint.lifecycle.summary import render_summary, summarize
 from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageReport
@@ -143,7 +144,8 @@ def _facts(base: Path, row: LedgerRow, rows: list[LedgerRow]) -> CheckpointFacts
          and tombstone_detail(r).get("checkpoint") == row.checkpoint),
         None,
     )  # fmt: skip
-    if tomb is not None and not path.is_dir():
+    # Gone means no manifest: a store backed by a file system (SeaweedFS) may keep an empty prefix after a delete.
+    if tomb is not None and not (path / MANIFEST).is_file():
         return CheckpointFacts(row=row, path=path, status=Status.DELETED, tombstone=tombstone_detail(tomb))
     if moved is not None:
         detail = tombstone_detail(moved)
