@@ -148,6 +148,55 @@ def test_report_verifies_every_checkpoint_in_the_bucket(
     assert "recorded after the fact" in deleted.tombstone["reason"]  # the statement went with the objects
 
 
+def test_sign_a_checkpoint_in_the_bucket(
+    bucket_run: tuple[Path, str], s3_env: S3Server, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """``shardline sign URL``: copied down, verified, signed; ``step-N.sig`` uploaded beside the prefix, where
+    ``verify --public-key`` and ``report --public-key`` find it."""
+    pytest.importorskip("model_signing", reason="the [signing] extra is not installed")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    keys = {}
+    for name in ("mine", "other"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        private, public = tmp_path / f"{name}.pem", tmp_path / f"{name}.pub.pem"
+        encoding, none = serialization.Encoding.PEM, serialization.NoEncryption()
+        private.write_bytes(key.private_bytes(encoding, serialization.PrivateFormat.PKCS8, none))
+        public.write_bytes(key.public_key().public_bytes(encoding, serialization.PublicFormat.SubjectPublicKeyInfo))
+        keys[name] = (str(private), str(public))
+    run_dir, root = bucket_run
+    url, fs = f"{root}/step-2", s3_env.filesystem()
+    digest = collect_run(run_dir).checkpoints[-1].row.manifest_sha256
+
+    assert cli.main(["sign", url, "--private-key", keys["mine"][0], "--expect", digest]) == 0
+    assert f"Signed {url} " in capsys.readouterr().out
+    assert fs.isfile(f"{url.removeprefix('s3://')}.sig")
+    assert cli.main(["verify", url, "--public-key", keys["mine"][1]]) == 0
+    assert f"OK: signature {url}.sig verifies" in capsys.readouterr().out
+    facts = collect_run(run_dir, public_key=keys["mine"][1]).checkpoints[-1]
+    assert (str(facts.signature), facts.signature_ok) == (f"{url}.sig", True)
+    # Another key's public half: refused. Signing again without --force: refused, the signature kept.
+    assert cli.main(["verify", url, "--public-key", keys["other"][1]]) == 1
+    assert f"does not verify for {url}: Key mismatch" in capsys.readouterr().err
+    assert cli.main(["sign", url, "--private-key", keys["other"][0]]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+    # A flipped byte in the bucket: the signature no longer verifies, naming the object; signing refuses.
+    key = f"{url.removeprefix('s3://')}/__0_0.distcp"
+    original = _flip(fs, key)
+    try:
+        assert cli.main(["verify", url, "--public-key", keys["mine"][1]]) == 1
+        err = capsys.readouterr().err
+        assert f"does not verify for {url}" in err
+        assert "__0_0.distcp: altered" in err
+        assert cli.main(["sign", url, "--private-key", keys["mine"][0], "--force"]) == 1
+        assert "refusing to sign" in capsys.readouterr().err
+    finally:
+        fs.pipe_file(key, original)
+    fs.rm_file(f"{url.removeprefix('s3://')}.sig")
+
+
 def test_an_unreachable_bucket_is_one_line_and_exit_2(
     bucket_run: tuple[Path, str], s3_env: S3Server, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,7 +23,7 @@ __all__ = ["register"]
 def _cmd_verify(args: argparse.Namespace) -> int:
     from shardline.checkpoint.integrity.export_verify import is_export, verify_export
     from shardline.checkpoint.integrity.verify import verify_checkpoint
-    from shardline.checkpoint.provenance.signing import verify_signature
+    from shardline.checkpoint.provenance.store_signing import check_signature
 
     export = is_export(args.checkpoint)
     signed, sig_error = None, None
@@ -34,7 +34,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
         if args.public_key:
             try:
-                signed = verify_signature(args.checkpoint, public_key=args.public_key, signature=args.signature)
+                signed = check_signature(args.checkpoint, public_key=args.public_key, signature=args.signature)
             except SignatureError as e:
                 sig_error = str(e)
     except (ShardlineError, OSError) as e:
@@ -266,7 +266,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also check the model-signing signature (from `shardline sign`) with this public key; needs [signing]",
     )
     verify.add_argument(
-        "--signature", metavar="PATH", help="the signature file (default: CHECKPOINT.sig beside the directory)"
+        "--signature",
+        metavar="PATH",
+        help="the signature file (default: CHECKPOINT.sig beside the directory or prefix)",
     )
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=_cmd_verify)
