@@ -105,6 +105,39 @@ def test_lineage_lists_the_bucket_for_checkpoints_the_chain_lacks(
         s3_env.filesystem().rm(f"{root.removeprefix('s3://')}/step-7", recursive=True)
 
 
+def test_verify_inspect_and_consolidate_take_urls(
+    bucket_run: tuple[Path, str],
+    s3_env: S3Server,
+    capsys: pytest.CaptureFixture,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the other object-store tests leave out: sizes-only and pinned verification, the plain-words summary,
+    a directory export, and a URL given as the export's output."""
+    run_dir, root = bucket_run
+    url = f"{root}/step-2"
+    digest = collect_run(run_dir).checkpoints[-1].row.manifest_sha256
+    assert cli.main(["verify", "--level", "sizes", url]) == 0
+    assert f"OK: {url} (step 2): 6 files match the manifest (sizes only)" in capsys.readouterr().out
+    assert cli.main(["verify", "--expect", digest, url]) == 0
+    assert cli.main(["verify", "--expect", "0" * 64, url]) == 1
+    assert f"manifest hash {digest} differs from the expected" in capsys.readouterr().err
+    assert cli.main(["inspect", url]) == 0
+    assert "inside the directory (a copy of it: the files are in an object store)" in capsys.readouterr().out
+    assert cli.main(["inspect", f"{root}/step-5"]) == 1
+    assert f"{root}/step-5 is not a checkpoint: no object under that prefix" in capsys.readouterr().err
+
+    out = tmp_path / "export"
+    assert cli.main(["consolidate", url, str(out), "--max-shard-size", "20KB"]) == 0
+    assert json.loads((out / "consolidation.json").read_text())["source"]["checkpoint"] == url
+    assert cli.main(["verify", str(out)]) == 0
+    # An output URL would have been a local directory named "s3:": refused, exit 2, nothing written.
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["consolidate", url, f"{root}/export"]) == 2
+    assert "write it to a local path, then upload it" in capsys.readouterr().err
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_report_verifies_every_checkpoint_in_the_bucket(
     bucket_run: tuple[Path, str], s3_env: S3Server, capsys: pytest.CaptureFixture, tmp_path: Path
 ) -> None:
