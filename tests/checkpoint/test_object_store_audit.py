@@ -10,13 +10,16 @@ byte is named by the report; checkpoints saved into the prefix outside the run a
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import sqlite3
 import uuid
 from pathlib import Path
 
 import pytest
 
 from shardline import cli
+from shardline.checkpoint.provenance.ledger import Ledger
 from shardline.report import collect_run
 from shardline.testing import run_distributed
 from tests.checkpoint import object_ranks
@@ -103,6 +106,29 @@ def test_lineage_lists_the_bucket_for_checkpoints_the_chain_lacks(
     finally:
         (run_dir / "config.yaml").unlink()
         s3_env.filesystem().rm(f"{root.removeprefix('s3://')}/step-7", recursive=True)
+
+
+def test_new_chain_records_the_checkpoints_in_the_bucket(
+    bucket_run: tuple[Path, str], s3_env: S3Server, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """An edited ledger of a bucket run: ``--new-chain`` records the bucket's checkpoints again, by URL."""
+    run_dir, root = bucket_run
+    for name in ("lineage.sqlite", "lineage.sqlite.head"):
+        shutil.copy(run_dir / name, tmp_path / name)
+    conn = sqlite3.connect(tmp_path / "lineage.sqlite")
+    conn.execute("DROP TRIGGER checkpoints_no_update")
+    conn.execute("UPDATE checkpoints SET step = 5 WHERE seq = 1")
+    conn.commit()
+    conn.close()
+    assert cli.main(["lineage", str(tmp_path)]) == 1
+    capsys.readouterr()
+    assert cli.main(["lineage", str(tmp_path), "--new-chain"]) == 0
+    assert (
+        "then 2 committed checkpoint(s) on disk and in the object store are recorded again" in capsys.readouterr().out
+    )
+    rows = [r for r in Ledger(tmp_path / "lineage.sqlite").rows() if r.is_commit]
+    assert [(r.checkpoint, r.recovered) for r in rows] == [(f"{root}/step-1", True), (f"{root}/step-2", True)]
+    assert cli.main(["lineage", str(tmp_path)]) == 0
 
 
 def test_verify_inspect_and_consolidate_take_urls(

@@ -227,6 +227,7 @@ def _checked(directory: Any) -> dict[str, Any]:
 
 def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
     from shardline.checkpoint.provenance.lineage import start_new_chain
+    from shardline.checkpoint.storage.objects import is_url
 
     if report.ok:
         print(f"error: the ledger {ledger.path} verifies; there is no break to record", file=sys.stderr)
@@ -237,8 +238,9 @@ def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
         return 0
     print(
         f"Kept the broken ledger as {aside}; started a new chain in {ledger.path}: its first row "
-        f"({rows[0].row_sha256[:12]}) records the break, then {len(rows) - 1} committed checkpoint(s) on disk are "
-        "recorded again (marked recovered). Training can append to it."
+        f"({rows[0].row_sha256[:12]}) records the break, then {len(rows) - 1} committed checkpoint(s) "
+        + ("on disk and in the object store" if any(is_url(r.checkpoint) for r in rows) else "on disk")
+        + " are recorded again (marked recovered). Training can append to it."
     )
     return 0
 
