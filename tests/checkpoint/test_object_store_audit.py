@@ -263,7 +263,13 @@ def test_an_unreachable_bucket_is_one_line_and_exit_2(
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    for command in (["report", str(run_dir), "--out", str(run_dir / "r.html")], ["lineage", str(run_dir)]):
+    commands = (
+        ["report", str(run_dir), "--out", str(run_dir / "r.html")],
+        ["lineage", str(run_dir)],
+        ["lineage", str(run_dir), "--record-deletions"],
+    )
+    rows = len(Ledger(run_dir / "lineage.sqlite").rows())
+    for command in commands:
         assert cli.main(command) == 2
         captured = capsys.readouterr()
         lines = captured.err.strip().splitlines()
@@ -272,3 +278,4 @@ def test_an_unreachable_bucket_is_one_line_and_exit_2(
         assert f"bucket {S3_BUCKET!r}" in lines[0]
         assert "Traceback" not in captured.err
     assert not (run_dir / "r.html").exists()
+    assert len(Ledger(run_dir / "lineage.sqlite").rows()) == rows, "an unreachable bucket buried nothing"

@@ -135,7 +135,13 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.provenance.ledger import Ledger
-    from shardline.checkpoint.provenance.lineage import audit, checkpoint_directories, describe_event, find_ledger
+    from shardline.checkpoint.provenance.lineage import (
+        audit,
+        check_stores,
+        checkpoint_directories,
+        describe_event,
+        find_ledger,
+    )
     from shardline.checkpoint.provenance.retention import record_deletions
     from shardline.checkpoint.provenance.statement import chain_statements
     from shardline.checkpoint.storage.objects import is_url
@@ -151,11 +157,12 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         return 2
     try:
         ledger = Ledger(find_ledger(args.ledger or args.run_dir))
-        if args.record_deletions:
-            recorded = record_deletions(ledger)
-            print(f"Recorded {len(recorded)} deletion(s) with tombstone rows.", file=sys.stderr)
         also = [args.run_dir] if args.ledger else []
         dirs = checkpoint_directories(ledger, also=[*also, *recorded_checkpoint_dirs(ledger.path.parent)])
+        if args.record_deletions:
+            check_stores(dirs)  # an unreachable bucket is not a deletion
+            recorded = record_deletions(ledger)
+            print(f"Recorded {len(recorded)} deletion(s) with tombstone rows.", file=sys.stderr)
         report = audit(ledger, directories=dirs, check_checkpoints=not args.no_check_checkpoints)
         if args.new_chain:
             return _new_chain(args, ledger, report)

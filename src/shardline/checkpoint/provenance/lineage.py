@@ -40,6 +40,7 @@ from shardline.errors import IntegrityError, LineageError
 __all__ = [
     "audit",
     "chain_order",
+    "check_stores",
     "checkpoint_directories",
     "describe_event",
     "find_ledger",
@@ -92,6 +93,16 @@ def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike |
         else:
             found.add(location if location.is_absolute() else base / location)
     return [*sorted(p for p in found if p.is_dir()), *sorted(prefixes)]
+
+
+def check_stores(directories: Iterable[Location]) -> None:
+    """Check that each bucket among ``directories`` can be reached and listed (one request per bucket).
+
+    Raises:
+        StorageAccessError: naming the endpoint and bucket, and how to fix it.
+    """
+    for bucket in {(d.protocol, d.bucket): d for d in directories if isinstance(d, ObjectPath)}.values():
+        check_access(bucket)
 
 
 def place(checkpoint: CommittedCheckpoint) -> str:
@@ -189,8 +200,7 @@ def audit(
     dirs = list(directories) if directories is not None else None
     if check_checkpoints:
         dirs = dirs if dirs is not None else checkpoint_directories(ledger)
-        for bucket in {(d.protocol, d.bucket): d for d in dirs if isinstance(d, ObjectPath)}.values():
-            check_access(bucket)
+        check_stores(dirs)
     report = ledger.verify(check_checkpoints=check_checkpoints)
     if not check_checkpoints or dirs is None:
         return report
