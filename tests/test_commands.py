@@ -60,7 +60,7 @@ OPTIONS: dict[str, list[str]] = {
     "verify": ["--expect", "--json", "--level", "--public-key", "--signature", "checkpoint"],
     "inspect": ["--json", "checkpoint"],
     "consolidate": ["--adapters", "--dtype", "--expect", "--json", "--max-shard-size", "--verify", "checkpoint", "out"],
-    "lineage": ["--json", "--new-chain", "--no-check-checkpoints", "--record-deletions", "run_dir"],
+    "lineage": ["--json", "--ledger", "--new-chain", "--no-check-checkpoints", "--record-deletions", "run_dir"],
     "sign": ["--expect", "--force", "--json", "--password-env", "--private-key", "--signature", "path"],
     "report": ["--out", "--public-key", "run_dir"],
     "env": [],

@@ -106,3 +106,15 @@ def manager_resume_auto(rank: int, world: int, root: str, ledger: str) -> tuple[
     except CheckpointError as e:
         return type(e).__name__, str(e)
     return "ok", str(None if state is None else state["step"])
+
+
+def save_strays(rank: int, world: int, paths: list[str]) -> list[str]:
+    """Save a checkpoint at each of ``paths`` (``.../step-N``) with the library's ``save`` (no manager, no ledger):
+    checkpoints a run's ledger does not know. Their manifest hashes."""
+    model, optimizer = build()
+    saved: list[str] = []
+    for path in paths:
+        step = int(path.rsplit("step-", 1)[1])
+        train_step(model, optimizer, step, rank, world)
+        saved.append(ckpt.save(path, model=model, optimizer=optimizer, step=step, config=CONFIG).manifest_hash)
+    return saved

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from shardline import cli
 from shardline.checkpoint.provenance.ledger import Ledger
 from shardline.train.checkpointing import find_resumable_run
+from shardline.train.records import recorded_checkpoint_dirs
 from tests.checkpoint.conftest import S3_BUCKET
 from tests.checkpoint.seaweed import S3Server
 from tests.train.test_cli import GPT_SMALL, PYTHONPATH, ROOT, SMALL, _curve, error_line, shardline_train
@@ -61,7 +63,9 @@ def _train_then_resume_at_one_worker(tmp_path: Path, name: str, where: list[str]
     return run_dir
 
 
-def test_train_to_a_bucket_resume_at_another_world_size_like_local(s3_env: S3Server, tmp_path: Path) -> None:
+def test_train_to_a_bucket_resume_at_another_world_size_like_local(
+    s3_env: S3Server, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     url = f"s3://{S3_BUCKET}/train-{uuid.uuid4().hex[:12]}"
     bucket_run = _train_then_resume_at_one_worker(tmp_path, "bucket", [f"checkpoint.dir={url}"])
     local_run = _train_then_resume_at_one_worker(tmp_path, "local", [])
@@ -91,6 +95,14 @@ def test_train_to_a_bucket_resume_at_another_world_size_like_local(s3_env: S3Ser
     assert json.loads(restart[0].detail or "{}")["cause"] == "node_lost"
     manifest = json.loads(fs.cat_file(f"{key}/step-6/manifest.json"))
     assert manifest["parent_manifest_sha256"] == rows[0].manifest_sha256
+
+    # The audit commands on the run directory: the bucket prefix (from the rows and the run's config.yaml) listed,
+    # every checkpoint verified in the bucket.
+    assert recorded_checkpoint_dirs(bucket_run) == [url]
+    assert cli.main(["lineage", str(bucket_run)]) == 0
+    assert f"and the bucket prefix {url}/ (endpoint {s3_env.endpoint}) is in the chain." in capsys.readouterr().out
+    assert cli.main(["report", str(bucket_run)]) == 0
+    assert "2 checkpoint(s), 2 verified" in capsys.readouterr().out
 
     # resume=auto without trainer.run_dir finds the run whose local ledger records checkpoints under the URL.
     runs = tmp_path / "runs" / "tiny_gpt"

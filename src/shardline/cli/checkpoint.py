@@ -23,7 +23,7 @@ __all__ = ["register"]
 def _cmd_verify(args: argparse.Namespace) -> int:
     from shardline.checkpoint.integrity.export_verify import is_export, verify_export
     from shardline.checkpoint.integrity.verify import verify_checkpoint
-    from shardline.checkpoint.provenance.signing import verify_signature
+    from shardline.checkpoint.provenance.store_signing import check_signature
 
     export = is_export(args.checkpoint)
     signed, sig_error = None, None
@@ -34,7 +34,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
         if args.public_key:
             try:
-                signed = verify_signature(args.checkpoint, public_key=args.public_key, signature=args.signature)
+                signed = check_signature(args.checkpoint, public_key=args.public_key, signature=args.signature)
             except SignatureError as e:
                 sig_error = str(e)
     except (ShardlineError, OSError) as e:
@@ -135,16 +135,35 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.provenance.ledger import Ledger
-    from shardline.checkpoint.provenance.lineage import audit, describe_event, find_ledger
+    from shardline.checkpoint.provenance.lineage import (
+        audit,
+        check_stores,
+        checkpoint_directories,
+        describe_event,
+        find_ledger,
+    )
     from shardline.checkpoint.provenance.retention import record_deletions
     from shardline.checkpoint.provenance.statement import chain_statements
+    from shardline.checkpoint.storage.objects import is_url
+    from shardline.train.records import recorded_checkpoint_dirs
 
+    if is_url(args.run_dir) and args.ledger is None:
+        print(
+            f"error: {args.run_dir} is an object-store prefix; the ledger of its checkpoints stays in the run "
+            f"directory: pass it, `shardline lineage {args.run_dir} --ledger RUN_DIR/lineage.sqlite`, or check the "
+            "whole run with `shardline lineage RUN_DIR`",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        ledger = Ledger(find_ledger(args.run_dir))
+        ledger = Ledger(find_ledger(args.ledger or args.run_dir))
+        also = [args.run_dir] if args.ledger else []
+        dirs = checkpoint_directories(ledger, also=[*also, *recorded_checkpoint_dirs(ledger.path.parent)])
         if args.record_deletions:
+            check_stores(dirs)  # an unreachable bucket is not a deletion
             recorded = record_deletions(ledger)
             print(f"Recorded {len(recorded)} deletion(s) with tombstone rows.", file=sys.stderr)
-        report = audit(ledger, check_checkpoints=not args.no_check_checkpoints)
+        report = audit(ledger, directories=dirs, check_checkpoints=not args.no_check_checkpoints)
         if args.new_chain:
             return _new_chain(args, ledger, report)
         statements = chain_statements(ledger.path.parent, report.rows) if args.json else {}
@@ -152,6 +171,8 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         return fail(args, e)
     if args.json:
         out = report.to_json()
+        if not args.no_check_checkpoints:
+            out["checked"] = [_checked(d) for d in dirs]
         for row in out["rows"]:
             if row["seq"] in statements:
                 row["provenance"] = statements[row["seq"]]
@@ -178,8 +199,11 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
             + (
                 ""
                 if args.no_check_checkpoints
-                else ", every checkpoint on disk matches its recorded manifest hash, and every committed checkpoint on "
-                "disk is in the chain"
+                else ", every checkpoint on disk"
+                + (" and in the object store" if any(is_url(d) for d in dirs) else "")
+                + " matches its recorded manifest hash, and every committed checkpoint in "
+                + " and ".join(_checked(d)["where"] for d in dirs)
+                + " is in the chain"
             )
             + "."
         )
@@ -195,8 +219,22 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     return 1
 
 
+def _checked(directory: Any) -> dict[str, Any]:
+    """A place ``lineage`` listed for committed checkpoints, for its messages and ``--json`` (``checked``)."""
+    from shardline.checkpoint.storage.objects import ObjectPath
+
+    if isinstance(directory, ObjectPath):
+        return {
+            "where": f"the bucket prefix {directory}/ (endpoint {directory.endpoint})",
+            "location": str(directory),
+            "store": True,
+        }
+    return {"where": str(directory), "location": str(directory), "store": False}
+
+
 def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
     from shardline.checkpoint.provenance.lineage import start_new_chain
+    from shardline.checkpoint.storage.objects import is_url
 
     if report.ok:
         print(f"error: the ledger {ledger.path} verifies; there is no break to record", file=sys.stderr)
@@ -207,8 +245,9 @@ def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
         return 0
     print(
         f"Kept the broken ledger as {aside}; started a new chain in {ledger.path}: its first row "
-        f"({rows[0].row_sha256[:12]}) records the break, then {len(rows) - 1} committed checkpoint(s) on disk are "
-        "recorded again (marked recovered). Training can append to it."
+        f"({rows[0].row_sha256[:12]}) records the break, then {len(rows) - 1} committed checkpoint(s) "
+        + ("on disk and in the object store" if any(is_url(r.checkpoint) for r in rows) else "on disk")
+        + " are recorded again (marked recovered). Training can append to it."
     )
     return 0
 
@@ -236,7 +275,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also check the model-signing signature (from `shardline sign`) with this public key; needs [signing]",
     )
     verify.add_argument(
-        "--signature", metavar="PATH", help="the signature file (default: CHECKPOINT.sig beside the directory)"
+        "--signature",
+        metavar="PATH",
+        help="the signature file (default: CHECKPOINT.sig beside the directory or prefix)",
     )
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=_cmd_verify)
@@ -271,7 +312,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cons.set_defaults(func=_cmd_consolidate)
 
     lineage = subparsers.add_parser("lineage", help="print and verify a run's hash-chained checkpoint ledger")
-    lineage.add_argument("run_dir", help="run directory (or checkpoints directory, or the ledger file)")
+    lineage.add_argument(
+        "run_dir",
+        help="run directory (or checkpoints directory, or the ledger file); with --ledger, a checkpoints directory "
+        "or object-store prefix (s3://BUCKET/PREFIX) to list as well",
+    )
+    lineage.add_argument(
+        "--ledger",
+        metavar="LEDGER",
+        help="the ledger (RUN_DIR/lineage.sqlite, or its run directory) when RUN_DIR names a checkpoints prefix "
+        "in an object store, which holds none",
+    )
     lineage.add_argument(
         "--no-check-checkpoints", action="store_true", help="only check the chain, not the checkpoints on disk"
     )

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from shardline.checkpoint.storage.objects import is_url
 from shardline.cli.common import sha256_arg
 from shardline.errors import ShardlineError, StorageAccessError
 
@@ -24,10 +25,10 @@ def _password(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_sign(args: argparse.Namespace) -> int:
-    from shardline.checkpoint.provenance.signing import sign
+    from shardline.checkpoint.provenance.store_signing import sign_checkpoint
 
     try:
-        result = sign(
+        result = sign_checkpoint(
             args.path,
             private_key=args.private_key,
             signature=args.signature,
@@ -47,6 +48,15 @@ def _cmd_sign(args: argparse.Namespace) -> int:
         return 0
     pinned = f"; it pins manifest hash {result.manifest_sha256}" if result.manifest_sha256 else ""
     print(f"Signed {result.path} ({len(result.files)} files, verified first) -> {result.signature}{pinned}.")
+    if is_url(result.path):
+        name = result.path.rstrip("/").rsplit("/", 1)[-1]
+        print(
+            f"Check it with `shardline verify {result.path} --public-key PUB.pem`, or without shardline (pip install "
+            f"model-signing pyOpenSSL) on a copy:\n  aws s3 cp --recursive {result.path} {name} && "
+            f"aws s3 cp {result.signature} {name}.sig\n"
+            f"  model_signing verify key --signature {name}.sig --public_key PUB.pem {name}"
+        )
+        return 0
     print(
         "Anyone can check it without shardline (pip install model-signing pyOpenSSL):\n"
         f"  model_signing verify key --signature {result.signature} --public_key PUB.pem {result.path}"
@@ -60,10 +70,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sign",
         help="sign a checkpoint or export (OpenSSF model-signing format, offline, private key); needs [signing]",
     )
-    sign.add_argument("path", help="checkpoint directory, export directory (consolidate OUT/), or a single file")
+    sign.add_argument(
+        "path",
+        help="checkpoint directory, export directory (consolidate OUT/), a single file, or a checkpoint in an "
+        "object store (s3://BUCKET/PREFIX/step-N: copied down, verified, signed; the signature uploaded beside it)",
+    )
     sign.add_argument("--private-key", required=True, metavar="KEY.pem", help="elliptic-curve private key (PEM)")
     sign.add_argument(
-        "--signature", metavar="PATH", help="where to write the signature (default: PATH.sig beside the directory)"
+        "--signature",
+        metavar="PATH",
+        help="where to write the signature, a path or a URL (default: PATH.sig beside the directory or prefix)",
     )
     sign.add_argument(
         "--password-env", metavar="NAME", help="environment variable holding the private key's password, if any"

@@ -5,6 +5,12 @@ against the disk, and for every checkpoint the chain records: verifies its files
 manifest hash its ledger row records (every byte), reads its provenance statement and checks the
 statement's SHA-256 against the ledger, and checks its signature when a public key is given.
 A checkpoint deleted by retention is described from its tombstone row. Nothing is modified.
+
+A run whose checkpoints are in an object store (``checkpoint.dir=s3://...``) is reported the same
+way: its ledger stays in the run directory and names each checkpoint by URL, so each is verified
+in the bucket (every object streamed and hashed), its statement read from there, and the bucket
+prefixes are listed for committed checkpoints the chain lacks. A bucket that cannot be reached
+is an error (:class:`~shardline.errors.StorageAccessError`), not a page of failures.
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardline.checkpoint.integrity.manifest import MANIFEST
 from shardline.checkpoint.integrity.verify import VerifyLevel, verify_checkpoint
 from shardline.checkpoint.lifecycle.summary import render_summary, summarize
 from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageReport
-from shardline.checkpoint.provenance.lineage import audit, find_ledger
+from shardline.checkpoint.provenance.lineage import audit, checkpoint_directories, find_ledger
 from shardline.checkpoint.provenance.retention import signature_path_for, tombstone_detail
 from shardline.checkpoint.provenance.statement import chain_statements
-from shardline.errors import CheckpointNotFoundError, ShardlineError
-from shardline.train.records import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE
+from shardline.checkpoint.storage.objects import Location, as_location, is_url
+from shardline.errors import CheckpointNotFoundError, ShardlineError, StorageAccessError
+from shardline.train.records import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, recorded_checkpoint_dirs
 
 __all__ = ["CheckpointFacts", "RunFacts", "Status", "collect_run"]
 
@@ -42,14 +50,15 @@ class CheckpointFacts:
     """One checkpoint of the chain: its ledger row, what verifying it found, its provenance and signature."""
 
     row: LedgerRow
-    path: Path
+    path: Location
+    """Where the checkpoint is: a directory, or a prefix in an object store (the row names a URL)."""
     status: str
     problems: list[str] = field(default_factory=list)
     summary_text: str | None = None
     statement: dict[str, Any] | None = None
     statement_source: str | None = None
     statement_matches_ledger: bool | None = None
-    signature: Path | None = None
+    signature: Location | None = None
     signature_status: str = "not signed"
     signature_ok: bool | None = None
     tombstone: dict[str, Any] | None = None
@@ -114,10 +123,10 @@ def _check_signature(facts: CheckpointFacts, public_key: Path | None) -> None:
     if public_key is None:
         facts.signature_status = "signed (signature file present; not checked: no public key was given to the report)"
         return
-    from shardline.checkpoint.provenance.signing import verify_signature
+    from shardline.checkpoint.provenance.store_signing import check_signature
 
     try:
-        verify_signature(facts.path, public_key=public_key, signature=sig)
+        check_signature(facts.path, public_key=public_key, signature=sig)
     except ShardlineError as e:
         facts.signature_ok = False
         facts.signature_status = f"signature does NOT verify: {e}"
@@ -126,8 +135,8 @@ def _check_signature(facts: CheckpointFacts, public_key: Path | None) -> None:
     facts.signature_status = f"signature verifies with {public_key.name} (OpenSSF model-signing, every file re-hashed)"
 
 
-def _facts(base: Path, row: LedgerRow, report: LineageReport, rows: list[LedgerRow]) -> CheckpointFacts:
-    path = base / row.checkpoint
+def _facts(base: Path, row: LedgerRow, rows: list[LedgerRow]) -> CheckpointFacts:
+    path = as_location(row.checkpoint) if is_url(row.checkpoint) else base / row.checkpoint
     later = [r for r in rows if r.seq > row.seq and r.checkpoint == row.checkpoint]
     tomb = next((r for r in later if r.event == "tombstone" and r.manifest_sha256 == row.manifest_sha256), None)
     moved = next(
@@ -135,7 +144,8 @@ def _facts(base: Path, row: LedgerRow, report: LineageReport, rows: list[LedgerR
          and tombstone_detail(r).get("checkpoint") == row.checkpoint),
         None,
     )  # fmt: skip
-    if tomb is not None and not path.is_dir():
+    # Gone means no manifest: a store backed by a file system (SeaweedFS) may keep an empty prefix after a delete.
+    if tomb is not None and not (path / MANIFEST).is_file():
         return CheckpointFacts(row=row, path=path, status=Status.DELETED, tombstone=tombstone_detail(tomb))
     if moved is not None:
         detail = tombstone_detail(moved)
@@ -158,7 +168,12 @@ def _facts(base: Path, row: LedgerRow, report: LineageReport, rows: list[LedgerR
 
 
 def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | None = None) -> RunFacts:
-    """Gather and check what the report shows about ``run_dir`` (a run directory, or a checkpoints directory)."""
+    """Gather and check what the report shows about ``run_dir`` (a run directory, or a checkpoints directory).
+
+    Raises:
+        CheckpointNotFoundError: ``run_dir`` is not a directory.
+        StorageAccessError: a bucket the run's ledger names cannot be reached, listed or read.
+    """
     root = Path(run_dir).absolute()
     if not root.is_dir():
         raise CheckpointNotFoundError(
@@ -182,7 +197,10 @@ def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | N
     )
     try:
         ledger = Ledger(find_ledger(root))
-        report = audit(ledger)
+        dirs = checkpoint_directories(ledger, also=recorded_checkpoint_dirs(ledger.path.parent))
+        report = audit(ledger, directories=dirs)
+    except StorageAccessError:
+        raise  # an unreachable bucket: nothing could be checked, so no page
     except ShardlineError as e:
         facts.lineage_error = str(e)
         return facts
@@ -193,7 +211,7 @@ def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | N
         if not row.is_commit:
             facts.events.append(row)
             continue
-        item = _facts(ledger.path.parent, row, report, rows)
+        item = _facts(ledger.path.parent, row, rows)
         found = statements.get(row.seq) or {}
         item.statement = found.get("statement")
         item.statement_source = found.get("source")

@@ -26,6 +26,7 @@ from typing import Any
 from shardline._version import __version__
 from shardline.checkpoint.lifecycle.summary import human_bytes
 from shardline.checkpoint.provenance.lineage import describe_event
+from shardline.checkpoint.storage.objects import ObjectPath
 from shardline.report.collect import CheckpointFacts, RunFacts, Status, collect_run
 from shardline.report.svg import STATUS_COLORS, lineage_svg, loss_svg
 
@@ -55,7 +56,7 @@ svg text.status{font-size:11px;font-weight:700}
 """
 
 
-def _q(path: Path | str) -> str:
+def _q(path: Path | ObjectPath | str) -> str:
     return shlex.quote(str(path))
 
 
@@ -177,13 +178,28 @@ def _provenance_rows(statement: dict[str, Any] | None) -> list[tuple[str, Any]]:
 
 def _commands(c: CheckpointFacts, public_key: Path | None) -> str:
     key = _q(public_key) if public_key else "PUB.pem"
-    lines = [
-        f"cd {_q(c.path)}",
+    where, signature = _q(c.path), _q(c.signature) if c.signature is not None else None
+    lines = []
+    if isinstance(c.path, ObjectPath):
+        # In a bucket: check it there with shardline, or copy it (and its signature) down for the coreutils check.
+        where = c.path.name
+        lines += [
+            f"shardline verify {_q(c.path)} --expect {c.row.manifest_sha256}",
+            f"aws s3 cp --recursive {_q(c.path)} {where}   # with AWS_ENDPOINT_URL={c.path.endpoint}",
+        ]
+        if c.signature is not None:
+            lines += [
+                f"aws s3 cp {_q(c.signature)} {where}.sig",
+                f"model_signing verify key --signature {where}.sig --public_key {key} {where}",
+            ]
+            signature = None  # checked above, before changing into the copy
+    lines += [
+        f"cd {where}",
         f"sha256sum manifest.json      # must print {c.row.manifest_sha256}",
         "sha256sum -c SHA256SUMS      # every line must say OK",
     ]
-    if c.signature is not None:
-        lines.append(f"model_signing verify key --signature {_q(c.signature)} --public_key {key} {_q(c.path)}")
+    if signature is not None:
+        lines.append(f"model_signing verify key --signature {signature} --public_key {key} {where}")
     text = "\n".join(lines)
     more = (
         ""

@@ -42,6 +42,7 @@ __all__ = [
     "SUMMARY_FILE",
     "attempt_path",
     "checkpoint_location",
+    "recorded_checkpoint_dirs",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -63,6 +64,35 @@ def checkpoint_location(checkpoint: Any, run_dir: str | Path) -> Location:
     if not where:
         return Path(run_dir) / CHECKPOINTS_DIR
     return as_location(where, storage_options=dict(getattr(checkpoint, "storage_options", None) or {}))
+
+
+def recorded_checkpoint_dirs(run_dir: str | Path) -> list[str]:
+    """The ``checkpoint.dir`` each attempt of the run at ``run_dir`` recorded in its ``config.yaml`` (and
+    ``config.resume-N.yaml``), in order, without repeats; empty where none is recorded (the default place).
+
+    Unreadable or malformed config files are skipped: they only add places to look, never remove one.
+    """
+    import yaml  # omegaconf's dependency
+
+    root = Path(run_dir)
+    stem, suffix = Path(CONFIG_FILE).stem, Path(CONFIG_FILE).suffix
+    files = [root / CONFIG_FILE, *sorted(root.glob(f"{stem}.resume-*{suffix}"), key=_attempt_number)]
+    found: list[str] = []
+    for file in files:
+        try:
+            config = yaml.safe_load(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):
+            continue
+        section = config.get("checkpoint") if isinstance(config, dict) else None
+        where = section.get("dir") if isinstance(section, dict) else None
+        if isinstance(where, str) and where and where not in found:
+            found.append(where)
+    return found
+
+
+def _attempt_number(path: Path) -> int:
+    number = path.name.split(".resume-", 1)[-1].split(".", 1)[0]
+    return int(number) if number.isdigit() else 0
 
 
 def attempt_path(run_dir: str | Path, name: str) -> Path:

@@ -29,7 +29,7 @@ from torch import nn
 from shardline._version import __version__
 from shardline.checkpoint.format.canonical import HASH_ALGORITHM, canonical_json, manifest_hash, sha256_hex
 from shardline.checkpoint.integrity.hashing import FileDigest
-from shardline.checkpoint.storage.objects import as_location
+from shardline.checkpoint.storage.objects import as_location, is_url
 from shardline.engine import subtree_units
 from shardline.errors import CheckpointNotFoundError, CheckpointReadError, IntegrityError
 
@@ -188,7 +188,8 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], str]:
     """
     path = as_location(path)
     if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path} is not a checkpoint: no such directory")
+        what = "no object under that prefix" if is_url(path) else "no such directory"
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint: {what}")
     file = path / MANIFEST
     if not file.is_file():
         raise CheckpointNotFoundError(

@@ -43,8 +43,14 @@ from shardline.checkpoint.format.safetensors_io import SafetensorsWriter, Tensor
 from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.storage.fsutil import fsync_dir
-from shardline.checkpoint.storage.objects import as_location, check_access
-from shardline.errors import CheckpointError, CheckpointExistsError, CheckpointWarning, ConfigurationError
+from shardline.checkpoint.storage.objects import as_location, check_access, is_url
+from shardline.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointWarning,
+    ConfigurationError,
+    StorageAccessError,
+)
 
 __all__ = ["SIDECAR", "ConsolidationResult", "consolidate", "parse_dtype", "parse_size", "strip_wrapper_prefixes"]
 
@@ -192,7 +198,14 @@ def consolidate(
         CheckpointExistsError: ``out`` exists (a directory may exist if empty).
         CheckpointError: ``out`` cannot be created.
         ConfigurationError: ``adapters`` for a checkpoint without a PEFT adapter shardline exports.
+        StorageAccessError: ``out`` is an object-store URL, or the source's bucket cannot be used.
     """
+    if is_url(out):
+        # Path("s3://b/x") would be a local directory named "s3:"; the export is written locally, then uploaded.
+        raise StorageAccessError(
+            f"consolidate writes a local file or directory, and {out} is an object-store URL: write it to a local "
+            f"path, then upload it (e.g. `aws s3 cp --recursive OUT {out}`); the source checkpoint may be a URL"
+        )
     src = as_location(checkpoint)  # a local directory or an object-store URL
     check_access(src)
     dst = Path(out).absolute()

@@ -7,7 +7,7 @@ from typing import Any
 
 from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE
-from shardline.checkpoint.storage.objects import as_location, check_access
+from shardline.checkpoint.storage.objects import as_location, check_access, is_url
 
 __all__ = ["human_bytes", "render_summary", "summarize"]
 
@@ -107,6 +107,8 @@ def render_summary(s: dict[str, Any]) -> str:
     lines.append(
         f"The manifest hash {s['manifest_sha256']} is a fingerprint of the complete checkpoint: it covers the "
         "SHA-256 of every file, so changing any byte of any file changes it. To check the files, run "
-        f"`shardline verify {s['path']}`, or `sha256sum -c SHA256SUMS` inside the directory (see docs/verification.md)."
+        f"`shardline verify {s['path']}`, or `sha256sum -c SHA256SUMS` inside the directory"
+        + (" (a copy of it: the files are in an object store)" if is_url(s["path"]) else "")
+        + " (see docs/verification.md)."
     )
     return "\n".join(lines)

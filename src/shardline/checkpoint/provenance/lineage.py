@@ -8,6 +8,11 @@ between a save's commit and its ledger row -- the newest one, descending from a 
 checkpoint (or from none) -- and is only noted: the next manager records it as ``recovered``.
 Anything else means rows are missing, and the chain does not verify.
 
+The same holds for a run whose checkpoints are in an object store (its ledger stays local and
+names them by URL): :func:`checkpoint_directories` adds the bucket prefix of every row naming a
+URL, and :func:`audit` lists those prefixes for committed checkpoints (a prefix holding a
+``manifest.json``) exactly as it lists a local directory.
+
 Note: what "newest" means. Checkpoints are ordered by the ledger, never by a clock: a
 checkpoint's place is the sequence number of its (newest) commit row, so a node whose clock
 is behind cannot make step-300 sort before step-200. A committed checkpoint the ledger does
@@ -29,16 +34,19 @@ from typing import Any
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, CommittedCheckpoint, scan
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, read_statement
+from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, is_url
 from shardline.errors import IntegrityError, LineageError
 
 __all__ = [
     "audit",
     "chain_order",
+    "check_stores",
     "checkpoint_directories",
     "describe_event",
     "find_ledger",
     "live_branch",
     "order",
+    "place",
     "start_new_chain",
     "unrecorded",
 ]
@@ -60,13 +68,46 @@ def find_ledger(run_dir: str | os.PathLike) -> Path:
     raise LineageError(f"no lineage ledger found: looked for {', '.join(str(c) for c in candidates)}")
 
 
-def checkpoint_directories(ledger: Ledger) -> list[Path]:
-    """Where a ledger's checkpoints live: the directories its rows name, the ledger's own, and ``checkpoints/``."""
+def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike | ObjectPath] = ()) -> list[Location]:
+    """Where a ledger's checkpoints live: the directories its rows name, the ledger's own, ``checkpoints/``, and
+    ``also`` (e.g. the run's recorded ``checkpoint.dir``); for rows naming a URL, the bucket prefix holding them.
+
+    Local directories that do not exist are left out; bucket prefixes are kept (listing one that is
+    empty finds nothing, and :func:`audit` checks that its bucket can be reached).
+    """
     base = ledger.path.parent
-    found = {base, base / CHECKPOINTS_DIR}
+    found: set[Path] = {base, base / CHECKPOINTS_DIR}
+    prefixes: set[ObjectPath] = set()
     if ledger.path.is_file():
-        found |= {(base / r.checkpoint).parent for r in ledger.rows() if r.is_commit and r.checkpoint}
-    return sorted(p for p in found if p.is_dir())
+        for row in ledger.rows():
+            if not row.is_commit or not row.checkpoint:
+                continue
+            if is_url(row.checkpoint):
+                prefixes.add(as_location(row.checkpoint).parent)  # type: ignore[union-attr]
+            else:
+                found.add((base / row.checkpoint).parent)
+    for where in also:
+        location = as_location(where)
+        if isinstance(location, ObjectPath):
+            prefixes.add(location)
+        else:
+            found.add(location if location.is_absolute() else base / location)
+    return [*sorted(p for p in found if p.is_dir()), *sorted(prefixes)]
+
+
+def check_stores(directories: Iterable[Location]) -> None:
+    """Check that each bucket among ``directories`` can be reached and listed (one request per bucket).
+
+    Raises:
+        StorageAccessError: naming the endpoint and bucket, and how to fix it.
+    """
+    for bucket in {(d.protocol, d.bucket): d for d in directories if isinstance(d, ObjectPath)}.values():
+        check_access(bucket)
+
+
+def place(checkpoint: CommittedCheckpoint) -> str:
+    """How a message names a checkpoint: its directory name on disk, its whole URL in an object store."""
+    return str(checkpoint.path) if isinstance(checkpoint.path, ObjectPath) else checkpoint.path.name
 
 
 def chain_order(committed: Iterable[CommittedCheckpoint]) -> list[CommittedCheckpoint]:
@@ -118,7 +159,7 @@ def live_branch(
 
 
 def unrecorded(
-    ledger: Ledger, directories: Iterable[Path]
+    ledger: Ledger, directories: Iterable[Location]
 ) -> tuple[list[CommittedCheckpoint], CommittedCheckpoint | None]:
     """Committed checkpoints on disk the ledger does not record (oldest first, see :func:`order`), and which one
     of them (if any) is a legitimate interrupted publish.
@@ -146,17 +187,23 @@ def unrecorded(
 
 
 def audit(
-    ledger: Ledger, *, directories: Iterable[Path] | None = None, check_checkpoints: bool = True
+    ledger: Ledger, *, directories: Iterable[Location] | None = None, check_checkpoints: bool = True
 ) -> LineageReport:
-    """:meth:`Ledger.verify` plus the disk: problems name every committed checkpoint the chain lacks.
+    """:meth:`Ledger.verify` plus the checkpoint directories (``directories``, default
+    :func:`checkpoint_directories`; bucket prefixes too): problems name every committed checkpoint the chain lacks.
 
     Raises:
         LineageError: the ledger file is missing or unreadable.
+        StorageAccessError: a bucket the ledger names cannot be reached or listed (checked first, so
+            an unreachable store is one error, not a problem per row).
     """
+    dirs = list(directories) if directories is not None else None
+    if check_checkpoints:
+        dirs = dirs if dirs is not None else checkpoint_directories(ledger)
+        check_stores(dirs)
     report = ledger.verify(check_checkpoints=check_checkpoints)
-    if not check_checkpoints:
+    if not check_checkpoints or dirs is None:
         return report
-    dirs = list(directories) if directories is not None else checkpoint_directories(ledger)
     missing, recoverable = unrecorded(ledger, dirs)
     problems, notes = list(report.problems), list(report.notes)
     head = next((r for r in reversed(report.rows) if r.is_commit), None)
@@ -164,20 +211,21 @@ def audit(
     for c in missing:
         if c is recoverable:
             notes.append(
-                f"{c.path.name} (step {c.step}, manifest {c.manifest_hash[:12]}) is committed but not yet in the "
+                f"{place(c)} (step {c.step}, manifest {c.manifest_hash[:12]}) is committed but not yet in the "
                 "ledger: "
                 "its save was interrupted after the commit; the next training run on this directory records it "
                 "(marked recovered)"
             )
         else:
+            store = "in the object store" if isinstance(c.path, ObjectPath) else "on disk"
             problems.append(
-                f"{c.path.name} (step {c.step}, manifest {c.manifest_hash[:12]}) is committed on disk but missing from "
+                f"{place(c)} (step {c.step}, manifest {c.manifest_hash[:12]}) is committed {store} but missing from "
                 f"the ledger, whose newest checkpoint is {where}"
             )
     return replace(report, problems=tuple(problems), notes=tuple(notes))
 
 
-def _provenance_detail(path: Path) -> dict[str, Any] | None:
+def _provenance_detail(path: Location) -> dict[str, Any] | None:
     try:
         found = read_statement(path)
     except IntegrityError:
@@ -189,7 +237,8 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
     """Keep a ledger that does not verify aside and start a new chain that records the break.
 
     The new ledger's first row is a ``chain_break`` naming the old file (kept, with its SHA-256)
-    and ``problems``; then every committed checkpoint on disk is recorded again, marked
+    and ``problems``; then every committed checkpoint on disk (or in a bucket the ledger names, by URL) is recorded
+    again, marked
     ``recovered``, in the old ledger's order where its rows are readable (:func:`order`), so the new
     chain covers what is there and training can append to it. The switch to the new ledger is one
     rename (:meth:`Ledger.start_new_chain`). Returns (where the old ledger went, the new rows).
@@ -206,7 +255,9 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
         {
             "step": c.step,
             "tag": c.tag,
-            "checkpoint": os.path.relpath(c.path, ledger.path.parent),
+            "checkpoint": str(c.path)
+            if isinstance(c.path, ObjectPath)
+            else os.path.relpath(c.path, ledger.path.parent),
             "manifest_sha256": c.manifest_hash,
             "parent_manifest_sha256": c.parent_manifest_hash,
             "world_size": c.world_size,

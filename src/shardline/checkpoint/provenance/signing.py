@@ -46,6 +46,7 @@ from shardline.errors import SignatureError, StorageAccessError
 __all__ = [
     "INSTALL_HINT",
     "SignatureResult",
+    "check_private_key",
     "default_signature_path",
     "sign",
     "signed_files",
@@ -136,8 +137,13 @@ def _check_signature_place(path: Path, signature: Path) -> None:
         )
 
 
-def _load_private_key(key: Path, password: str | None) -> None:
-    """Read the key with ``cryptography`` first, to name what is wrong with it before signing."""
+def check_private_key(key: Path, password: str | None) -> None:
+    """Read the key with ``cryptography`` first, to name what is wrong with it before signing.
+
+    Raises:
+        SignatureError: the key cannot be read, is encrypted without a password (or the reverse), or is
+            not an elliptic-curve key on P-256, P-384 or P-521; the message says how to make one.
+    """
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -217,13 +223,15 @@ def sign(
     Raises:
         SignatureError: the extra is missing, the key is unusable, the content does not verify,
             the signature would land inside the directory, or it exists and ``overwrite`` is False.
-        StorageAccessError: ``path`` is an object-store URL (signing reads and writes local files).
+        StorageAccessError: ``path`` is an object-store URL (this signs local files;
+            :func:`shardline.checkpoint.provenance.store_signing.sign_checkpoint` signs a URL).
     """
     if is_url(path):
         raise StorageAccessError(
-            f"cannot sign {path} in place: signing reads and writes local files. Copy the checkpoint to a local "
-            f"directory (e.g. `aws s3 cp --recursive {path} DIR`), run `shardline verify DIR` and `shardline sign "
-            "DIR`, then upload DIR.sig beside it"
+            f"sign() reads and writes local files, and {path} is an object-store URL: sign it with "
+            f"`shardline sign {path} --private-key KEY.pem`, or "
+            "shardline.checkpoint.provenance.store_signing.sign_checkpoint, which copy it down, verify, sign and "
+            "upload the signature beside it"
         )
     root = Path(path)
     kind = _kind(root)
@@ -232,7 +240,7 @@ def sign(
     if sig.exists() and not overwrite:
         raise SignatureError(f"{sig} already exists; pass --force to replace it (or choose another --signature path)")
     key = Path(private_key)
-    _load_private_key(key, password)
+    check_private_key(key, password)
     report = _content_report(root, kind, expected_manifest_hash)
     if report is not None and not report.ok:
         raise SignatureError(f"refusing to sign: {_report_problem(report)}. Run `shardline verify {root}`.")
