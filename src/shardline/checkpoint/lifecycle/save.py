@@ -37,7 +37,9 @@ import datetime
 import errno
 import functools
 import os
+import secrets
 import shutil
+import socket
 import sqlite3
 import warnings
 from collections.abc import Callable, Mapping
@@ -139,6 +141,11 @@ def _prepare(final: Path) -> Path:
     return tmp
 
 
+CLAIM = ".shardline-claim"
+"""The object a save into an object store creates first under its prefix (conditionally), and deletes before its
+manifest: while it is there, the prefix is taken (see :func:`_claim`)."""
+
+
 def _prepare_objects(final: ObjectPath) -> None:
     # One LIST of the parent both proves access and shows whether the checkpoint's prefix is taken; only
     # when it fails is the bucket itself checked, for an error that names what is wrong.
@@ -153,6 +160,50 @@ def _prepare_objects(final: ObjectPath) -> None:
         raise CheckpointExistsError(
             f"checkpoint {final} already exists (objects under that prefix); shardline never overwrites a checkpoint. "
             "Save under a new step or prefix, or remove the old objects first."
+        )
+    _claim(final)
+
+
+def _claim(final: ObjectPath) -> None:
+    """Rank 0, object store: take the checkpoint's prefix before anything is written into it.
+
+    Note: two runs saving into one prefix. A listing and a write are not one step, so two runs
+    (two jobs given the same ``checkpoint.dir``, a job restarted while its old incarnation still
+    runs) can both find ``step-N/`` free. Without a guard both would upload the same object names
+    -- each overwriting the other's shards -- and both commit. So the first object of a save is
+    ``step-N/.shardline-claim``, created with a conditional PUT (``If-None-Match: *``): of two
+    concurrent creators the store lets exactly one succeed; the other stops here with
+    :class:`CheckpointExistsError` before writing a byte. The claim stays until every shard is
+    uploaded and is deleted just before the manifest (a committed checkpoint holds exactly the
+    files its manifest lists), so a claim that succeeds later -- a run that listed the prefix as
+    free, then stalled through a whole save of the other -- is followed by a second listing of the
+    prefix: anything there but the claim means it is taken, and the late run removes its claim and
+    stops. The manifest is uploaded conditionally too, so nothing commits over a committed
+    checkpoint. What is left: a store that ignores ``If-None-Match`` (S3 before 2024; SeaweedFS
+    4.x and MinIO honour it) gives two concurrent claims both success -- the claim is read back,
+    which catches a writer that overwrote it before the read, not one after.
+    """
+    token = canonical_json(
+        {"host": socket.gethostname(), "pid": os.getpid(), "nonce": secrets.token_hex(8), "checkpoint": str(final)}
+    )
+    claim = final / CLAIM
+    try:
+        claim.write_new(token)
+        taken = claim.read_bytes() != token
+    except FileExistsError:
+        taken = True
+    except PermissionError as e:  # the first write of the save: a store refusing writes says so here
+        raise CheckpointError(_refused(final, e, "no checkpoint was written")) from None
+    if not taken and {p.name for p in final.snapshot().iterdir()} - {CLAIM}:
+        final.fs.rm_file(claim.key)  # ours; what else is there belongs to a save that claimed and finished first
+        raise CheckpointExistsError(
+            f"checkpoint {final} already exists (objects under that prefix, written by another run while this one "
+            "was starting its save); shardline never overwrites a checkpoint. Give this run its own checkpoint.dir."
+        )
+    if taken:
+        raise CheckpointExistsError(
+            f"checkpoint {final} is being saved by another run (it claimed the prefix first: {claim}); two runs must "
+            "not save into one prefix. Give this run its own checkpoint.dir, or stop the other run."
         )
 
 
@@ -279,11 +330,7 @@ def _failure_message(final: Location, staged: StagedCheckpoint, error: BaseExcep
     if isinstance(final, ObjectPath):
         refused = next((e for e in error_chain(error) if isinstance(e, PermissionError)), None)
         if refused is not None:
-            return (
-                f"the object store at {final.endpoint} refused writing checkpoint {final} ({_first_line(refused)}); "
-                f"nothing was committed; {previous}. Give the credentials write access to bucket "
-                f"{final.bucket!r} (or raise its quota), then resume."
-            )
+            return _refused(final, refused, previous)
         return f"writing checkpoint {describe(final)} failed ({_first_line(error)}); nothing was committed; {previous}"
     full = disk_full_cause(error)
     if full is None:
@@ -297,6 +344,14 @@ def _failure_message(final: Location, staged: StagedCheckpoint, error: BaseExcep
         f"disk full: writing checkpoint {final} needs about {human_bytes(staged.total_bytes)}, {free} free on "
         f"{final.parent} ({type(full).__name__}: {getattr(full, 'strerror', None) or full} at {where}); nothing "
         f"was committed and earlier checkpoints are intact; {previous}. Free space or save elsewhere, then resume."
+    )
+
+
+def _refused(final: ObjectPath, refused: BaseException, previous: str) -> str:
+    return (
+        f"the object store at {final.endpoint} refused writing checkpoint {final} ({_first_line(refused)}); "
+        f"nothing was committed; {previous}. Give the credentials write access to bucket "
+        f"{final.bucket!r} (or raise its quota), then resume."
     )
 
 
@@ -356,6 +411,8 @@ def write_and_commit(
             else:
                 manifest_digest, files, statement_digest = _finalize(staged, tmp, final, digests, observer, done)
         except Exception as e:
+            if isinstance(e, CheckpointExistsError) and isinstance(final, ObjectPath):
+                raise  # lost the commit to another run: the objects under the prefix may be its, nothing is deleted
             if not done:
                 _discard(tmp)
                 message = _failure_message(final, staged, e, last_good)
@@ -499,7 +556,15 @@ def _finalize_objects(
     )
     crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
-    (final / MANIFEST).write_bytes(data)
+    final.fs.rm_file((final / CLAIM).key)
+    try:
+        (final / MANIFEST).write_new(data)  # conditional: never over another run's commit (see _claim)
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"checkpoint {final} was committed by another run while this one was writing it (its manifest appeared "
+            "first); this save was not committed and nothing of the other was deleted. Give each run its own "
+            "checkpoint.dir."
+        ) from None
     done.update(hash=digest, files=files, provenance=statement_digest)
     crash_point("save.committed")
     observer.on_phase(SavePhase.AFTER_RENAME, 0)
@@ -509,7 +574,7 @@ def _finalize_objects(
 def _check_listing(tmp: Location, digests: list[FileDigest]) -> None:
     """Every file in ``tmp`` is one a rank reported writing, and every reported one is there."""
     listed = {d.path for d in digests}
-    present = {p.name for p in tmp.iterdir()}
+    present = {p.name for p in tmp.iterdir()} - {CLAIM}
     if present != listed:
         raise CheckpointError(
             f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "
