@@ -179,6 +179,8 @@ def test_server_lost_mid_save_is_named_and_the_committed_one_survives(tmp_path: 
     assert kind == "CheckpointError"
     assert message.startswith(f"writing checkpoint s3://lost/run/step-2 (endpoint {server.endpoint}) failed (")
     assert "nothing was committed" in message
+    # A library save has no manager to say which checkpoint is the last good one: its preflight listing found it.
+    assert message.endswith("the last good checkpoint is s3://lost/run/step-1"), message
     assert "\n" not in message
     # The same data served again (new ports): step-1 verifies, step-2 was never committed.
     again = seaweed.start(tmp_path / "store")

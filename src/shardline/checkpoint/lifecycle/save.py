@@ -83,7 +83,16 @@ from shardline.checkpoint.storage.fsutil import (
 from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, describe, is_url
 from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, PublishError, error_chain
 
-__all__ = ["CheckpointInfo", "commit", "disk_full_cause", "preflight", "save", "stage_agreed", "write_and_commit"]
+__all__ = [
+    "CheckpointInfo",
+    "commit",
+    "disk_full_cause",
+    "preflight",
+    "preflight_objects",
+    "save",
+    "stage_agreed",
+    "write_and_commit",
+]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -146,7 +155,8 @@ CLAIM = ".shardline-claim"
 manifest: while it is there, the prefix is taken (see :func:`_claim`)."""
 
 
-def _prepare_objects(final: ObjectPath) -> None:
+def _prepare_objects(final: ObjectPath) -> str | None:
+    """Rank 0: check and claim ``final``; returns the newest committed checkpoint beside it (its URL), if any."""
     # One LIST of the parent both proves access and shows whether the checkpoint's prefix is taken; only
     # when it fails is the bucket itself checked, for an error that names what is wrong.
     try:
@@ -162,6 +172,31 @@ def _prepare_objects(final: ObjectPath) -> None:
             "Save under a new step or prefix, or remove the old objects first."
         )
     _claim(final)
+    return _newest_committed(parent, final)
+
+
+def _newest_committed(parent: ObjectPath, final: ObjectPath) -> str | None:
+    """The newest committed regular checkpoint among ``parent``'s children (a snapshot), by step: what a failure
+    message names as the last good one when no manager (no ledger) says which it is.
+
+    Note: the preflight's listing of the parent already names every sibling; "committed" takes a
+    HEAD of a manifest, tried newest first (a crashed save's prefix has none), three at most so a
+    run of failed saves cannot turn a failing save's message into a scan.
+    """
+    steps = sorted(
+        ((step, child) for child in parent.iterdir() if (step := _regular_step(child.name)) is not None),
+        key=lambda pair: pair[0],
+        reverse=True,
+    )
+    for _, child in steps[:3]:
+        if child != final and (child / MANIFEST).is_file():
+            return str(child)
+    return None
+
+
+def _regular_step(name: str) -> int | None:
+    head, _, number = name.partition("-")
+    return int(number) if head == "step" and number.isdigit() else None
 
 
 def _claim(final: ObjectPath) -> None:
@@ -222,17 +257,7 @@ def preflight(
         CheckpointError: the path is not writable or not visible from every rank.
     """
     if is_url(path):
-        # An object store: no temporary prefix (nothing renames it); the manifest written last commits.
-        target = as_location(path, storage_options=storage_options)
-        coord.rank0_decides(lambda: _prepare_objects(target), process_group)
-        if coord.group_size(process_group) > 1:  # rank 0 has reached it already; the others check their own access
-
-            def reach() -> None:
-                if coord.group_rank(process_group) != 0:
-                    check_access(target)
-
-            coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
-        return target
+        return preflight_objects(path, process_group=process_group, storage_options=storage_options)[0]
     final = Path(path).absolute()
     tmp = Path(coord.rank0_decides(lambda: str(_prepare(final)), process_group))
 
@@ -250,6 +275,29 @@ def preflight(
             _discard(tmp)
         raise
     return tmp
+
+
+def preflight_objects(
+    path: str | ObjectPath,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[ObjectPath, str | None]:
+    """:func:`preflight` for an object-store URL: ``(the location, the newest committed checkpoint beside it)``.
+
+    No temporary prefix (nothing renames it): rank 0 claims the final one, and the manifest written last commits.
+    """
+    target = as_location(path, storage_options=storage_options)
+    assert isinstance(target, ObjectPath)  # a URL
+    last_good = coord.rank0_decides(lambda: _prepare_objects(target), process_group)
+    if coord.group_size(process_group) > 1:  # rank 0 has reached it already; the others check their own access
+
+        def reach() -> None:
+            if coord.group_rank(process_group) != 0:
+                check_access(target)
+
+        coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
+    return target, last_good
 
 
 def stage_agreed(
@@ -324,7 +372,9 @@ def _first_line(error: BaseException) -> str:
     return type(error).__name__
 
 
-def _failure_message(final: Location, staged: StagedCheckpoint, error: BaseException, last_good: Path | None) -> str:
+def _failure_message(
+    final: Location, staged: StagedCheckpoint, error: BaseException, last_good: Location | None
+) -> str:
     """Rank 0, after a failed write: one line naming the cause (for a full disk: bytes needed vs free)."""
     previous = f"the last good checkpoint is {last_good}" if last_good else "no earlier checkpoint is known here"
     if isinstance(final, ObjectPath):
@@ -362,7 +412,7 @@ def write_and_commit(
     process_group: dist.ProcessGroup | None = None,
     observer: SaveObserver = NO_OBSERVER,
     after_commit: Callable[[CheckpointInfo], None] | None = None,
-    last_good: Path | None = None,
+    last_good: Location | None = None,
     files_per_rank: int = AUTO,
 ) -> CheckpointInfo:
     """Steps 3-7 of the protocol (a collective): write ``staged`` into ``tmp`` and commit it.
@@ -632,13 +682,20 @@ def commit(
 ) -> CheckpointInfo:
     """Save ``request`` into the new directory ``path`` and commit it atomically (a collective; see :func:`save`)."""
     resolve_files_per_rank(files_per_rank)  # a bad count fails before anything is created
-    tmp = preflight(path, process_group=process_group, storage_options=storage_options)
-    if isinstance(tmp, ObjectPath):
-        path = tmp  # written in place; staging records this location (with its storage options)
+    last_good: Location | None = None
+    if is_url(path):
+        # Written in place; staging records this location (with its storage options). The preflight's listing
+        # also finds the newest committed checkpoint beside it, which a failure message names.
+        tmp, found = preflight_objects(path, process_group=process_group, storage_options=storage_options)
+        path, last_good = tmp, (tmp.with_name(found.rsplit("/", 1)[-1]) if found else None)
+    else:
+        tmp = preflight(path, process_group=process_group, storage_options=storage_options)
     staged = stage_agreed(
         request, path=path, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
     )
-    return write_and_commit(staged, tmp, process_group=process_group, observer=observer, files_per_rank=files_per_rank)
+    return write_and_commit(
+        staged, tmp, process_group=process_group, observer=observer, files_per_rank=files_per_rank, last_good=last_good
+    )
 
 
 def save(
