@@ -40,9 +40,15 @@ differs where a bucket lacks what a disk has:
 * the ledger stays a local file (``ledger_path`` is required) and its rows name each
   checkpoint by URL;
 * a damaged checkpoint is moved aside by copying, then deleting -- manifest first
-  (:meth:`CheckpointManager._move_aside_in_store`);
-* not yet on a bucket, refused up front in one line (:func:`check_object_store_options`):
-  ``async_save`` and ``keep_last_n``.
+  (:meth:`CheckpointManager._move_aside_in_store`); a move a crash interrupted is finished on
+  open from its ``quarantine`` row's ``moved_to`` (:meth:`CheckpointManager._finish_store_quarantines`);
+* retention (``keep_last_n``) deletes a checkpoint's manifest first, then the rest, after its
+  tombstone row; a deletion a crash interrupted is finished by the next pass (:mod:`.retention`);
+* async saves upload from the host staging buffers on the background thread, as on disk;
+* a save claims its prefix first with a conditional PUT, so two runs on one prefix cannot both
+  commit a step (``save._claim``); the manager's ledger is still one run's, so two runs on one
+  prefix should still each have their own ``checkpoint.dir`` -- the claim turns the mistake into
+  one clear error instead of two interleaved checkpoints.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ the same exception class with the same message.
    creatable and writable; rank 0 creates a hidden temporary directory beside it
    (``.step-100.tmp-<hex>``). Every rank then checks it can see and write that directory
    (all agree), so an unwritable or unshared path fails on every rank before any data is written.
+   In an object store there is no temporary directory: rank 0 claims the final prefix with a
+   conditional PUT (:func:`_claim`), and the manifest, uploaded last and conditionally, commits.
 2. **Stage** (all agree): each rank builds its state dict (:mod:`.staging`).
 3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing.HashingWriter`:
    each rank writes and fsyncs its ``.distcp`` files (one per writer thread), hashing each in the same pass; digests
