@@ -298,7 +298,12 @@ def preflight_objects(
             if coord.group_rank(process_group) != 0:
                 check_access(target)
 
-        coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
+        try:
+            coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
+        except Exception:  # a rank that cannot reach the bucket: the save stops on every rank
+            if coord.group_rank(process_group) == 0:
+                _discard(target)  # only the claim is there: the prefix is free again
+            raise
     return target, last_good
 
 
