@@ -46,7 +46,7 @@ differs where a bucket lacks what a disk has:
   tombstone row; a deletion a crash interrupted is finished by the next pass (:mod:`.retention`);
 * async saves upload from the host staging buffers on the background thread, as on disk;
 * a save claims its prefix first with a conditional PUT, so two runs on one prefix cannot both
-  commit a step (``save._claim``); the manager's ledger is still one run's, so two runs on one
+  commit a step (:func:`.claim.claim`); the manager's ledger is still one run's, so two runs on one
   prefix should still each have their own ``checkpoint.dir`` -- the claim turns the mistake into
   one clear error instead of two interleaved checkpoints.
 """
@@ -73,9 +73,10 @@ from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST, read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.claim import CLAIM
 from shardline.checkpoint.lifecycle.host_staging import HostBuffers, bind_writer_device
 from shardline.checkpoint.lifecycle.load import load as load_checkpoint
-from shardline.checkpoint.lifecycle.save import CLAIM, CheckpointInfo, preflight, stage_agreed, write_and_commit
+from shardline.checkpoint.lifecycle.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
 from shardline.checkpoint.lifecycle.staging import SaveRequest, StagedCheckpoint
 from shardline.checkpoint.provenance.directory import (
     LATEST_FILE,

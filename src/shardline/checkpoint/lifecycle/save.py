@@ -9,7 +9,7 @@ the same exception class with the same message.
    (``.step-100.tmp-<hex>``). Every rank then checks it can see and write that directory
    (all agree), so an unwritable or unshared path fails on every rank before any data is written.
    In an object store there is no temporary directory: rank 0 claims the final prefix with a
-   conditional PUT (:func:`_claim`), and the manifest, uploaded last and conditionally, commits.
+   conditional PUT (:func:`.claim.claim`), and the manifest, uploaded last and conditionally, commits.
 2. **Stage** (all agree): each rank builds its state dict (:mod:`.staging`).
 3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing.HashingWriter`:
    each rank writes and fsyncs its ``.distcp`` files (one per writer thread), hashing each in the same pass; digests
@@ -39,9 +39,7 @@ import datetime
 import errno
 import functools
 import os
-import secrets
 import shutil
-import socket
 import sqlite3
 import warnings
 from collections.abc import Callable, Mapping
@@ -70,6 +68,7 @@ from shardline.checkpoint.integrity.manifest import (
     render_sums,
 )
 from shardline.checkpoint.integrity.staged_check import check_written
+from shardline.checkpoint.lifecycle.claim import CLAIM, claim, newest_committed, refused_message
 from shardline.checkpoint.lifecycle.host_staging import HostBuffers
 from shardline.checkpoint.lifecycle.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
 from shardline.checkpoint.lifecycle.summary import human_bytes
@@ -152,11 +151,6 @@ def _prepare(final: Path) -> Path:
     return tmp
 
 
-CLAIM = ".shardline-claim"
-"""The object a save into an object store creates first under its prefix (conditionally), and deletes before its
-manifest: while it is there, the prefix is taken (see :func:`_claim`)."""
-
-
 def _prepare_objects(final: ObjectPath) -> str | None:
     """Rank 0: check and claim ``final``; returns the newest committed checkpoint beside it (its URL), if any."""
     # One LIST of the parent both proves access and shows whether the checkpoint's prefix is taken; only
@@ -173,75 +167,8 @@ def _prepare_objects(final: ObjectPath) -> str | None:
             f"checkpoint {final} already exists (objects under that prefix); shardline never overwrites a checkpoint. "
             "Save under a new step or prefix, or remove the old objects first."
         )
-    _claim(final)
-    return _newest_committed(parent, final)
-
-
-def _newest_committed(parent: ObjectPath, final: ObjectPath) -> str | None:
-    """The newest committed regular checkpoint among ``parent``'s children (a snapshot), by step: what a failure
-    message names as the last good one when no manager (no ledger) says which it is.
-
-    Note: the preflight's listing of the parent already names every sibling; "committed" takes a
-    HEAD of a manifest, tried newest first (a crashed save's prefix has none), three at most so a
-    run of failed saves cannot turn a failing save's message into a scan.
-    """
-    steps = sorted(
-        ((step, child) for child in parent.iterdir() if (step := _regular_step(child.name)) is not None),
-        key=lambda pair: pair[0],
-        reverse=True,
-    )
-    for _, child in steps[:3]:
-        if child != final and (child / MANIFEST).is_file():
-            return str(child)
-    return None
-
-
-def _regular_step(name: str) -> int | None:
-    head, _, number = name.partition("-")
-    return int(number) if head == "step" and number.isdigit() else None
-
-
-def _claim(final: ObjectPath) -> None:
-    """Rank 0, object store: take the checkpoint's prefix before anything is written into it.
-
-    Note: two runs saving into one prefix. A listing and a write are not one step, so two runs
-    (two jobs given the same ``checkpoint.dir``, a job restarted while its old incarnation still
-    runs) can both find ``step-N/`` free. Without a guard both would upload the same object names
-    -- each overwriting the other's shards -- and both commit. So the first object of a save is
-    ``step-N/.shardline-claim``, created with a conditional PUT (``If-None-Match: *``): of two
-    concurrent creators the store lets exactly one succeed; the other stops here with
-    :class:`CheckpointExistsError` before writing a byte. The claim stays until every shard is
-    uploaded and is deleted just before the manifest (a committed checkpoint holds exactly the
-    files its manifest lists), so a claim that succeeds later -- a run that listed the prefix as
-    free, then stalled through a whole save of the other -- is followed by a second listing of the
-    prefix: anything there but the claim means it is taken, and the late run removes its claim and
-    stops. The manifest is uploaded conditionally too, so nothing commits over a committed
-    checkpoint. What is left: a store that ignores ``If-None-Match`` (S3 before 2024; SeaweedFS
-    4.x and MinIO honour it) gives two concurrent claims both success -- the claim is read back,
-    which catches a writer that overwrote it before the read, not one after.
-    """
-    token = canonical_json(
-        {"host": socket.gethostname(), "pid": os.getpid(), "nonce": secrets.token_hex(8), "checkpoint": str(final)}
-    )
-    claim = final / CLAIM
-    try:
-        claim.write_new(token)
-        taken = claim.read_bytes() != token
-    except FileExistsError:
-        taken = True
-    except PermissionError as e:  # the first write of the save: a store refusing writes says so here
-        raise CheckpointError(_refused(final, e, "no checkpoint was written")) from None
-    if not taken and {p.name for p in final.snapshot().iterdir()} - {CLAIM}:
-        final.fs.rm_file(claim.key)  # ours; what else is there belongs to a save that claimed and finished first
-        raise CheckpointExistsError(
-            f"checkpoint {final} already exists (objects under that prefix, written by another run while this one "
-            "was starting its save); shardline never overwrites a checkpoint. Give this run its own checkpoint.dir."
-        )
-    if taken:
-        raise CheckpointExistsError(
-            f"checkpoint {final} is being saved by another run (it claimed the prefix first: {claim}); two runs must "
-            "not save into one prefix. Give this run its own checkpoint.dir, or stop the other run."
-        )
+    claim(final)
+    return newest_committed(parent, final)
 
 
 def preflight(
@@ -387,7 +314,7 @@ def _failure_message(
     if isinstance(final, ObjectPath):
         refused = next((e for e in error_chain(error) if isinstance(e, PermissionError)), None)
         if refused is not None:
-            return _refused(final, refused, previous)
+            return refused_message(final, refused, previous)
         return f"writing checkpoint {describe(final)} failed ({_first_line(error)}); nothing was committed; {previous}"
     full = disk_full_cause(error)
     if full is None:
@@ -401,14 +328,6 @@ def _failure_message(
         f"disk full: writing checkpoint {final} needs about {human_bytes(staged.total_bytes)}, {free} free on "
         f"{final.parent} ({type(full).__name__}: {getattr(full, 'strerror', None) or full} at {where}); nothing "
         f"was committed and earlier checkpoints are intact; {previous}. Free space or save elsewhere, then resume."
-    )
-
-
-def _refused(final: ObjectPath, refused: BaseException, previous: str) -> str:
-    return (
-        f"the object store at {final.endpoint} refused writing checkpoint {final} ({_first_line(refused)}); "
-        f"nothing was committed; {previous}. Give the credentials write access to bucket "
-        f"{final.bucket!r} (or raise its quota), then resume."
     )
 
 
@@ -613,9 +532,9 @@ def _finalize_objects(
     )
     crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
-    final.fs.rm_file((final / CLAIM).key)
+    final.fs.rm_file((final / CLAIM).key)  # every shard is up: the manifest, conditional, now guards the prefix
     try:
-        (final / MANIFEST).write_new(data)  # conditional: never over another run's commit (see _claim)
+        (final / MANIFEST).write_new(data)  # conditional: never over another run's commit (see .claim)
     except FileExistsError:
         raise CheckpointExistsError(
             f"checkpoint {final} was committed by another run while this one was writing it (its manifest appeared "
