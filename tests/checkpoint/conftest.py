@@ -43,3 +43,11 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[seaweed.S3Se
         yield server
     finally:
         seaweed.stop(server)
+
+
+@pytest.fixture
+def s3_env(s3_server: seaweed.S3Server, monkeypatch: pytest.MonkeyPatch) -> seaweed.S3Server:
+    """The server's endpoint and credentials in this process's AWS environment (ranks and workers inherit it)."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server

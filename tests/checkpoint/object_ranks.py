@@ -80,11 +80,21 @@ def save_then_lose_store(rank: int, world: int, root: str, server_pid: int) -> t
     )
 
 
-def manager_saves(rank: int, world: int, root: str, ledger: str, save_at: list[int]) -> list[str | None]:
-    """Train, saving through a manager on ``root`` (a URL) at ``save_at``; ``latest`` after each save."""
+def manager_saves(
+    rank: int,
+    world: int,
+    root: str,
+    ledger: str,
+    save_at: list[int],
+    keep_last_n: int = 0,
+    async_save: bool = False,
+) -> tuple[list[str | None], bytes]:
+    """Train, saving through a manager on ``root`` (a URL) at ``save_at``; ``latest`` after each save, and the
+    state at the last save. Async: one more step is trained while the last save uploads (it must not leak in)."""
     model, optimizer = build()
     latest: list[str | None] = []
-    with ckpt.CheckpointManager(root, ledger_path=ledger) as manager:
+    saved = b""
+    with ckpt.CheckpointManager(root, ledger_path=ledger, keep_last_n=keep_last_n, async_save=async_save) as manager:
         for step in range(max(save_at)):
             train_step(model, optimizer, step, rank, world)
             if step + 1 in save_at:
@@ -92,9 +102,41 @@ def manager_saves(rank: int, world: int, root: str, ledger: str, save_at: list[i
                     step=step + 1, model=model, optimizer=optimizer, state=trainer_state(step + 1), config=CONFIG
                 )
                 manager.save(request)
+                saved = snapshot(model, optimizer)
+                manager.wait()
                 found = manager.latest()
                 latest.append(str(found) if found is not None else None)
-    return latest
+        if async_save:
+            manager.save(
+                ckpt.SaveRequest(
+                    step=max(save_at) + 1, model=model, optimizer=optimizer, state=trainer_state(max(save_at) + 1)
+                )
+            )
+            saved = snapshot(model, optimizer)
+            train_step(model, optimizer, max(save_at) + 1, rank, world)  # while the upload runs
+    return latest, saved
+
+
+def manager_resume_state(rank: int, world: int, root: str, ledger: str) -> tuple[int, bytes]:
+    """``load("auto")`` through a manager on ``root`` into a freshly built model: the step and the loaded state."""
+    model, optimizer = build(seed=7)
+    with ckpt.CheckpointManager(root, ledger_path=ledger) as manager:
+        state = manager.load("auto", model=model, optimizer=optimizer)
+    return int(state["step"]) if state else -1, snapshot(model, optimizer)
+
+
+def try_manager_save(rank: int, world: int, root: str, ledger: str, options: dict, async_save: bool) -> tuple[str, str]:
+    """One save through a manager with ``options`` (e.g. credentials that may not write): the error it ends with."""
+    model, optimizer = build()
+
+    def save_and_wait() -> None:
+        manager = ckpt.CheckpointManager(root, ledger_path=ledger, storage_options=options, async_save=async_save)
+        try:
+            manager.save(ckpt.SaveRequest(step=1, model=model, optimizer=optimizer, state=trainer_state(1)))
+        finally:
+            manager.close()
+
+    return catch(save_and_wait)
 
 
 def manager_resume_auto(rank: int, world: int, root: str, ledger: str) -> tuple[str, str]:
@@ -118,3 +160,27 @@ def save_strays(rank: int, world: int, paths: list[str]) -> list[str]:
         train_step(model, optimizer, step, rank, world)
         saved.append(ckpt.save(path, model=model, optimizer=optimizer, step=step, config=CONFIG).manifest_hash)
     return saved
+
+
+def race_to_save(rank: int, world: int, roots: list[str]) -> list[tuple[str, str, str]]:
+    """Each rank is a run of its own (a one-rank group) saving step-1 into the same prefixes, started together.
+
+    Returns, per prefix, (error class or "ok", message, manifest hash of what this rank committed or "").
+    """
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r], backend="gloo") for r in range(world)]  # collective: every rank creates each
+    model, optimizer = build(seed=rank)  # different weights: the committed checkpoint says whose it is
+    train_step(model, optimizer, 0, 0, 1)
+    out: list[tuple[str, str, str]] = []
+    for root in roots:
+        dist.barrier()
+        try:
+            info = ckpt.save(
+                f"{root}/step-1", model=model, optimizer=optimizer, step=1, process_group=groups[rank], config=CONFIG
+            )
+        except CheckpointError as e:
+            out.append((type(e).__name__, str(e), ""))
+        else:
+            out.append(("ok", "", info.manifest_hash))
+    return out

@@ -123,13 +123,13 @@ class SlowCheckpointFiles:
         import importlib
 
         module = importlib.import_module("shardline.checkpoint.lifecycle.save")  # the package's `save` is the function
-        real = module._write_durable
+        real = module._write  # each record file of the commit (statement, manifest, hash files)
 
-        def slow(path: Any, data: bytes) -> None:
+        def slow(path: Any, data: bytes) -> Any:
             time.sleep(seconds)
-            real(path, data)
+            return real(path, data)
 
-        module._write_durable = slow
+        module._write = slow
 
 
 class RaiseEverywhere:

@@ -27,9 +27,7 @@ from hydra.core.config_store import ConfigStore
 
 from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
 from shardline.checkpoint.integrity.verify import VerifyLevel
-from shardline.checkpoint.lifecycle.manager import check_object_store_options
 from shardline.checkpoint.state.model_state import SAVE_KINDS
-from shardline.checkpoint.storage.objects import is_url
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 from shardline.train.data.sources import check_source
@@ -270,10 +268,6 @@ class CheckpointConfig:
             resolve_files_per_rank(self.files_per_rank)
         except ConfigurationError as exc:
             raise ConfigurationError(f"checkpoint.{exc}") from None
-        if is_url(self.dir):
-            check_object_store_options(
-                str(self.dir), async_save=bool(self.async_save), keep_last_n=int(self.keep_last_n), prefix="checkpoint."
-            )
 
 
 @dataclass

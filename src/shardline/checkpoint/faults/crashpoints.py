@@ -50,11 +50,16 @@ CRASH_POINTS: tuple[str, ...] = (
     "retention.renamed",  # the checkpoint renamed to .step-N.deleting-*
     "retention.signature_removed",  # step-N.sig removed
     "retention.removed",  # the renamed directory removed
+    "retention.store_manifest_deleted",  # object store: the manifest (commit record) deleted, the rest still there
+    "retention.store_removed",  # object store: every object under the prefix deleted
     # manager.py: quarantine (moving a checkpoint that fails verification aside)
     "quarantine.recorded",  # the quarantine row names where it will go; nothing moved yet
     "quarantine.moved",  # step-N renamed to step-N.damaged-*
     "quarantine.signature_moved",  # step-N.sig renamed beside it
     "quarantine.latest",  # `latest` repointed (or removed) if it named the moved checkpoint
+    "quarantine.store_copied",  # object store: every object copied to the aside prefix; the original still there
+    "quarantine.store_manifest_deleted",  # object store: the original's manifest (its commit record) deleted
+    "quarantine.store_removed",  # object store: the original's objects all deleted
     # ledger.py: a new chain
     "new_chain.built",  # the new ledger is complete under a temporary name; the old one untouched
     "new_chain.kept_aside",  # the old ledger and head record copied aside

@@ -424,7 +424,7 @@ class HashingWriter(FileSystemWriter):
         *,
         final_path: str | os.PathLike | ObjectPath | None = None,
         observer: SaveObserver = NO_OBSERVER,
-        check_written: Callable[[Path, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
+        check_written: Callable[[Path | ObjectPath, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
         files_per_rank: int = AUTO,
     ) -> None:
         resolve_files_per_rank(files_per_rank)
@@ -439,6 +439,7 @@ class HashingWriter(FileSystemWriter):
         _torch_compat.set_writer_filesystem(self, self._hfs)
         self._final_path = final_path
         self._check_written = check_written
+        self._location: Path | ObjectPath = path if isinstance(path, ObjectPath) else Path(path)
         self.file_digests: list[FileDigest] | None = None
 
     def storage_meta(self) -> StorageMeta | None:
@@ -477,7 +478,7 @@ class HashingWriter(FileSystemWriter):
             )
         written = self._hfs.take()
         if self._check_written is not None:
-            problems = self._check_written(Path(self.path), plan, planner, results)
+            problems = self._check_written(self._location, plan, planner, results)
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise IntegrityError(

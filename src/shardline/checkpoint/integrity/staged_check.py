@@ -36,7 +36,6 @@ import re
 import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from shardline.checkpoint.integrity.hashing import hasher_pool
+from shardline.checkpoint.storage.objects import Location
 
 __all__ = ["StagedDigester", "StagedTensor", "check_written", "digest_staged", "tensor_key"]
 
@@ -145,11 +145,15 @@ def digest_staged(state_dict: Mapping[str, Any]) -> dict[tuple[str, int], Staged
     return StagedDigester().digests(state_dict)
 
 
-def _written_digest(file: Path, offset: int, length: int) -> str:
-    """SHA-256 of the storage record of the ``torch.save`` archive at ``file[offset:offset + length]``."""
-    with open(file, "rb") as f:
-        f.seek(offset)
-        data = f.read(length)
+def _written_digest(file: Location, offset: int, length: int, handles: dict[str, Any]) -> str:
+    """SHA-256 of the storage record of the ``torch.save`` archive at ``file[offset:offset + length]``.
+
+    ``handles`` keeps each file open across its items (in an object store an open is a request)."""
+    f = handles.get(str(file))
+    if f is None:
+        f = handles[str(file)] = file.open("rb")
+    f.seek(offset)
+    data = f.read(length)
     if len(data) != length:
         raise OSError(f"{file.name} is {offset + len(data)} bytes, shorter than the item at {offset}+{length}")
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -160,7 +164,7 @@ def _written_digest(file: Path, offset: int, length: int) -> str:
 
 
 def check_written(
-    root: Path,
+    root: Location,
     plan: SavePlan,
     planner: SavePlanner,
     results: list[WriteResult],
@@ -173,6 +177,24 @@ def check_written(
     """
     items = {item.index: item for item in plan.items if item.type != WriteItemType.BYTE_IO}
     problems: list[str] = []
+    handles: dict[str, Any] = {}
+    try:
+        _check_results(root, items, planner, results, staged, problems, handles)
+    finally:
+        for f in handles.values():
+            f.close()
+    return problems
+
+
+def _check_results(
+    root: Location,
+    items: Mapping[Any, Any],
+    planner: SavePlanner,
+    results: list[WriteResult],
+    staged: Mapping[tuple[str, int], StagedTensor],
+    problems: list[str],
+    handles: dict[str, Any],
+) -> None:
     for result in results:
         item = items.get(result.index)
         info = result.storage_data
@@ -186,7 +208,7 @@ def check_written(
             problems.append(f"{result.index.fqn}: the tensor written is not one the staging copied and hashed")
             continue
         try:
-            actual = _written_digest(root / info.relative_path, int(info.offset), int(info.length))
+            actual = _written_digest(root / info.relative_path, int(info.offset), int(info.length), handles)
         except (OSError, zipfile.BadZipFile) as e:
             problems.append(f"{result.index.fqn}: its bytes cannot be read back from {info.relative_path} ({e})")
             continue
@@ -195,4 +217,3 @@ def check_written(
                 f"{expected.name}: the bytes written to {info.relative_path} (sha256 {actual[:16]}...) are not the "
                 f"bytes staged (sha256 {expected.sha256[:16]}...)"
             )
-    return problems

@@ -40,9 +40,15 @@ differs where a bucket lacks what a disk has:
 * the ledger stays a local file (``ledger_path`` is required) and its rows name each
   checkpoint by URL;
 * a damaged checkpoint is moved aside by copying, then deleting -- manifest first
-  (:meth:`CheckpointManager._move_aside_in_store`);
-* not yet on a bucket, refused up front in one line (:func:`check_object_store_options`):
-  ``async_save`` and ``keep_last_n``.
+  (:meth:`CheckpointManager._move_aside_in_store`); a move a crash interrupted is finished on
+  open from its ``quarantine`` row's ``moved_to`` (:meth:`CheckpointManager._finish_store_quarantines`);
+* retention (``keep_last_n``) deletes a checkpoint's manifest first, then the rest, after its
+  tombstone row; a deletion a crash interrupted is finished by the next pass (:mod:`.retention`);
+* async saves upload from the host staging buffers on the background thread, as on disk;
+* a save claims its prefix first with a conditional PUT, so two runs on one prefix cannot both
+  commit a step (:func:`.claim.claim`); the manager's ledger is still one run's, so two runs on one
+  prefix should still each have their own ``checkpoint.dir`` -- the claim turns the mistake into
+  one clear error instead of two interleaved checkpoints.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST, read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.claim import CLAIM
 from shardline.checkpoint.lifecycle.host_staging import HostBuffers, bind_writer_device
 from shardline.checkpoint.lifecycle.load import load as load_checkpoint
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
@@ -111,7 +118,6 @@ __all__ = [
     "RESUME_AUTO",
     "CheckpointManager",
     "CommittedCheckpoint",
-    "check_object_store_options",
     "is_auto_resume",
     "no_resume",
 ]
@@ -149,8 +155,8 @@ class CheckpointManager:
             (0, the default: the cores each rank has on its node, at most 8; :mod:`.parallelism`).
 
     Raises:
-        ConfigurationError: ``keep_last_n`` or ``files_per_rank`` is negative; a URL with
-            ``async_save``, ``keep_last_n`` or no ``ledger_path``.
+        ConfigurationError: ``keep_last_n`` or ``files_per_rank`` is negative; a URL with no
+            ``ledger_path``.
         StorageAccessError: a URL whose bucket does not exist, credentials are refused, or
             endpoint does not answer.
         LineageError: the ledger's chain does not verify, or committed checkpoints on disk are
@@ -176,9 +182,6 @@ class CheckpointManager:
         location = as_location(directory, storage_options=self.storage_options)
         self.directory: Location = location.absolute()
         if isinstance(self.directory, ObjectPath):
-            check_object_store_options(
-                str(self.directory), async_save=bool(async_save), keep_last_n=keep_last_n, prefix=""
-            )
             if ledger_path is None or is_url(ledger_path):
                 raise ConfigurationError(
                     f"checkpoints at {self.directory} need a local ledger_path (got {ledger_path!r}): the lineage "
@@ -273,8 +276,11 @@ class CheckpointManager:
             problems += self.ledger.verify(check_checkpoints=False).problems
         elif self.ledger.head_path.exists():
             problems.append(f"the ledger is gone but its head record {self.ledger.head_path.name} is still there")
-        if not problems and not self.in_object_store:
-            self._finish_quarantines()
+        if not problems:
+            if self.in_object_store:
+                self._finish_store_quarantines()
+            else:
+                self._finish_quarantines()
         missing, recoverable = unrecorded(self.ledger, [self.directory])
         problems += [
             f"{c.path.name} (step {c.step}) is committed on disk but missing from the ledger"
@@ -609,24 +615,19 @@ class CheckpointManager:
         """Rank 0, object store: record, copy the checkpoint to ``step-N.damaged-<time>`` beside it, then delete it
         (its manifest first); returns the new URL.
 
-        Note: an object store has no rename. The ``quarantine`` row comes first, as on disk; then
-        every object is copied (server side) to the aside prefix, whose name is not a checkpoint
-        name; then the original's ``manifest.json`` -- its commit record -- is deleted, so from that
-        request on it is no longer listed or resumed, and the rest after it. A crash in between
-        leaves either the original still committed (the next ``resume=auto`` fails it again and
-        moves it again, to a new name) or an uncommitted prefix that is never listed and that a
-        save of the same step reports as taken.
+        Note: an object store has no rename. The ``quarantine`` row comes first, as on disk, naming
+        where the checkpoint goes (``moved_to``); then every object is copied (server side) to the
+        aside prefix, whose name is not a checkpoint name; then the original's ``manifest.json`` --
+        its commit record -- is deleted, so from that request on it is no longer listed or resumed,
+        and the rest after it. A crash anywhere in between leaves a row whose source prefix still
+        exists: the next manager on the directory finishes that same move -- copies what is missing
+        at ``moved_to``, then deletes -- instead of failing the checkpoint again and moving it a
+        second time under a new name (:meth:`_finish_store_quarantines`).
         """
         target = aside_path(path)
         self._record_quarantine(path, target, self._recorded_hash(path), reason)
-        fs = path.fs
-        objects = sorted(str(k) for k in fs.find(path.key))
-        for key in objects:
-            fs.copy(key, f"{target.key}/{key[len(path.key) :].lstrip('/')}")
-        manifest = f"{path.key}/{MANIFEST}"
-        if manifest in objects:
-            fs.rm_file(manifest)
-        path.remove_tree()  # the rest, and the prefix itself (a store with directories keeps an empty one)
+        crash_point("quarantine.recorded")
+        _finish_store_move(path, target)
         if self._last_good == path:
             self._last_good = None
         log.warning(
@@ -636,6 +637,28 @@ class CheckpointManager:
             reason,
         )
         return str(target)
+
+    def _finish_store_quarantines(self) -> None:
+        """Rank 0, object store: finish the moves that ``quarantine`` rows record but a crash interrupted (the source
+        prefix is still there); one listing of the directory, and one of each such move's prefixes."""
+        rows = self._rows()
+        moves = [(row, tombstone_detail(row)) for row in rows if row.event == "quarantine"]
+        if not moves:
+            return
+        present = {child.name for child in self.directory.snapshot().iterdir()}
+        for row, detail in moves:
+            source_text, target_text = str(detail.get("checkpoint") or ""), str(detail.get("moved_to") or "")
+            if not is_url(source_text) or not is_url(target_text):
+                continue
+            source, target = self._location(source_text), self._location(target_text)
+            if source.parent != self.directory or source.name not in present:
+                continue
+            if any(r.seq > row.seq and r.is_commit and r.checkpoint == source_text for r in rows):
+                continue  # the step was saved again after the quarantine: that prefix is a new checkpoint
+            if (source / CLAIM).exists():
+                continue  # a save in progress holds the prefix (another run's; see save.py's claim)
+            log.warning("finishing the move of %s to %s, which a crash interrupted", source, target.name)
+            _finish_store_move(source, target)
 
     def load(
         self,
@@ -727,6 +750,32 @@ class CheckpointManager:
         )
 
 
+def _finish_store_move(path: ObjectPath, target: ObjectPath) -> None:
+    """Copy what ``target`` lacks of ``path``'s objects (server side), then delete ``path``: its manifest first."""
+    fs = path.fs
+    have = {str(k)[len(target.key) :].lstrip("/"): int(v.get("size") or 0) for k, v in _listing(target).items()}
+    objects = _listing(path)
+    for key, entry in sorted(objects.items()):
+        name = key[len(path.key) :].lstrip("/")
+        if have.get(name) != int(entry.get("size") or 0):
+            fs.copy(key, f"{target.key}/{name}")
+    crash_point("quarantine.store_copied")
+    manifest = f"{path.key}/{MANIFEST}"
+    if manifest in objects:
+        fs.rm_file(manifest)
+    crash_point("quarantine.store_manifest_deleted")
+    path.remove_tree()  # the rest, and the prefix itself (a store with directories keeps an empty one)
+    crash_point("quarantine.store_removed")
+
+
+def _listing(prefix: ObjectPath) -> dict[str, dict[str, Any]]:
+    """Every object under ``prefix`` (recursively): key -> its listing entry."""
+    try:
+        return {str(k): v for k, v in prefix.fs.find(prefix.key, detail=True).items() if v.get("type") != "directory"}
+    except FileNotFoundError:
+        return {}
+
+
 def no_resume(resume: Any) -> bool:
     """Whether a ``resume`` argument asks for no checkpoint: None, or ``""``, ``"none"``, ``"false"`` (any case)."""
     return resume is None or str(resume).lower() in ("", "none", "false")
@@ -735,25 +784,3 @@ def no_resume(resume: Any) -> bool:
 def is_auto_resume(resume: Any) -> bool:
     """Whether a ``resume`` argument is :data:`RESUME_AUTO` (the newest committed checkpoint that verifies)."""
     return resume is not None and str(resume) == RESUME_AUTO
-
-
-def check_object_store_options(url: str, *, async_save: bool, keep_last_n: int, prefix: str = "") -> None:
-    """Refuse what checkpoints in an object store do not support yet (see :class:`CheckpointManager`'s note).
-
-    Args:
-        url: The checkpoint directory (for the message).
-        prefix: Prepended to option names in the message (``checkpoint.`` for the train config).
-
-    Raises:
-        ConfigurationError: ``async_save`` or ``keep_last_n`` with an object-store directory.
-    """
-    if async_save:
-        raise ConfigurationError(
-            f"{prefix}async_save=true is not supported with checkpoints in an object store ({url}); "
-            f"set {prefix}async_save=false, or save to a local directory"
-        )
-    if keep_last_n:
-        raise ConfigurationError(
-            f"{prefix}keep_last_n={keep_last_n} is not supported with checkpoints in an object store ({url}) yet; "
-            f"set {prefix}keep_last_n=0 and expire old checkpoints with a bucket lifecycle rule"
-        )

@@ -8,6 +8,8 @@ the same exception class with the same message.
    creatable and writable; rank 0 creates a hidden temporary directory beside it
    (``.step-100.tmp-<hex>``). Every rank then checks it can see and write that directory
    (all agree), so an unwritable or unshared path fails on every rank before any data is written.
+   In an object store there is no temporary directory: rank 0 claims the final prefix with a
+   conditional PUT (:func:`.claim.claim`), and the manifest, uploaded last and conditionally, commits.
 2. **Stage** (all agree): each rank builds its state dict (:mod:`.staging`).
 3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing.HashingWriter`:
    each rank writes and fsyncs its ``.distcp`` files (one per writer thread), hashing each in the same pass; digests
@@ -66,6 +68,7 @@ from shardline.checkpoint.integrity.manifest import (
     render_sums,
 )
 from shardline.checkpoint.integrity.staged_check import check_written
+from shardline.checkpoint.lifecycle.claim import CLAIM, claim, newest_committed, refused_message
 from shardline.checkpoint.lifecycle.host_staging import HostBuffers
 from shardline.checkpoint.lifecycle.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
 from shardline.checkpoint.lifecycle.summary import human_bytes
@@ -81,7 +84,16 @@ from shardline.checkpoint.storage.fsutil import (
 from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, describe, is_url
 from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, PublishError, error_chain
 
-__all__ = ["CheckpointInfo", "commit", "disk_full_cause", "preflight", "save", "stage_agreed", "write_and_commit"]
+__all__ = [
+    "CheckpointInfo",
+    "commit",
+    "disk_full_cause",
+    "preflight",
+    "preflight_objects",
+    "save",
+    "stage_agreed",
+    "write_and_commit",
+]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -139,7 +151,8 @@ def _prepare(final: Path) -> Path:
     return tmp
 
 
-def _prepare_objects(final: ObjectPath) -> None:
+def _prepare_objects(final: ObjectPath) -> str | None:
+    """Rank 0: check and claim ``final``; returns the newest committed checkpoint beside it (its URL), if any."""
     # One LIST of the parent both proves access and shows whether the checkpoint's prefix is taken; only
     # when it fails is the bucket itself checked, for an error that names what is wrong.
     try:
@@ -154,6 +167,8 @@ def _prepare_objects(final: ObjectPath) -> None:
             f"checkpoint {final} already exists (objects under that prefix); shardline never overwrites a checkpoint. "
             "Save under a new step or prefix, or remove the old objects first."
         )
+    claim(final)
+    return newest_committed(parent, final)
 
 
 def preflight(
@@ -171,17 +186,7 @@ def preflight(
         CheckpointError: the path is not writable or not visible from every rank.
     """
     if is_url(path):
-        # An object store: no temporary prefix (nothing renames it); the manifest written last commits.
-        target = as_location(path, storage_options=storage_options)
-        coord.rank0_decides(lambda: _prepare_objects(target), process_group)
-        if coord.group_size(process_group) > 1:  # rank 0 has reached it already; the others check their own access
-
-            def reach() -> None:
-                if coord.group_rank(process_group) != 0:
-                    check_access(target)
-
-            coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
-        return target
+        return preflight_objects(path, process_group=process_group, storage_options=storage_options)[0]
     final = Path(path).absolute()
     tmp = Path(coord.rank0_decides(lambda: str(_prepare(final)), process_group))
 
@@ -199,6 +204,34 @@ def preflight(
             _discard(tmp)
         raise
     return tmp
+
+
+def preflight_objects(
+    path: str | ObjectPath,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[ObjectPath, str | None]:
+    """:func:`preflight` for an object-store URL: ``(the location, the newest committed checkpoint beside it)``.
+
+    No temporary prefix (nothing renames it): rank 0 claims the final one, and the manifest written last commits.
+    """
+    target = as_location(path, storage_options=storage_options)
+    assert isinstance(target, ObjectPath)  # a URL
+    last_good = coord.rank0_decides(lambda: _prepare_objects(target), process_group)
+    if coord.group_size(process_group) > 1:  # rank 0 has reached it already; the others check their own access
+
+        def reach() -> None:
+            if coord.group_rank(process_group) != 0:
+                check_access(target)
+
+        try:
+            coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
+        except Exception:  # a rank that cannot reach the bucket: the save stops on every rank
+            if coord.group_rank(process_group) == 0:
+                _discard(target)  # only the claim is there: the prefix is free again
+            raise
+    return target, last_good
 
 
 def stage_agreed(
@@ -273,17 +306,15 @@ def _first_line(error: BaseException) -> str:
     return type(error).__name__
 
 
-def _failure_message(final: Location, staged: StagedCheckpoint, error: BaseException, last_good: Path | None) -> str:
+def _failure_message(
+    final: Location, staged: StagedCheckpoint, error: BaseException, last_good: Location | None
+) -> str:
     """Rank 0, after a failed write: one line naming the cause (for a full disk: bytes needed vs free)."""
     previous = f"the last good checkpoint is {last_good}" if last_good else "no earlier checkpoint is known here"
     if isinstance(final, ObjectPath):
         refused = next((e for e in error_chain(error) if isinstance(e, PermissionError)), None)
         if refused is not None:
-            return (
-                f"the object store at {final.endpoint} refused writing checkpoint {final} ({_first_line(refused)}); "
-                f"nothing was committed; {previous}. Give the credentials write access to bucket "
-                f"{final.bucket!r} (or raise its quota), then resume."
-            )
+            return refused_message(final, refused, previous)
         return f"writing checkpoint {describe(final)} failed ({_first_line(error)}); nothing was committed; {previous}"
     full = disk_full_cause(error)
     if full is None:
@@ -307,7 +338,7 @@ def write_and_commit(
     process_group: dist.ProcessGroup | None = None,
     observer: SaveObserver = NO_OBSERVER,
     after_commit: Callable[[CheckpointInfo], None] | None = None,
-    last_good: Path | None = None,
+    last_good: Location | None = None,
     files_per_rank: int = AUTO,
 ) -> CheckpointInfo:
     """Steps 3-7 of the protocol (a collective): write ``staged`` into ``tmp`` and commit it.
@@ -356,6 +387,8 @@ def write_and_commit(
             else:
                 manifest_digest, files, statement_digest = _finalize(staged, tmp, final, digests, observer, done)
         except Exception as e:
+            if isinstance(e, CheckpointExistsError) and isinstance(final, ObjectPath):
+                raise  # lost the commit to another run: the objects under the prefix may be its, nothing is deleted
             if not done:
                 _discard(tmp)
                 message = _failure_message(final, staged, e, last_good)
@@ -499,7 +532,15 @@ def _finalize_objects(
     )
     crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
-    (final / MANIFEST).write_bytes(data)
+    final.fs.rm_file((final / CLAIM).key)  # every shard is up: the manifest, conditional, now guards the prefix
+    try:
+        (final / MANIFEST).write_new(data)  # conditional: never over another run's commit (see .claim)
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"checkpoint {final} was committed by another run while this one was writing it (its manifest appeared "
+            "first); this save was not committed and nothing of the other was deleted. Give each run its own "
+            "checkpoint.dir."
+        ) from None
     done.update(hash=digest, files=files, provenance=statement_digest)
     crash_point("save.committed")
     observer.on_phase(SavePhase.AFTER_RENAME, 0)
@@ -509,7 +550,7 @@ def _finalize_objects(
 def _check_listing(tmp: Location, digests: list[FileDigest]) -> None:
     """Every file in ``tmp`` is one a rank reported writing, and every reported one is there."""
     listed = {d.path for d in digests}
-    present = {p.name for p in tmp.iterdir()}
+    present = {p.name for p in tmp.iterdir()} - {CLAIM}
     if present != listed:
         raise CheckpointError(
             f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "
@@ -567,13 +608,20 @@ def commit(
 ) -> CheckpointInfo:
     """Save ``request`` into the new directory ``path`` and commit it atomically (a collective; see :func:`save`)."""
     resolve_files_per_rank(files_per_rank)  # a bad count fails before anything is created
-    tmp = preflight(path, process_group=process_group, storage_options=storage_options)
-    if isinstance(tmp, ObjectPath):
-        path = tmp  # written in place; staging records this location (with its storage options)
+    last_good: Location | None = None
+    if is_url(path):
+        # Written in place; staging records this location (with its storage options). The preflight's listing
+        # also finds the newest committed checkpoint beside it, which a failure message names.
+        tmp, found = preflight_objects(path, process_group=process_group, storage_options=storage_options)
+        path, last_good = tmp, (tmp.with_name(found.rsplit("/", 1)[-1]) if found else None)
+    else:
+        tmp = preflight(path, process_group=process_group, storage_options=storage_options)
     staged = stage_agreed(
         request, path=path, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
     )
-    return write_and_commit(staged, tmp, process_group=process_group, observer=observer, files_per_rank=files_per_rank)
+    return write_and_commit(
+        staged, tmp, process_group=process_group, observer=observer, files_per_rank=files_per_rank, last_good=last_good
+    )
 
 
 def save(

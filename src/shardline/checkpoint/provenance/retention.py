@@ -15,7 +15,16 @@ Note: the order of a deletion, so that a crash anywhere leaves a chain that veri
 
 A crash after 2 leaves the checkpoint on disk with a tombstone: the ledger check notes it, and the
 next retention pass finishes the deletion without a second row. A crash after the rename leaves a
-hidden directory the next manager removes. The chain itself never changes: the commit row stays,
+hidden directory the next manager removes.
+
+In an object store (``s3://...``) there is no rename, so step 3 is: delete the checkpoint's
+``manifest.json`` -- its commit record: from that request on it is not listed, loaded or resumed
+-- then its signature object, then every other object under its prefix. A crash before the
+manifest's deletion leaves a tombstoned checkpoint still committed (the next pass deletes it, no
+second row); a crash after it leaves a prefix without a manifest that the tombstone names: the
+next pass finds it in the listing and removes it (:func:`_finish_store_deletions`), again without
+a row. Such a prefix is never mistaken for a checkpoint in between, and a save of the same step
+in the meantime finds its prefix taken and says so. The chain itself never changes: the commit row stays,
 the tombstone follows it, and ``shardline lineage`` accepts a recorded checkpoint that is gone
 only when a tombstone (or a quarantine move) accounts for it.
 
@@ -42,13 +51,13 @@ from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint.faults.crashpoints import crash_point
-from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
-from shardline.checkpoint.provenance.directory import CommittedCheckpoint, scan
+from shardline.checkpoint.integrity.manifest import MANIFEST, manifest_files, read_manifest
+from shardline.checkpoint.provenance.directory import CommittedCheckpoint, scan, step_of
 from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import live_branch, order
 from shardline.checkpoint.provenance.statement import read_statement
 from shardline.checkpoint.storage.fsutil import fsync_dir, trash_dir_for
-from shardline.checkpoint.storage.objects import as_location, is_url
+from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, is_url
 from shardline.errors import CheckpointError, ConfigurationError, IntegrityError
 
 __all__ = [
@@ -83,7 +92,7 @@ class RetentionPolicy:
         return self.keep_last_n > 0
 
 
-def signature_path_for(checkpoint: Path) -> Path:
+def signature_path_for(checkpoint: Location) -> Location:
     """Where ``shardline sign`` puts a checkpoint's signature by default: ``step-N.sig`` beside the directory."""
     return checkpoint.with_name(checkpoint.name + ".sig")
 
@@ -117,6 +126,9 @@ def _what_it_held(ckpt: CommittedCheckpoint) -> dict[str, Any]:
 
 
 def _remove(ckpt: CommittedCheckpoint) -> None:
+    if isinstance(ckpt.path, ObjectPath):
+        _remove_objects(ckpt.path)
+        return
     trash = trash_dir_for(ckpt.path)
     os.rename(ckpt.path, trash)
     fsync_dir(ckpt.path.parent)
@@ -129,13 +141,49 @@ def _remove(ckpt: CommittedCheckpoint) -> None:
     crash_point("retention.removed")
 
 
+def _remove_objects(path: ObjectPath) -> None:
+    """Object store: the manifest (the commit record) first, then the signature, then the rest of the prefix."""
+    manifest = path / MANIFEST
+    if manifest.is_file():
+        path.fs.rm_file(manifest.key)
+    crash_point("retention.store_manifest_deleted")
+    sig = signature_path_for(path)
+    if sig.is_file():
+        path.fs.rm_file(sig.key)
+    path.remove_tree()
+    crash_point("retention.store_removed")
+
+
+def _finish_store_deletions(
+    directory: ObjectPath, committed: list[CommittedCheckpoint], rows: list[LedgerRow], rel: Callable[[Location], str]
+) -> None:
+    """Object store: remove the prefixes a tombstone names whose manifest is already gone (a crash interrupted the
+    deletion after the commit record went); one listing of ``directory``."""
+    buried = tombstones(rows)
+    if not buried:
+        return
+    live = {c.path for c in committed}
+    for child in directory.snapshot().iterdir():
+        if step_of(child.name) is None or child in live or not child.is_dir():
+            continue
+        name = rel(child)
+        tomb = buried.get(name)
+        if tomb is None or any(r.seq > tomb.seq and r.is_commit and r.checkpoint == name for r in rows):
+            continue  # not tombstoned, or saved again since (an uncommitted save of its own, not a leftover)
+        log.info("retention: finishing the deletion of %s (tombstone row %d), interrupted by a crash", child, tomb.seq)
+        child.remove_tree()
+        sig = signature_path_for(child)
+        if sig.is_file():
+            child.fs.rm_file(sig.key)
+
+
 def apply_retention(
     *,
-    directory: Path,
+    directory: Location,
     ledger: Ledger,
     policy: RetentionPolicy,
-    just_committed: Path,
-    rel: Callable[[Path], str],
+    just_committed: Location,
+    rel: Callable[[Location], str],
 ) -> list[LedgerRow]:
     """Rank 0, after ``just_committed`` committed and was recorded: delete what ``policy`` no longer keeps.
 
@@ -148,6 +196,8 @@ def apply_retention(
     recorded = {r.manifest_sha256 for r in rows if r.is_commit}
     buried = tombstones(rows)
     committed = order(scan(directory)[0], rows)
+    if isinstance(directory, ObjectPath):
+        _finish_store_deletions(directory, committed, rows, rel)
     newest_ckpt = next((c for c in committed if c.path == just_committed), None)
     if newest_ckpt is None:
         return []  # not on disk as a committed checkpoint: nothing to measure the branch from

@@ -25,6 +25,7 @@ protocol needs the ``shardline[s3]`` extra (s3fs).
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import threading
@@ -282,6 +283,30 @@ class ObjectPath:
         self._fs.pipe_file(self.key, bytes(data))
         return len(data)
 
+    def write_new(self, data: bytes) -> None:
+        """Create this object only if there is none: a conditional PUT (``If-None-Match: *``).
+
+        Note: S3 has honoured the header since 2024 (AWS), as do SeaweedFS 4.x and MinIO; the
+        store checks and writes in one step, so of two concurrent writers exactly one succeeds.
+        A store that ignores the header would let both succeed -- callers that rely on this
+        re-read what they wrote (see ``save.py``). Other fsspec protocols fall back to a check
+        and a write, which a concurrent writer can slip between.
+
+        Raises:
+            FileExistsError: an object is there already (the store refused the precondition).
+        """
+        if self.protocol in ("s3", "s3a"):
+            try:
+                self._fs.pipe_file(self.key, bytes(data), IfNoneMatch="*")
+            except OSError as e:
+                if _precondition_failed(e):
+                    raise FileExistsError(errno.EEXIST, "an object exists there already", str(self)) from None
+                raise
+            return
+        if self._fs.exists(self.key):
+            raise FileExistsError(errno.EEXIST, "an object exists there already", str(self))
+        self._fs.pipe_file(self.key, bytes(data))
+
     def remove_tree(self) -> None:
         """Delete every object under this prefix (nothing if there is none), and the prefix's own marker.
 
@@ -356,6 +381,22 @@ def check_access(location: Any) -> None:
             f"cannot reach {where} for {location} ({type(e).__name__}: {_first_line(e)}): check the endpoint "
             "(AWS_ENDPOINT_URL or checkpoint.storage_options endpoint_url) and that the server is up"
         ) from None
+
+
+def _precondition_failed(error: BaseException) -> bool:
+    """Whether ``error`` is the store refusing a conditional request (HTTP 412; s3fs turns it into an OSError)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+                return True
+        if "pre-condition" in str(seen).lower() or "precondition" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _first_line(error: BaseException) -> str:
