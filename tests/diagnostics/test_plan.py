@@ -251,15 +251,10 @@ def test_unknown_names_are_configuration_errors() -> None:
 
 
 # Closing the loop on this machine (docs/planning.md): `shardline plan --calibrate` measured it just before
-# and just after one `shardline bench` run of the 101M GPT at W=2 on idle cores (load average 0-2), all saved in
-# docs/benchmarks/101m-plan/. The test below predicts that run again from the saved calibrations and compares with
-# the bench's measured median step time. The saved calibrations predate the memory rates (copy, fill, first
-# touch), so the plan charges no engine memory work for them: two strategies meet the issue's +-20% target, and
-# FULL_SHARD and SHARD_GRAD_OP miss it (-22% and -29%) and are marked strict xfail. Once a run saved with the
-# memory rates meets the target, the marks must go (a strict xfail that passes fails).
-MISSES_TARGET = pytest.mark.xfail(
-    strict=True, reason="saved run predicted 22-29% below its median, without memory rates (docs/planning.md)"
-)
+# and just after one `shardline bench` run of the 101M GPT at W=2, all saved in docs/benchmarks/101m-plan/ (the
+# calibrations with the memory rates: copy, fill, first touch). The test below predicts that run again from the
+# saved calibrations (their mean) and compares with the bench's measured median step time, for all four strategies,
+# against the issue's +-20% target.
 
 
 def _mean_calibration() -> Calibration:
@@ -271,9 +266,9 @@ def _mean_calibration() -> Calibration:
     return dataclasses.replace(before, **{r: (getattr(before, r) + getattr(after, r)) / 2 for r in rates})
 
 
-@pytest.mark.parametrize("key", ["shardline_no_shard", "shardline_shard_opt",
-                                 pytest.param("shardline_full_shard", marks=MISSES_TARGET),
-                                 pytest.param("shardline_shard_grad_op", marks=MISSES_TARGET)])  # fmt: skip
+@pytest.mark.parametrize(
+    "key", ["shardline_no_shard", "shardline_shard_opt", "shardline_full_shard", "shardline_shard_grad_op"]
+)
 def test_calibrated_plan_predicts_the_saved_bench_run(key: str) -> None:
     run = json.loads((BENCH_101M / "results.json").read_text())["runs"][0]
     measured = next(c for c in run["configs"] if c["key"] == key)["step_s"]["median"]
