@@ -146,3 +146,33 @@ def test_a_dcp_save_queues_every_tensor_without_copying_it(tmp_path: Path, monke
     dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
     assert torch.equal(loaded["b"], big[:, :128])
     assert torch.equal(loaded["a"], state["a"])
+
+
+def test_a_discarded_digest_reads_no_buffer_afterwards(pool) -> None:
+    """After a failed write the queue is dropped and the update in progress finished, before memory is released."""
+    reading = threading.Event()
+    release = threading.Event()
+
+    class Slow:
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def update(self, data):
+            reading.set()
+            release.wait(5)
+            self.seen += 1
+
+    digest = OrderedDigest(pool, eager=True)
+    digest._hash = slow = Slow()
+    digest.later(b"a")  # taken by the helper thread, which blocks inside update
+    assert reading.wait(5)
+    digest.later(b"b")
+    digest.later(b"c")
+    threading.Timer(0.2, release.set).start()
+    digest.discard()  # returns only once the update in progress is over
+    assert slow.seen == 1  # "b" and "c" were dropped, never read
+    assert not digest._draining
+    lazy = OrderedDigest(pool, eager=False)
+    lazy.later(b"x")
+    lazy.discard()  # never started: nothing to wait for
+    assert not lazy._queue

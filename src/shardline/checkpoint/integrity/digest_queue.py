@@ -165,6 +165,16 @@ class OrderedDigest:
             if self._error is not None:
                 raise self._error
 
+    def discard(self) -> None:
+        """Drop what is still queued and wait for the update in progress (after a failed write).
+
+        Afterwards no helper thread reads any buffer given to :meth:`later`, so the memory behind
+        them may be released.
+        """
+        with self._cond:
+            self._queue.clear()
+            self._cond.wait_for(lambda: not self._draining)
+
     def hexdigest(self) -> str:
         """The digest of everything given so far (waits for the queue)."""
         self.start()

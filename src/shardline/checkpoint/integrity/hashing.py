@@ -215,6 +215,9 @@ class _HashingStream(io.RawIOBase):
                 raise
             self._on_close(self._size, self._digest.hexdigest())
         finally:
+            # A failed close leaves the queue unhashed: drop it, so no helper thread reads the retained
+            # tensors after the writer releases them.
+            self._digest.discard()
             super().close()
 
 
