@@ -203,18 +203,22 @@ def context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def run_child(name: str, root: Path, point: str | None, hit: int = 1, trace_file: Path | None = None) -> int:
-    """Run :func:`child` in a forked process; its exit code (a hang past 60 s fails)."""
-    proc = context().Process(
-        target=child, args=(name, str(root), point, hit, str(trace_file) if trace_file else None), daemon=True
-    )
+def fork_and_wait(target, args: tuple, *, name: str, point: str | None, hit: int) -> int:
+    """Run ``target(*args)`` in a forked process; its exit code (a hang past 60 s is killed and fails)."""
+    proc = context().Process(target=target, args=args, daemon=True)
     proc.start()
     proc.join(timeout=60)
     if proc.is_alive():
         proc.kill()
         proc.join()
         raise AssertionError(f"{name}: the child crashed at {point} (hit {hit}) hung for 60 s")
-    return proc.exitcode
+    return int(proc.exitcode or 0)
+
+
+def run_child(name: str, root: Path, point: str | None, hit: int = 1, trace_file: Path | None = None) -> int:
+    """Run :func:`child` in a forked process; its exit code (a hang past 60 s fails)."""
+    trace = str(trace_file) if trace_file else None
+    return fork_and_wait(child, (name, str(root), point, hit, trace), name=name, point=point, hit=hit)
 
 
 def copy_base(base: Path, root: Path) -> None:

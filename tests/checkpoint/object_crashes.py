@@ -60,14 +60,7 @@ def child(name: str, root: str, ledger: str, env: dict[str, str], point: str | N
 
 
 def run_child(name: str, root: str, ledger: str, env: dict[str, str], point: str | None, hit: int, trace: str) -> int:
-    proc = sc.context().Process(target=child, args=(name, root, ledger, env, point, hit, trace), daemon=True)
-    proc.start()
-    proc.join(timeout=60)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        raise AssertionError(f"{name}: the child crashed at {point} (hit {hit}) hung for 60 s")
-    return int(proc.exitcode or 0)
+    return sc.fork_and_wait(child, (name, root, ledger, env, point, hit, trace), name=name, point=point, hit=hit)
 
 
 def recover(name: str, root: str, ledger: str, env: dict[str, str]) -> None:

@@ -80,6 +80,14 @@ def test_retained_memory_covers_only_the_storages_it_holds() -> None:
     outside = _view(other, 0, MIB)
     assert not retained.covers(outside)
     assert not retained.covers(memoryview(np.empty(0, np.uint8)))
+    many = [torch.arange(1024 + i, dtype=torch.float32) for i in range(50)]  # kept in any order: a sorted lookup
+    for t in reversed(many):
+        retained.keep(t)
+    retained.keep(many[7])  # tied weights: the same storage twice
+    assert all(retained.covers(_view(t)) for t in many)
+    assert all(retained.covers(_view(t, 4 * 1000, 4 * 24)) for t in many)
+    copied = memoryview(np.frombuffer(many[3].numpy().tobytes(), np.uint8))  # same bytes, in no kept storage
+    assert not retained.covers(copied)
     retained.release()
     assert not retained.covers(inside)
 

@@ -35,6 +35,7 @@ write itself.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import threading
 from collections import deque
@@ -57,6 +58,8 @@ class RetainedMemory:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Storages never overlap while alive, so their (start, end) ranges sorted by start answer a lookup
+        # by bisection: a save writes one buffer per tensor, and a model may have thousands of them.
         self._ranges: list[tuple[int, int]] = []
         self._tensors: list[torch.Tensor] = []
 
@@ -66,7 +69,7 @@ class RetainedMemory:
         start = storage.data_ptr()
         with self._lock:
             self._tensors.append(tensor)
-            self._ranges.append((start, start + storage.nbytes()))
+            bisect.insort(self._ranges, (start, start + storage.nbytes()))
 
     def covers(self, view: memoryview) -> bool:
         """True if every byte of ``view`` lies inside one retained tensor's storage."""
@@ -75,7 +78,8 @@ class RetainedMemory:
         start = _address(view)
         end = start + view.nbytes
         with self._lock:
-            return any(lo <= start and end <= hi for lo, hi in self._ranges)
+            at = bisect.bisect_right(self._ranges, (start, float("inf"))) - 1
+            return at >= 0 and self._ranges[at][0] <= start and end <= self._ranges[at][1]
 
     def release(self) -> None:
         """Drop every retained tensor (after every file written with them is hashed)."""
