@@ -32,7 +32,7 @@ import os
 import posixpath
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
+from torch.futures import Future as TorchFuture
 
 from shardline import _torch_compat
 from shardline.checkpoint.coordination.parallelism import (
@@ -56,6 +56,7 @@ from shardline.checkpoint.coordination.parallelism import (
 )
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
+from shardline.checkpoint.storage.fsutil import fsync_pool, start_writeback
 from shardline.checkpoint.storage.objects import ObjectPath
 from shardline.errors import CheckpointError, IntegrityError
 
@@ -89,8 +90,11 @@ def sha256_file(path: Path | ObjectPath) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-# Buffers at least this large are hashed on a helper thread while the calling thread writes them.
-_OVERLAP_MIN = 1 << 20
+# Smaller buffers are gathered into one block before they join a file's hash queue.
+_COALESCE_MAX = 64 << 10
+# A local file's writeback is started every this many bytes written (see _HashingStream); None: never
+# (the save benchmark's comparison of the hashing and commit alone).
+_WRITEBACK_EVERY: int | None = 4 << 20
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -108,6 +112,15 @@ def hasher_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def _forget_pool() -> None:
+    # A forked child (a crash test's writer, a data loader worker) has none of the parent's threads.
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 class _HashingStream(io.RawIOBase):
     """A write-only stream that hashes every byte it passes on to ``raw``.
 
@@ -117,7 +130,15 @@ class _HashingStream(io.RawIOBase):
     from the moment the writer asks for the descriptor to fsync it (an upload's as it grows), and
     the digest is completed at ``close``, so the hash runs while the disk works. Any other large
     buffer is hashed on a helper thread while this thread writes it, and ``write`` waits for both
-    (the caller may reuse it); small ones are copied into the queue. Updates stay in file order.
+    (the caller may reuse it). Small ones are copied into one block that joins the queue when it
+    fills or a large buffer follows: torch.save writes each tensor as some forty writes of a few
+    bytes (zip headers, the pickle) around one of its storage, and queueing, locking and looking up
+    each of those cost more than the copy. Updates stay in file order.
+
+    A local file (``sync`` given) also has its writeback started every few MiB as it grows
+    (:func:`~shardline.checkpoint.storage.fsutil.start_writeback`), and is fsynced by ``close``
+    through ``sync``: at once, or in the background for a save that waits for it before its
+    commit (``HashingWriter(sync_later=True)``). The hash queue starts before that fsync.
     """
 
     def __init__(
@@ -130,15 +151,21 @@ class _HashingStream(io.RawIOBase):
         retained: RetainedMemory | None = None,
         *,
         eager: bool = False,
+        sync: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
         self._raw = raw
+        self._sync = sync
         self._on_close = on_close
         self._before_write = before_write
         self._on_error = on_error
         self._digest = OrderedDigest(hasher_pool, eager=eager)
         self._retained = retained
         self._size = 0
+        self._small = bytearray()  # small buffers written since the last one queued
+        # A local file, fsynced at close: its writeback starts early (unless _WRITEBACK_EVERY is None).
+        self._writeback_every = _WRITEBACK_EVERY if sync is not None else None
+        self._flushing = 0  # bytes handed to the OS's writeback so far
 
     def writable(self) -> bool:
         return True
@@ -149,18 +176,25 @@ class _HashingStream(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         try:
-            self._before_write(len(view))
+            if self._before_write is not None:
+                self._before_write(len(view))
         except OSError as e:
             self._on_error(e)
             raise
         try:
-            if isinstance(view.obj, bytes) or (self._retained is not None and self._retained.covers(view)):
+            if len(view) < _COALESCE_MAX:
+                written = self._raw.write(view)  # a blocking file writes it all, or raises
+                if written != len(view):
+                    written = (written or 0) + self._write_all(view[written or 0 :])
+                self._small += view
+                if len(self._small) >= _COALESCE_MAX:
+                    self._queue_small()
+            elif isinstance(view.obj, bytes) or (self._retained is not None and self._retained.covers(view)):
                 written = self._write_all(view)
+                self._queue_small()
                 self._digest.later(view)
-            elif len(view) < _OVERLAP_MIN:
-                written = self._write_all(view)
-                self._digest.later(bytes(view))
             else:
+                self._queue_small()
                 written = self._digest.now(view, lambda: self._write_all(view))
         except OSError as e:
             # torch.save reaches this stream through C++, which swallows the exception and reports only
@@ -168,7 +202,22 @@ class _HashingStream(io.RawIOBase):
             self._on_error(e)
             raise
         self._size += written
+        if self._writeback_every is not None and self._size - self._flushing >= self._writeback_every:
+            self._start_writeback()
         return written
+
+    def _start_writeback(self) -> None:
+        # Ask the OS to start writing what reached it so far (it returns without waiting for the disk), so the
+        # fsync at close finds most of the file on its way already. A file system that cannot is not asked again.
+        self._flush_raw()
+        if not start_writeback(self._raw.fileno(), offset=self._flushing, length=self._size - self._flushing):
+            self._writeback_every = None
+        self._flushing = self._size
+
+    def _queue_small(self) -> None:
+        if self._small:
+            self._digest.later(bytes(self._small))
+            self._small.clear()
 
     def _write_all(self, view: memoryview) -> int:
         written = 0
@@ -186,9 +235,10 @@ class _HashingStream(io.RawIOBase):
         raise io.UnsupportedOperation("checkpoint files are hashed while written and must be written sequentially")
 
     def fileno(self) -> int:
-        # Callers ask for the descriptor to fsync it: Python's buffer must reach the OS first, and the
+        # A caller asking for the descriptor may fsync it: Python's buffer must reach the OS first, and the
         # queued hashing starts, to run while the disk flushes.
         self._flush_raw()
+        self._queue_small()
         self._digest.start()
         return self._raw.fileno()
 
@@ -208,11 +258,21 @@ class _HashingStream(io.RawIOBase):
             return
         try:
             self._flush_raw()
+            if self._sync is not None:
+                # The queued hashing starts first, so it runs while the disk flushes.
+                self._queue_small()
+                self._digest.start()
+                try:
+                    self._sync(self._raw.fileno())
+                except OSError as e:
+                    self._on_error(e)
+                    raise
             try:
                 self._raw.close()
             except OSError as e:
                 self._on_error(e)
                 raise
+            self._queue_small()
             self._on_close(self._size, self._digest.hexdigest())
         finally:
             # A failed close leaves the queue unhashed: drop it, so no helper thread reads the retained
@@ -244,6 +304,43 @@ class HashingFileSystem(FileSystem):
         # waits on the network; local writer threads take a core each, so only fewer writers than cores
         # leave one free for hashing during the writes.
         self.hash_eagerly = objects is not None
+        # Local files are fsynced as each stream closes; with sync_later, in the background (see HashingWriter).
+        self.sync_later = False
+        self._syncs: list[tuple[str, Future[None]]] = []
+
+    def _sync_file(self, key: str, failed: Callable[[OSError], None]) -> Callable[[int], None]:
+        def sync(fd: int) -> None:
+            if not self.sync_later:
+                os.fsync(fd)
+                return
+            # The flush runs on its own descriptor (the stream closes its own at once), on the shared fsync threads.
+            own = os.dup(fd)
+
+            def flush() -> None:
+                try:
+                    os.fsync(own)
+                except OSError as e:
+                    failed(e)
+                    raise
+                finally:
+                    os.close(own)
+
+            with self._lock:
+                self._syncs.append((key, fsync_pool().submit(flush)))
+
+        return sync
+
+    def wait_synced(self) -> None:
+        """Wait for every background fsync started since the last call; raise the first that failed."""
+        with self._lock:
+            syncs, self._syncs = self._syncs, []
+        first: BaseException | None = None
+        for _key, future in syncs:
+            error = future.exception()
+            if error is not None and first is None:
+                first = error
+        if first is not None:
+            raise first
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
@@ -259,6 +356,8 @@ class HashingFileSystem(FileSystem):
 
         def before_write(nbytes: int) -> None:
             self.observer.before_write(key, nbytes, self.rank)
+
+        announce = None if self.observer is NO_OBSERVER else before_write
 
         def failed(error: OSError) -> None:
             if error.filename is None:
@@ -280,7 +379,14 @@ class HashingFileSystem(FileSystem):
                 failed(e)
                 raise
             stream = _HashingStream(
-                raw, record, hasher_pool(), before_write, failed, self.retained, eager=self.hash_eagerly
+                raw,
+                record,
+                hasher_pool(),
+                announce,
+                failed,
+                self.retained,
+                eager=self.hash_eagerly,
+                sync=self._sync_file(key, failed) if self._objects is None else None,
             )
             try:
                 yield stream
@@ -305,6 +411,7 @@ class HashingFileSystem(FileSystem):
             self._abandoned = False
             self._errors = []
             self._digests = {}
+            self._syncs = []
 
     def abandon(self, timeout: float = 300.0) -> None:
         """After a failed write: refuse new files and wait until every open one is closed.
@@ -416,6 +523,13 @@ class HashingWriter(FileSystemWriter):
             that the bytes written are the bytes staged (:mod:`.staged_check`).
         files_per_rank: Files each rank writes (0: automatic, from the cores each rank has and the
             size of its share); never more than the rank has items.
+        sync_later: False: every file is fsynced before ``torch.distributed.checkpoint.save`` returns,
+            as DCP does. True, for a caller that fsyncs its own commit records (the save's
+            ``_finalize``): the coordinator's data files are fsynced in the background from their
+            close on, so the flush overlaps the gather, ``.metadata`` and the records; ``.metadata``
+            is not fsynced. The caller must then call :meth:`wait_synced` and fsync ``.metadata``
+            before it commits. Other ranks still flush before their ``write_data`` returns: the
+            coordinator cannot wait for another process's flush.
 
     Raises:
         ConfigurationError: ``files_per_rank`` is not a count.
@@ -429,6 +543,7 @@ class HashingWriter(FileSystemWriter):
         observer: SaveObserver = NO_OBSERVER,
         check_written: Callable[[Path | ObjectPath, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
         files_per_rank: int = AUTO,
+        sync_later: bool = False,
     ) -> None:
         resolve_files_per_rank(files_per_rank)
         self.files_per_rank = files_per_rank
@@ -436,13 +551,17 @@ class HashingWriter(FileSystemWriter):
         # nothing is fsynced (an upload is durable once the store acknowledges it; there is no descriptor).
         objects = path.fs if isinstance(path, ObjectPath) else None
         target = path.key if isinstance(path, ObjectPath) else path
-        super().__init__(target, single_file_per_rank=True, sync_files=objects is None, thread_count=1, overwrite=False)
+        # DCP's own fsyncs are off: our streams flush each file as they close it (after starting its hash).
+        super().__init__(target, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False)
+        self._durable = objects is None
         self._hfs = HashingFileSystem(observer, objects=objects)
         self._observer = observer
         _torch_compat.set_writer_filesystem(self, self._hfs)
         self._final_path = final_path
         self._check_written = check_written
         self._location: Path | ObjectPath = path if isinstance(path, ObjectPath) else Path(path)
+        self._sync_later = sync_later
+        self._is_coordinator = True
         self.file_digests: list[FileDigest] | None = None
 
     def storage_meta(self) -> StorageMeta | None:
@@ -451,14 +570,16 @@ class HashingWriter(FileSystemWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._hfs.rank = self.rank or 0
+        self._is_coordinator = is_coordinator
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         self._hfs.start()
         rank = self.rank or 0
         # One file per writer thread (DCP's thread_count), as parallelism.py decides for this rank's share.
         share = sum(_nbytes(item) for item in plan.items)
         self.thread_count = files_for_share(self.files_per_rank, share_bytes=share, items=len(plan.items))
         self._hfs.hash_eagerly = self._hfs.is_object_store or self.thread_count < cores_per_rank()
+        self._hfs.sync_later = self._sync_later and self._is_coordinator
         try:
             results = list(super().write_data(plan, _RetainingPlanner(planner, self._hfs.retained)).wait())
         except Exception:
@@ -497,9 +618,13 @@ class HashingWriter(FileSystemWriter):
                     index=MetadataIndex(DIGEST_INDEX_PREFIX + name), size_in_bytes=size, storage_data=record.to_json()
                 )
             )
-        fut: Future[list[WriteResult]] = Future()
+        fut: TorchFuture[list[WriteResult]] = TorchFuture()
         fut.set_result(results)
         return fut
+
+    def wait_synced(self) -> None:
+        """With ``sync_later``: wait until this rank's background fsyncs are done; raise the first that failed."""
+        self._hfs.wait_synced()
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         digests: dict[str, FileDigest] = {}
@@ -516,7 +641,11 @@ class HashingWriter(FileSystemWriter):
                         )
                     digests[record.path] = record
         self._hfs.take()
-        super().finish(metadata, clean)
+        self.sync_files = self._durable and not self._sync_later  # DCP's fsync of .metadata
+        try:
+            super().finish(metadata, clean)
+        finally:
+            self.sync_files = False
         for full, (size, digest) in self._hfs.take().items():
             name = os.path.relpath(full, self.path)
             digests[name] = FileDigest(path=name, rank=self.rank or 0, bytes=size, sha256=digest)

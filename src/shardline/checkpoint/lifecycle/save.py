@@ -356,7 +356,16 @@ def write_and_commit(
     check = None
     if staged.staged_digests is not None:
         check = functools.partial(check_written, staged=staged.staged_digests)
-    writer = HashingWriter(tmp, final_path=final, observer=observer, check_written=check, files_per_rank=files_per_rank)
+    # Rank 0's data files flush in the background while .metadata and the commit records are written; _finalize
+    # flushes .metadata with the records and waits for all of them before the rename.
+    writer = HashingWriter(
+        tmp,
+        final_path=final,
+        observer=observer,
+        check_written=check,
+        files_per_rank=files_per_rank,
+        sync_later=True,
+    )
     failure: BaseException | None = None
     try:
         with warnings.catch_warnings():
@@ -385,7 +394,9 @@ def write_and_commit(
             if isinstance(final, ObjectPath):
                 manifest_digest, files, statement_digest = _finalize_objects(staged, final, digests, observer, done)
             else:
-                manifest_digest, files, statement_digest = _finalize(staged, tmp, final, digests, observer, done)
+                manifest_digest, files, statement_digest = _finalize(
+                    staged, tmp, final, digests, observer, done, wait_synced=writer.wait_synced
+                )
         except Exception as e:
             if isinstance(e, CheckpointExistsError) and isinstance(final, ObjectPath):
                 raise  # lost the commit to another run: the objects under the prefix may be its, nothing is deleted
@@ -473,8 +484,14 @@ def _finalize(
     digests: list[FileDigest],
     observer: SaveObserver,
     done: dict[str, Any],
+    *,
+    wait_synced: Callable[[], None] = lambda: None,
 ) -> tuple[str, list[FileDigest], str]:
     """Rank 0: provenance statement, manifest, hash files, fsync, rename.
+
+    ``wait_synced`` waits for the flushes of rank 0's data files, which run in the background
+    from the moment each was closed (``HashingWriter(sync_later=True)``); the other ranks'
+    files were flushed before their part of the write returned.
 
     Returns (manifest hash, every listed file, the statement's sha256). Once the rename is done,
     ``done`` holds the same under ``hash``, ``files``, ``provenance``, so a caller that sees an
@@ -485,7 +502,7 @@ def _finalize(
     _check_listing(tmp, digests)
     statement, statement_digest, files, data, digest = _records(staged, digests)
     # Nothing in tmp counts until the rename, so the four records are written first and flushed together
-    # (one journal commit rather than four), with tmp's entries, before it.
+    # with DCP's .metadata (written unflushed) and tmp's entries, before it: one journal commit rather than six.
     written = [_write(tmp / STATEMENT_FILE, statement)]
     crash_point("save.statement_written")
     written.append(_write(tmp / MANIFEST, data))
@@ -493,7 +510,8 @@ def _finalize(
     written.append(_write(tmp / MANIFEST_HASH_FILE, render_manifest_hash_file(digest)))
     crash_point("save.hash_file_written")
     written.append(_write(tmp / SUMS_FILE, render_sums(digest, [d.to_json() for d in files])))
-    fsync_together(files=written, directories=[tmp])
+    fsync_together(files=[tmp / ".metadata", *written], directories=[tmp])
+    wait_synced()
     crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
     if final.exists() or final.is_symlink():

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
+import sys
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from shardline.checkpoint.faults.crashpoints import crash_point
 
@@ -18,12 +22,14 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "fsync_new_dirs",
+    "fsync_pool",
     "fsync_together",
     "is_tmp_lock_name",
     "is_tmp_name",
     "is_trash_name",
     "lock_tmp",
     "release_tmp",
+    "start_writeback",
     "tmp_dir_for",
     "tmp_in_use",
     "trash_dir_for",
@@ -131,6 +137,42 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _load_sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # a libc without it
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait for it
+
+
+def start_writeback(fd: int, *, offset: int, length: int) -> bool:
+    """Start writing ``length`` bytes of ``fd`` from ``offset`` to disk, without waiting; False where that cannot be.
+
+    Note: why a save asks for this. A file written into the page cache stays there until its
+    fsync, which then waits for the whole file at once: the disk idles while the file is written
+    and the CPU idles while it is flushed. Starting each range's writeback as soon as it is
+    written (Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, the technique behind
+    PostgreSQL's ``checkpoint_flush_after`` and RocksDB's ``bytes_per_sync``) overlaps the two,
+    and the fsync at close -- still the only durability point -- finds most of the file on its
+    way. It is a hint: nothing is promised until that fsync returns, and a platform or file
+    system without it (False) changes only the timing.
+    """
+    if _SYNC_FILE_RANGE is None or length <= 0:
+        return _SYNC_FILE_RANGE is not None
+    if _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE) == 0:
+        return True
+    # ESPIPE, EINVAL, ENOSYS: this file (system) cannot; EIO and the like: the fsync at close reports them.
+    return ctypes.get_errno() not in (errno.ESPIPE, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF)
+
+
 # fsync on a directory descriptor is refused this way by some platforms and file systems: nothing to flush.
 _FSYNC_UNSUPPORTED = (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EISDIR)
 
@@ -175,9 +217,33 @@ def fsync_together(*, files: list[Path], directories: list[Path]) -> None:
         for job, path in jobs:
             job(path)
         return
-    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="shardline-fsync") as pool:
-        for future in [pool.submit(job, path) for job, path in jobs]:
-            future.result()
+    pool = fsync_pool()
+    futures = [pool.submit(job, path) for job, path in jobs]
+    for future in futures:
+        future.result()
+
+
+_FSYNC_THREADS = 16  # a save flushes a rank's data files (at most 8) and six commit paths at once
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def fsync_pool() -> ThreadPoolExecutor:
+    """The process's fsync threads (kept: starting a thread per path on every save costs more than the flush's CPU)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=_FSYNC_THREADS, thread_name_prefix="shardline-fsync")
+        return _POOL
+
+
+def _forget_pool() -> None:
+    # A forked child has none of the parent's threads: it starts its own pool when it needs one.
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def fsync_new_dirs(path: Path, *, existed: Path) -> None:
