@@ -1,10 +1,11 @@
 """Benchmark: shardline.checkpoint.save (hash while writing + manifest + atomic commit) vs plain DCP save.
 
-Same process, same state dict, alternating runs (so page-cache and CPU-frequency drift hit both
-alike). Reports medians and the cost of one in-memory SHA-256 pass over the same bytes, which
-is the budget the extra time must stay within; then, with ``CheckpointManager(async_save=True)``,
-how long the training loop blocks per checkpoint. The load side (verified load vs plain DCP load
-at W ranks) is ``benchmarks/checkpoint_load.py``.
+Same process (or, with ``--world W``, the same W gloo ranks on this machine, every save started
+together after a barrier; rank 0's timings are reported), same state dict, alternating runs (so
+page-cache and CPU-frequency drift hit both alike). Reports medians and the cost of one
+in-memory SHA-256 pass over the same bytes; then, at W=1, with
+``CheckpointManager(async_save=True)``, how long the training loop blocks per checkpoint. The
+load side (verified load vs plain DCP load at W ranks) is ``benchmarks/checkpoint_load.py``.
 
 Both build the state dict from the model inside the timed region (plain DCP with the same
 ``model_state_dict``/``optimizer_state_dict`` shardline's save uses; the time is printed apart).
@@ -15,7 +16,8 @@ judged on the median of the per-rep ratios (the two saves of a rep run back to b
 95% interval from resampling the reps; before each timed save the disk is settled (``os.sync``
 and ``--settle`` seconds), so no save pays for the flush of the previous one's deletion.
 
-    python -m benchmarks.checkpoint_save --mib 192 --reps 40 --no-async [--files N] [--dir /path/on/the/target/disk]
+    python -m benchmarks.checkpoint_save --mib 192 --reps 40 --no-async [--world W] [--files N]
+        [--also-without-writeback] [--dir /path/on/the/target/disk]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -40,6 +43,7 @@ import shardline
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
 from shardline.checkpoint.integrity import hashing as hashing_module
+from shardline.testing import run_distributed
 
 
 def build(mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -69,13 +73,75 @@ def local_bytes(obj: object) -> list[memoryview]:
     return out
 
 
+def _timed_saves(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, root: Path, files: int, reps: int, settle: float, late: bool
+) -> dict[str, list[float]]:
+    """Each rep: one SHA-256 pass over this rank's bytes, then plain DCP's save and shardline's (and with ``late``,
+    shardline's without early writeback), in alternating order; the seconds of each, as this rank saw them."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    views = local_bytes({"model": ckpt.model_state_dict(model), "optim": ckpt.optimizer_state_dict(model, optimizer)})
+    runs: dict[str, list[float]] = {"plain": [], "ours": [], "late": [], "hashing": [], "building": []}
+    kinds = ["plain", "ours"] + (["late"] if late else [])
+    for i in range(reps):
+        t = time.perf_counter()
+        h = hashlib.sha256()
+        for v in views:
+            h.update(v)
+        runs["hashing"].append(time.perf_counter() - t)
+
+        # Note: the order alternates too, so neither save always runs while the other's pages
+        # are being written back.
+        for which in kinds if i % 2 == 0 else kinds[::-1]:
+            target = root / f"{which}-{i}"
+            if settle > 0:
+                os.sync()
+                time.sleep(settle)
+            if world > 1:
+                dist.barrier()  # every rank starts the save together
+            t = time.perf_counter()
+            if which == "plain":
+                # Plain DCP saves a state dict built from the model, as a training loop builds it for every
+                # save (and as shardline's save builds it): the same functions on both sides.
+                built = {"model": ckpt.model_state_dict(model), "optim": ckpt.optimizer_state_dict(model, optimizer)}
+                runs["building"].append(time.perf_counter() - t)
+                dcp.save(built, storage_writer=dcp.FileSystemWriter(target, thread_count=files))
+            elif which == "ours":
+                ckpt.save(target, model=model, optimizer=optimizer, step=i, files_per_rank=files)
+            else:
+                every, hashing_module._WRITEBACK_EVERY = hashing_module._WRITEBACK_EVERY, None
+                try:
+                    ckpt.save(target, model=model, optimizer=optimizer, step=i, files_per_rank=files)
+                finally:
+                    hashing_module._WRITEBACK_EVERY = every
+            runs[which].append(time.perf_counter() - t)
+        if world > 1:
+            dist.barrier()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for which in kinds:
+                shutil.rmtree(root / f"{which}-{i}")
+    runs["bytes"] = [float(sum(v.nbytes for v in views))]
+    return runs
+
+
+def _rank(
+    rank: int, world: int, root: str, mib: int, files: int, reps: int, settle: float, late: bool
+) -> dict[str, list[float]]:
+    warnings.simplefilter("ignore")
+    model, optimizer = build(mib)
+    count = resolve_files_per_rank(files)
+    runs = _timed_saves(model, optimizer, root=Path(root), files=count, reps=reps, settle=settle, late=late)
+    runs["files"] = [float(count)]
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="approximate checkpoint size in MiB")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--files", type=int, default=0, help="files per rank, both saves (0: the automatic count)")
-    parser.add_argument("--no-async", action="store_true", help="skip the async part")
+    parser.add_argument("--no-async", action="store_true", help="skip the async part (always skipped at --world > 1)")
+    parser.add_argument("--world", type=int, default=1, help="ranks (gloo, this machine); timings are rank 0's")
     parser.add_argument(
         "--settle",
         type=float,
@@ -91,70 +157,50 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    shardline.init_distributed(backend="gloo")
-    files = resolve_files_per_rank(args.files)
     root = Path(args.dir or tempfile.mkdtemp(prefix="shardline-bench-"))
-    model, optimizer = build(args.mib)
-    state = {"model": ckpt.model_state_dict(model), "optim": ckpt.optimizer_state_dict(model, optimizer)}
-    views = local_bytes(state)
-    nbytes = sum(v.nbytes for v in views)
-
-    plain, ours, hashing, building = [], [], [], []
-    late: list[float] = []  # shardline's save without early writeback (--also-without-writeback)
-    kinds = ["plain", "ours"] + (["late"] if args.also_without_writeback else [])
-    for i in range(args.reps):
-        t = time.perf_counter()
-        h = hashlib.sha256()
-        for v in views:
-            h.update(v)
-        hashing.append(time.perf_counter() - t)
-
-        # Note: the order alternates too, so neither save always runs while the other's pages
-        # are being written back.
-        for which in kinds if i % 2 == 0 else kinds[::-1]:
-            target = root / f"{which}-{i}"
-            if args.settle > 0:
-                os.sync()
-                time.sleep(args.settle)
+    blocked: list[float] = []  # the async part: W=1 only
+    waited: list[float] = []
+    work: list[float] = []
+    if args.world > 1:  # ranks on this machine; rank 0's timings (a save is a collective: all end together)
+        runs = run_distributed(
+            _rank,
+            args.world,
+            args=(str(root), args.mib, args.files, args.reps, args.settle, args.also_without_writeback),
+            timeout=590,
+        )[0]
+        files = int(runs["files"][0])
+    else:
+        shardline.init_distributed(backend="gloo")
+        files = resolve_files_per_rank(args.files)
+        model, optimizer = build(args.mib)
+        runs = _timed_saves(
+            model,
+            optimizer,
+            root=root,
+            files=files,
+            reps=args.reps,
+            settle=args.settle,
+            late=args.also_without_writeback,
+        )
+        manager = ckpt.CheckpointManager(root / "async", async_save=True, files_per_rank=files)
+        for step in range(1, 0 if args.no_async else args.reps + 1):
+            # save() first waits for the previous checkpoint's write; time that apart from staging
             t = time.perf_counter()
-            if which == "plain":
-                # Plain DCP saves a state dict built from the model, as a training loop builds it for every
-                # save (and as shardline's save builds it): the same functions on both sides.
-                built = {"model": ckpt.model_state_dict(model), "optim": ckpt.optimizer_state_dict(model, optimizer)}
-                building.append(time.perf_counter() - t)
-                dcp.save(built, storage_writer=dcp.FileSystemWriter(target, thread_count=files))
-                plain.append(time.perf_counter() - t)
-            elif which == "ours":
-                ckpt.save(target, model=model, optimizer=optimizer, step=i, files_per_rank=files)
-                ours.append(time.perf_counter() - t)
-            else:
-                every, hashing_module._WRITEBACK_EVERY = hashing_module._WRITEBACK_EVERY, None
-                try:
-                    ckpt.save(target, model=model, optimizer=optimizer, step=i, files_per_rank=files)
-                finally:
-                    hashing_module._WRITEBACK_EVERY = every
-                late.append(time.perf_counter() - t)
-        for which in kinds:
-            shutil.rmtree(root / f"{which}-{i}")
-
-    manager = ckpt.CheckpointManager(root / "async", async_save=True, files_per_rank=files)
-    blocked, waited, work = [0.0], [0.0], [0.0]
-    for step in range(1, 0 if args.no_async else args.reps + 1):
-        # save() first waits for the previous checkpoint's write; time that apart from staging
-        t = time.perf_counter()
-        manager.wait()
-        waited.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        manager.save(ckpt.SaveRequest(step=step, model=model, optimizer=optimizer, state={"step": step}))
-        blocked.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        for _ in range(3):  # "training" while the previous checkpoint is written
-            model(torch.randn(64, 1024)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        work.append(time.perf_counter() - t)
-    manager.close()
-    shutil.rmtree(root / "async")
+            manager.wait()
+            waited.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            manager.save(ckpt.SaveRequest(step=step, model=model, optimizer=optimizer, state={"step": step}))
+            blocked.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for _ in range(3):  # "training" while the previous checkpoint is written
+                model(torch.randn(64, 1024)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            work.append(time.perf_counter() - t)
+        manager.close()
+        shutil.rmtree(root / "async")
+    plain, ours, late, hashing, building = (runs[k] for k in ("plain", "ours", "late", "hashing", "building"))
+    nbytes = int(runs["bytes"][0])
 
     med = statistics.median
     ratios = [o / p for o, p in zip(ours, plain, strict=True)]
@@ -164,6 +210,7 @@ def main() -> None:
     interval = (float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975)))
     result = {
         "bytes": nbytes,
+        "world_size": args.world,
         "files_per_rank": files,
         "reps": args.reps,
         "plain_dcp_save_s": med(plain),
@@ -184,15 +231,18 @@ def main() -> None:
         "extra_within_one_sha256_pass": med(ours) - med(plain) <= med(hashing),
         "without_writeback_save_s": med(late) if late else None,
         "without_writeback_paired_ratio_median": med(a / b for a, b in zip(late, plain, strict=True)) if late else None,
-        "async_blocking_s": med(blocked),
-        "async_waiting_for_previous_write_s": med(waited),
-        "async_training_between_saves_s": med(work),
+        "async_blocking_s": med(blocked) if blocked else None,
+        "async_waiting_for_previous_write_s": med(waited) if waited else None,
+        "async_training_between_saves_s": med(work) if work else None,
         "torch": torch.__version__,
     }
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"state dict: {nbytes / 2**20:.0f} MiB in {files} file(s), {args.reps} alternating runs, medians")
+    print(
+        f"state dict: {nbytes / 2**20:.0f} MiB per rank at W={args.world}, in {files} file(s) per rank, "
+        f"{args.reps} alternating runs, medians"
+    )
     lo, hi = (x * 1e3 for x in result["plain_range_s"])
     print(
         f"  plain torch.distributed.checkpoint.save : {result['plain_dcp_save_s'] * 1e3:8.1f} ms  "
@@ -219,8 +269,10 @@ def main() -> None:
         )
     print(f"  one in-memory SHA-256 pass (budget)     : {result['sha256_pass_s'] * 1e3:8.1f} ms")
     print(f"  extra within budget                     : {result['extra_within_one_sha256_pass']}")
-    print(f"  async: training loop blocked per save   : {result['async_blocking_s'] * 1e3:8.1f} ms (staging + check)")
-    print(f"  async: waiting for the previous write   : {result['async_waiting_for_previous_write_s'] * 1e3:8.1f} ms")
+    if blocked:  # measured (W=1, without --no-async)
+        blocked_ms, waited_ms = result["async_blocking_s"] * 1e3, result["async_waiting_for_previous_write_s"] * 1e3
+        print(f"  async: training loop blocked per save   : {blocked_ms:8.1f} ms (staging + check)")
+        print(f"  async: waiting for the previous write   : {waited_ms:8.1f} ms")
 
 
 if __name__ == "__main__":
