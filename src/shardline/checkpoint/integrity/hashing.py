@@ -127,8 +127,8 @@ class _HashingStream(io.RawIOBase):
     Note: hashing trails the write (:mod:`.digest_queue`). A buffer that will keep its bytes
     -- an immutable ``bytes``, or a tensor storage in ``retained`` -- is queued for the hasher
     pool and ``write`` returns once the bytes are in the file. A local file's queue is hashed
-    from the moment the writer asks for the descriptor to fsync it (an upload's as it grows), and
-    the digest is completed at ``close``, so the hash runs while the disk works. Any other large
+    from its fsync on, which ``close`` starts (an upload's as it grows), and the digest is
+    completed at ``close``, so the hash runs while the disk works. Any other large
     buffer is hashed on a helper thread while this thread writes it, and ``write`` waits for both
     (the caller may reuse it). Small ones are copied into one block that joins the queue when it
     fills or a large buffer follows: torch.save writes each tensor as some forty writes of a few
@@ -306,9 +306,9 @@ class HashingFileSystem(FileSystem):
         self.hash_eagerly = objects is not None
         # Local files are fsynced as each stream closes; with sync_later, in the background (see HashingWriter).
         self.sync_later = False
-        self._syncs: list[tuple[str, Future[None]]] = []
+        self._syncs: list[Future[None]] = []
 
-    def _sync_file(self, key: str, failed: Callable[[OSError], None]) -> Callable[[int], None]:
+    def _sync_file(self, failed: Callable[[OSError], None]) -> Callable[[int], None]:
         def sync(fd: int) -> None:
             if not self.sync_later:
                 os.fsync(fd)
@@ -320,13 +320,13 @@ class HashingFileSystem(FileSystem):
                 try:
                     os.fsync(own)
                 except OSError as e:
-                    failed(e)
+                    failed(e)  # names the file
                     raise
                 finally:
                     os.close(own)
 
             with self._lock:
-                self._syncs.append((key, fsync_pool().submit(flush)))
+                self._syncs.append(fsync_pool().submit(flush))
 
         return sync
 
@@ -335,7 +335,7 @@ class HashingFileSystem(FileSystem):
         with self._lock:
             syncs, self._syncs = self._syncs, []
         first: BaseException | None = None
-        for _key, future in syncs:
+        for future in syncs:
             error = future.exception()
             if error is not None and first is None:
                 first = error
@@ -386,7 +386,7 @@ class HashingFileSystem(FileSystem):
                 failed,
                 self.retained,
                 eager=self.hash_eagerly,
-                sync=self._sync_file(key, failed) if self._objects is None else None,
+                sync=self._sync_file(failed) if self._objects is None else None,
             )
             try:
                 yield stream
