@@ -13,8 +13,8 @@ waits for the queue.
 When the queue is hashed depends on where the bytes go. A local file's writer threads are
 usually as many as the cores a rank has (:mod:`.parallelism`), and copying into the page cache
 keeps them busy, so hashing during the writes would only slow them down: the queue waits
-(``eager=False``) until the writer asks for the descriptor to fsync it, and is hashed while the
-disk flushes. With fewer writers than cores (a small share, an explicit ``files_per_rank``) a
+(``eager=False``) until the stream's close starts the file's fsync, and is hashed while the disk
+flushes. With fewer writers than cores (a small share, an explicit ``files_per_rank``) a
 core is free during the writes too, and an upload waits on the network: those queues are hashed
 as they grow (``eager=True``).
 
