@@ -59,6 +59,27 @@ def test_missing_ledger_is_an_error(tmp_path: Path) -> None:
         Ledger(tmp_path / "nothing.sqlite").rows()
 
 
+def test_a_ledger_whose_creation_was_killed_is_empty_and_a_foreign_database_is_refused(tmp_path: Path) -> None:
+    """kill -9 between sqlite creating the file and the schema: an empty ledger, and the next save appends to it."""
+    import torch
+
+    import shardline.checkpoint as ckpt
+
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    sqlite3.connect(directory / "lineage.sqlite").close()  # the file as a killed first append leaves it: no schema
+    assert Ledger(directory / "lineage.sqlite").rows() == []
+    model = torch.nn.Linear(4, 4)
+    with ckpt.CheckpointManager(directory) as manager:
+        manager.save(ckpt.SaveRequest(step=1, model=model))
+    assert [row.step for row in Ledger(directory / "lineage.sqlite").rows()] == [1]
+    foreign = tmp_path / "other.sqlite"
+    with sqlite3.connect(foreign) as conn:
+        conn.execute("CREATE TABLE notes (x TEXT)")
+    with pytest.raises(LineageError, match="has no checkpoints table"):
+        Ledger(foreign).rows()
+
+
 def test_inspect(saved_run: Path, capsys) -> None:
     step = saved_run / "step-4"
     assert cli.main(["inspect", str(step)]) == 0

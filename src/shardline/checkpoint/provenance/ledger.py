@@ -212,6 +212,15 @@ class Ledger:
         """Every row, in append order."""
         with self._connect(create=False) as conn:
             have = [r[1] for r in conn.execute("PRAGMA table_info(checkpoints)")]
+            if not have:
+                # A process killed between creating the file and its schema leaves a database with nothing in
+                # it: a ledger never appended to. Anything else without the table is not a ledger.
+                if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
+                    return []
+                raise LineageError(
+                    f"the lineage ledger {self.path} has no checkpoints table: it is not a shardline ledger or it "
+                    "was damaged; move it aside to start a new chain"
+                )
             columns = [c for c in _COLUMNS if c in have]
             cur = conn.execute(f"SELECT {', '.join(columns)} FROM checkpoints ORDER BY seq")
             out = []
