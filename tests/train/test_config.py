@@ -21,7 +21,7 @@ def _options(group: str) -> list[str]:
 
 
 def test_the_shipped_groups() -> None:
-    assert _options("trainer_strategy") == ["ddp", "fsdp", "hsdp", "single_device", "zero1", "zero2"]
+    assert _options("trainer_strategy") == ["ddp", "fsdp", "hsdp", "hsdp_zero2", "single_device", "zero1", "zero2"]
     assert set(_options("experiment")) >= {"tiny_gpt", "fsdp_args", "hf_llama", "hf_lora"}
 
 

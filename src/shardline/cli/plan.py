@@ -217,7 +217,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--global-batch", type=int, help="sequences per step over all ranks (default: 1 per rank)")
     parser.add_argument("--precision", choices=sorted(_DTYPES), default="bf16", help="parameter/compute dtype")
     parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default="fp32", help="gradient reduction dtype")
-    parser.add_argument("--strategy", help="predict (or search) only this sharding strategy, e.g. full_shard")
+    parser.add_argument(
+        "--strategy",
+        help="predict (or search) only this sharding strategy: full_shard/fsdp/zero3, shard_grad_op/zero2, "
+        "shard_opt/zero1, no_shard/ddp, hybrid_shard/hsdp, hybrid_shard_zero2/hsdp_zero2",
+    )
     parser.add_argument("--micro-batch", type=int, help="only this micro-batch (sequences per rank per pass)")
     parser.add_argument("--ac", choices=["none", "selective", "full"], help="only this activation checkpointing")
     parser.add_argument("--shard-size", type=int, help="hybrid strategies: ranks per shard group")

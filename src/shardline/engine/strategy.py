@@ -69,10 +69,12 @@ class StrategyPolicy:
 class ShardingStrategy(str, enum.Enum):
     """How a unit shards its parameters, gradients and optimizer state.
 
-    Accepts its value, its name (any case) or an alias wherever a strategy is expected:
-    ``"full_shard"``/``"zero3"``, ``"shard_grad_op"``/``"zero2"``, ``"shard_opt"``/``"zero1"``,
-    ``"no_shard"``/``"ddp"``/``"zero0"``, ``"hybrid_shard"``/``"hsdp"``,
-    ``"hybrid_shard_zero2"``/``"hsdp_zero2"``.
+    Accepts its value, its name (any case, ``-`` for ``_``) or an alias wherever a strategy is
+    expected -- the library, ``shardline train trainer.strategy=``, ``shardline plan --strategy``,
+    the Lightning strategy and ``ShardlineTrainer`` all take the same vocabulary:
+    ``"full_shard"``/``"fsdp"``/``"zero3"``, ``"shard_grad_op"``/``"zero2"``,
+    ``"shard_opt"``/``"zero1"``, ``"no_shard"``/``"ddp"``/``"zero0"``,
+    ``"hybrid_shard"``/``"hsdp"``, ``"hybrid_shard_zero2"``/``"hsdp_zero2"``.
     """
 
     NO_SHARD = "no_shard"
@@ -108,6 +110,11 @@ class ShardingStrategy(str, enum.Enum):
             f"sharding strategy must be a ShardingStrategy or a string, got {type(value).__name__}: {value!r}. "
             f"Expected one of: {_describe_choices()}."
         )
+
+    @classmethod
+    def vocabulary(cls) -> dict[str, ShardingStrategy]:
+        """Every name :meth:`parse` accepts (values and aliases, lower case) and the strategy it names."""
+        return dict(_BY_NAME)
 
     @property
     def policy(self) -> StrategyPolicy:
@@ -155,6 +162,7 @@ _ZERO_STAGE = {
 }
 
 _ALIASES = {
+    "fsdp": ShardingStrategy.FULL_SHARD,
     "ddp": ShardingStrategy.NO_SHARD,
     "zero0": ShardingStrategy.NO_SHARD,
     "zero1": ShardingStrategy.SHARD_OPT,

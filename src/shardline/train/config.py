@@ -31,7 +31,14 @@ from shardline.checkpoint.lifecycle.manager import is_auto_resume
 from shardline.checkpoint.provenance.retention import RetentionPolicy
 from shardline.engine import ShardingStrategy, hybrid_degrees
 from shardline.errors import ConfigurationError, error_chain
-from shardline.train.config_layers import DEFAULT_EXPERIMENT, ConfigPlan, apply_model_replacement, prepare, suggest
+from shardline.train.config_layers import (
+    DEFAULT_EXPERIMENT,
+    ConfigPlan,
+    apply_model_replacement,
+    prepare,
+    strategy_selection,
+    suggest,
+)
 from shardline.train.data.sources import check_data_config
 from shardline.train.schema import ACCELERATORS, TrainConfig, register_schemas
 
@@ -50,16 +57,21 @@ __all__ = [
 CONFIG_MODULE = "shardline.train.conf"
 
 # "trainer.strategy=fsdp" reads naturally and is what Lightning+Hydra users type; in Hydra it
-# would assign a string to the strategy node. A bare name selects the trainer_strategy group.
-_STRATEGY_SELECT = re.compile(r"^trainer\.strategy=([A-Za-z_][A-Za-z0-9_]*)$")
+# would assign a string to the strategy node. A bare name selects the trainer_strategy group --
+# a file's name, or any sharding-strategy name or alias (config_layers.strategy_selection).
+_STRATEGY_SELECT = re.compile(r"^(?:trainer\.strategy|trainer_strategy)=([A-Za-z_][A-Za-z0-9_-]*)$")
 
 
-def rewrite_overrides(overrides: Sequence[str]) -> list[str]:
-    """Turn ``trainer.strategy=NAME`` into the group selection ``trainer_strategy=NAME``."""
+def rewrite_overrides(overrides: Sequence[str], config_dirs: Sequence[str | Path] = ()) -> list[str]:
+    """Turn ``trainer.strategy=NAME`` into the group selection ``trainer_strategy=FILE``.
+
+    ``NAME`` is a strategy file's name or a sharding-strategy name or alias (``zero3``,
+    ``full_shard``, ``shard_grad_op``...), which selects the shipped file that sets it.
+    """
     out = []
     for override in overrides:
         match = _STRATEGY_SELECT.match(override)
-        out.append(f"trainer_strategy={match.group(1)}" if match else override)
+        out.append(f"trainer_strategy={strategy_selection(match.group(1), config_dirs)}" if match else override)
     return out
 
 
@@ -91,7 +103,7 @@ def compose_config(overrides: Sequence[str] = (), *, config_dirs: Sequence[str |
             (``shardline train --config-dir DIR``).
     """
     register_schemas()
-    with prepare(rewrite_overrides(overrides), config_dirs) as plan:
+    with prepare(rewrite_overrides(overrides, config_dirs), config_dirs) as plan:
         try:
             cfg = _compose(plan.overrides)
         except (yaml.YAMLError, *_HYDRA_ERRORS) as exc:
@@ -191,6 +203,14 @@ def _explain(exc: BaseException, plan: ConfigPlan) -> str:
         if missing:
             group, name = missing.groups()
             key = "trainer.strategy" if group == "trainer_strategy" else group
+            if group == "trainer_strategy":
+                aliases = sorted(set(ShardingStrategy.vocabulary()) - set(options))
+                return (
+                    f"unknown trainer strategy {name!r}"
+                    + suggest(name, [*options, *aliases])
+                    + f"; available: {', '.join(options)}, or a sharding-strategy name ({', '.join(aliases)}). "
+                    "Pass trainer.strategy=NAME with one of them."
+                )
             return (
                 f"unknown {key.replace('_', ' ')} {name!r}"
                 + suggest(name, options)

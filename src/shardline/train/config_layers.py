@@ -46,6 +46,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "apply_model_replacement",
     "prepare",
     "shipped_options",
+    "strategy_selection",
     "suggest",
 ]
 
@@ -70,6 +72,35 @@ def shipped_options(group: str) -> list[str]:
     """Names of the shipped YAML files of a config group."""
     folder = resources.files("shardline.train.conf") / group
     return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def strategy_selection(name: str, config_dirs: Sequence[str | Path] = ()) -> str:
+    """The ``trainer_strategy`` file that ``trainer.strategy=NAME`` selects.
+
+    A file of that name -- shipped, or in a ``--config-dir`` -- is taken as named. Otherwise a
+    sharding-strategy name or alias (``full_shard``, ``zero3``, ``shard_grad_op``, ``no_shard``,
+    ``hybrid_shard``..., :meth:`ShardingStrategy.vocabulary`) selects the shipped file that sets
+    that strategy, so every command takes one vocabulary. Anything else is returned unchanged, for
+    the composition's own "unknown strategy" error.
+    """
+    shipped = shipped_options("trainer_strategy")
+    if name in shipped or any((Path(d) / "trainer_strategy" / f"{name}.yaml").is_file() for d in config_dirs):
+        return name
+    wanted = ShardingStrategy.vocabulary().get(name.strip().lower().replace("-", "_"))
+    if wanted is None:
+        return name
+    for option in shipped:
+        if _shipped_sharding(option) == wanted.value:
+            return option
+    return name
+
+
+def _shipped_sharding(name: str) -> str | None:
+    """The ``sharding_strategy`` a shipped strategy file sets."""
+    path = _shipped_file("trainer_strategy", name)
+    loaded = yaml.safe_load(path.read_text(encoding="utf-8")) if path is not None else None
+    value = loaded.get("sharding_strategy") if isinstance(loaded, dict) else None
+    return str(value) if value is not None else None
 
 
 def _shipped_file(group: str, name: str) -> Path | None:
