@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
 from pathlib import Path
@@ -59,20 +60,44 @@ def test_missing_ledger_is_an_error(tmp_path: Path) -> None:
         Ledger(tmp_path / "nothing.sqlite").rows()
 
 
-def test_a_ledger_whose_creation_was_killed_is_empty_and_a_foreign_database_is_refused(tmp_path: Path) -> None:
-    """kill -9 between sqlite creating the file and the schema: an empty ledger, and the next save appends to it."""
+def _append_killed_inside_sqlite(ledger: str) -> None:
+    """A first append killed (``os._exit``) after SQLite has created a database file, before its table exists."""
+    real_connect = sqlite3.connect
+
+    def connect_then_die(path, *args, **kwargs):
+        real_connect(path, *args, **kwargs).close()  # the file exists now, empty, as after open(O_CREAT)
+        os._exit(9)
+
+    sqlite3.connect = connect_then_die
+    Ledger(ledger).append(
+        step=1, tag=None, checkpoint="step-1", manifest_sha256="a" * 64, parent_manifest_sha256=None, world_size=1
+    )
+
+
+def test_a_ledger_appears_whole_when_its_creation_is_killed_and_a_foreign_database_is_refused(tmp_path: Path) -> None:
+    """kill -9 while SQLite creates the ledger's file: no half-made ledger at its name; the next save creates it."""
     import torch
 
     import shardline.checkpoint as ckpt
+    from tests.checkpoint.crash_scenarios import fork_and_wait
 
     directory = tmp_path / "checkpoints"
     directory.mkdir()
-    sqlite3.connect(directory / "lineage.sqlite").close()  # the file as a killed first append leaves it: no schema
-    assert Ledger(directory / "lineage.sqlite").rows() == []
+    ledger = directory / "lineage.sqlite"
+    code = fork_and_wait(_append_killed_inside_sqlite, (str(ledger),), name="ledger creation", point=None, hit=1)
+    assert code == 9
+    assert not ledger.exists(), "a killed creation must not leave a database without its table at the ledger's name"
+    [leftover] = directory.glob(".lineage.sqlite.creating-*")
     model = torch.nn.Linear(4, 4)
     with ckpt.CheckpointManager(directory) as manager:
         manager.save(ckpt.SaveRequest(step=1, model=model))
-    assert [row.step for row in Ledger(directory / "lineage.sqlite").rows()] == [1]
+    assert [row.step for row in Ledger(ledger).rows()] == [1]
+    assert Ledger(ledger).verify().ok
+    assert not leftover.exists(), "the next creation removes what the killed one left"
+    # An empty database at the ledger's name (left by earlier versions' killed creations) still reads as empty.
+    legacy = tmp_path / "legacy.sqlite"
+    sqlite3.connect(legacy).close()
+    assert Ledger(legacy).rows() == []
     foreign = tmp_path / "other.sqlite"
     with sqlite3.connect(foreign) as conn:
         conn.execute("CREATE TABLE notes (x TEXT)")

@@ -42,7 +42,8 @@ CRASH_POINTS: tuple[str, ...] = (
     "head.tmp_written",
     "head.replaced",
     # ledger.py
-    "ledger.created",  # the SQLite file and its table exist, no row
+    "ledger.built",  # a new ledger's table exists under a temporary name; the ledger's own name is free
+    "ledger.created",  # the ledger (its table, no row) linked to its name, the directory fsynced
     "ledger.genesis_head",  # a new ledger's genesis head record written, no row yet
     "ledger.row_committed",  # a row is committed; the head record still names the row before it
     # retention.py

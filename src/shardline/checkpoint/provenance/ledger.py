@@ -32,6 +32,14 @@ A crash before the rename leaves the old ledger, still refused, and running ``--
 again starts over; after it, the new chain opens like any other (its head one or more rows
 behind, never ahead).
 
+Note: a new ledger appears whole. Its schema is built in a temporary file beside it
+(``.<ledger>.creating-<pid>-<random>``), flushed, and then hard-linked to the ledger's name, which
+fails if another writer made it first (one rename where the file system has no hard links). A
+process killed while SQLite creates the file and its table leaves only that temporary file
+(removed by the next creation once its process is gone), never a half-made ledger. A table-less,
+empty database at the ledger's name -- what versions before this one could leave -- is still
+read as a ledger with no rows, and the next append builds its table.
+
 Note: SQLite needs working file locks; keep the ledger on a local or POSIX-compliant shared
 file system (only rank 0 writes it).
 """
@@ -41,6 +49,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import secrets
 import shutil
 import sqlite3
 from collections.abc import Iterator
@@ -249,11 +258,9 @@ class Ledger:
         """
         if event not in EVENTS:
             raise ValueError(f"unknown ledger event {event!r}; events are {', '.join(EVENTS)}")
-        new = not self.path.exists()
+        if not self.path.exists():
+            self._create()
         with self._connect(create=True) as conn:
-            if new:
-                fsync_dir(self.path.parent)
-                crash_point("ledger.created")
             self._upgrade(conn)
             conn.execute("BEGIN EXCLUSIVE")
             try:
@@ -287,6 +294,41 @@ class Ledger:
         crash_point("ledger.row_committed")
         self.write_head(fields["seq"], fields["row_sha256"])
         return LedgerRow(**fields)
+
+    def _create(self) -> None:
+        """Make an empty ledger (its table and triggers) at :attr:`path` in one step (see the module note)."""
+        self._remove_abandoned_builds()
+        building = self.path.with_name(f".{self.path.name}.creating-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            conn = sqlite3.connect(building, isolation_level=None)
+            try:
+                conn.execute("PRAGMA journal_mode=DELETE")
+                conn.execute("PRAGMA synchronous=FULL")
+                conn.executescript(_SCHEMA)
+            finally:
+                conn.close()
+            fsync_file(building)
+            crash_point("ledger.built")
+            try:
+                os.link(building, self.path)
+            except FileExistsError:
+                pass  # another writer created it first: use theirs
+            except OSError:  # no hard links here: a rename, unless the ledger appeared meanwhile
+                if not self.path.exists():
+                    os.replace(building, self.path)
+        except sqlite3.Error as e:
+            raise LineageError(f"cannot create the lineage ledger {self.path}: {e}") from None
+        finally:
+            building.unlink(missing_ok=True)
+        fsync_dir(self.path.parent)
+        crash_point("ledger.created")
+
+    def _remove_abandoned_builds(self) -> None:
+        """Remove temporary ledgers that a killed creation left (their process is gone)."""
+        for leftover in self.path.parent.glob(f".{self.path.name}.creating-*"):
+            pid = leftover.name.rsplit("-", 2)[-2]
+            if pid.isdigit() and not _alive(int(pid)):
+                leftover.unlink(missing_ok=True)
 
     def write_head(self, seq: int, row_sha256: str) -> None:
         """Replace the head record with ``seq row_sha256`` atomically (``0`` and 64 zeros: the empty chain)."""
@@ -479,6 +521,19 @@ class Ledger:
                 f"row {seq} differs from the one {self.head_path.name} records ({digest[:12]}): the ledger was replaced"
             ]
         return []
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _tombstones(rows: list[LedgerRow]) -> dict[str, list[LedgerRow]]:
