@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from shardline.checkpoint.integrity.verify import VerifyLevel
-from shardline.cli.common import emit_json, fail, sha256_arg
+from shardline.cli.common import add_storage_options, emit_json, fail, sha256_arg, storage_options
 from shardline.errors import ShardlineError, SignatureError
 
 __all__ = ["register"]
@@ -31,10 +31,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if export:
             report = verify_export(args.checkpoint)
         else:
-            report = verify_checkpoint(args.checkpoint, level=args.level, expected_manifest_hash=args.expect)
+            report = verify_checkpoint(
+                args.checkpoint,
+                level=args.level,
+                expected_manifest_hash=args.expect,
+                storage_options=storage_options(args),
+            )
         if args.public_key:
             try:
-                signed = check_signature(args.checkpoint, public_key=args.public_key, signature=args.signature)
+                signed = check_signature(
+                    args.checkpoint,
+                    public_key=args.public_key,
+                    signature=args.signature,
+                    storage_options=storage_options(args),
+                )
             except SignatureError as e:
                 sig_error = str(e)
     except (ShardlineError, OSError) as e:
@@ -70,7 +80,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from shardline.checkpoint.lifecycle.summary import render_summary, summarize
 
     try:
-        summary = summarize(args.checkpoint)
+        summary = summarize(args.checkpoint, storage_options=storage_options(args))
     except (ShardlineError, OSError) as e:
         return fail(args, e)
     if args.json:
@@ -95,6 +105,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
                 verify=args.verify,
                 expected_manifest_hash=args.expect,
                 adapters=args.adapters,
+                storage_options=storage_options(args),
             )
     except (ShardlineError, OSError) as e:
         return fail(args, e)
@@ -145,7 +156,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.provenance.retention import record_deletions
     from shardline.checkpoint.provenance.statement import chain_statements
     from shardline.checkpoint.storage.objects import is_url
-    from shardline.train.records import recorded_checkpoint_dirs
+    from shardline.train.records import recorded_checkpoint_dirs, recorded_storage_options
 
     if is_url(args.run_dir) and args.ledger is None:
         print(
@@ -156,7 +167,9 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        ledger = Ledger(find_ledger(args.ledger or args.run_dir))
+        found = find_ledger(args.ledger or args.run_dir)
+        options = storage_options(args)
+        ledger = Ledger(found, storage_options=recorded_storage_options(found.parent) if options is None else options)
         also = [args.run_dir] if args.ledger else []
         dirs = checkpoint_directories(ledger, also=[*also, *recorded_checkpoint_dirs(ledger.path.parent)])
         if args.record_deletions:
@@ -166,7 +179,11 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         report = audit(ledger, directories=dirs, check_checkpoints=not args.no_check_checkpoints)
         if args.new_chain:
             return _new_chain(args, ledger, report)
-        statements = chain_statements(ledger.path.parent, report.rows) if args.json else {}
+        statements = (
+            chain_statements(ledger.path.parent, report.rows, storage_options=ledger.storage_options)
+            if args.json
+            else {}
+        )
     except (ShardlineError, OSError) as e:
         return fail(args, e)
     if args.json:
@@ -280,11 +297,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the signature file (default: CHECKPOINT.sig beside the directory or prefix)",
     )
     verify.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_options(verify)
     verify.set_defaults(func=_cmd_verify)
 
     inspect = subparsers.add_parser("inspect", help="describe a checkpoint in plain words")
     inspect.add_argument("checkpoint")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_options(inspect)
     inspect.set_defaults(func=_cmd_inspect)
 
     cons = subparsers.add_parser("consolidate", help="export the model weights as safetensors (HF layout)")
@@ -309,6 +328,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     cons.add_argument("--expect", metavar="SHA256", type=sha256_arg, help="require this source manifest hash")
     cons.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_options(cons)
     cons.set_defaults(func=_cmd_consolidate)
 
     lineage = subparsers.add_parser("lineage", help="print and verify a run's hash-chained checkpoint ledger")
@@ -339,4 +359,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lineage.add_argument(
         "--json", action="store_true", help="machine-readable output, with each checkpoint's provenance statement"
     )
+    add_storage_options(lineage)
     lineage.set_defaults(func=_cmd_lineage)

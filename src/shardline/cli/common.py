@@ -9,7 +9,7 @@ from typing import Any
 
 from shardline.errors import ConfigurationError, ShardlineError, StorageAccessError
 
-__all__ = ["emit_json", "fail", "sha256_arg"]
+__all__ = ["add_storage_options", "emit_json", "fail", "sha256_arg", "storage_options"]
 
 
 def emit_json(obj: Any) -> None:
@@ -35,6 +35,53 @@ def _os_error(error: Exception) -> str:
     if isinstance(error, OSError) and error.filename is not None:
         return f"{error.filename}: {error.strerror or error}"
     return f"{type(error).__name__}: {error}"
+
+
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--storage-option KEY=VALUE`` (repeatable): options of the object store's fsspec file system."""
+    parser.add_argument(
+        "--storage-option",
+        dest="storage_option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        help="an option of the object store's client, repeatable: endpoint_url=URL, key=ID, secret=SECRET, "
+        "client_kwargs.region_name=R, use_ssl=false (true/false are booleans); default: the AWS environment"
+        " (and, for a run directory, the checkpoint.storage_options its config.yaml records)",
+    )
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``--storage-option`` pairs as one nested dict (dotted keys nest); None when none was given."""
+    pairs = getattr(args, "storage_option", None) or []
+    if not pairs:
+        return None
+    options: dict[str, Any] = {}
+    for key, value in pairs:
+        *parents, leaf = key.split(".")
+        node = options
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigurationError(f"--storage-option {key}: {part} was already given a value; give it once")
+            node = child
+        node[leaf] = value
+    return options
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    """argparse type of ``--storage-option``: ``KEY=VALUE``; ``true``/``false`` become booleans, the rest stays text.
+
+    Note: text, not YAML. A secret such as ``12345`` or ``0x1f`` must reach the client exactly as typed.
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+        raise argparse.ArgumentTypeError(
+            f"--storage-option {text!r}: expected KEY=VALUE (e.g. endpoint_url=http://127.0.0.1:8333)"
+        )
+    flags = {"true": True, "false": False}
+    return key.strip(), flags.get(value.lower(), value)
 
 
 def sha256_arg(text: str) -> str:

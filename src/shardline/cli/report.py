@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardline.cli.common import add_storage_options, storage_options
 from shardline.errors import ShardlineError
 
 __all__ = ["register"]
@@ -15,7 +16,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from shardline.report.html import write_report
 
     try:
-        path, facts = write_report(args.run_dir, out=args.out, public_key=args.public_key)
+        path, facts = write_report(
+            args.run_dir, out=args.out, public_key=args.public_key, storage_options=storage_options(args)
+        )
     except (ShardlineError, OSError) as e:  # a bad path or an unwritable --out: nothing was checked
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -42,4 +45,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument(
         "--public-key", metavar="PUB.pem", help="also check each checkpoint's signature (CKPT.sig) with this key"
     )
+    add_storage_options(report)
     report.set_defaults(func=_cmd_report)

@@ -9,7 +9,7 @@ import os
 import sys
 
 from shardline.checkpoint.storage.objects import is_url
-from shardline.cli.common import sha256_arg
+from shardline.cli.common import add_storage_options, sha256_arg, storage_options
 from shardline.errors import ShardlineError, StorageAccessError
 
 __all__ = ["register"]
@@ -35,6 +35,7 @@ def _cmd_sign(args: argparse.Namespace) -> int:
             password=_password(args),
             expected_manifest_hash=args.expect,
             overwrite=args.force,
+            storage_options=storage_options(args),
         )
     except (ShardlineError, OSError) as e:
         message = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
@@ -89,4 +90,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     sign.add_argument("--force", action="store_true", help="replace an existing signature file")
     sign.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_options(sign)
     sign.set_defaults(func=_cmd_sign)

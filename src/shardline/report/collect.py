@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,15 @@ from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageRep
 from shardline.checkpoint.provenance.lineage import audit, checkpoint_directories, find_ledger
 from shardline.checkpoint.provenance.retention import signature_path_for, tombstone_detail
 from shardline.checkpoint.provenance.statement import chain_statements
-from shardline.checkpoint.storage.objects import Location, as_location, is_url
+from shardline.checkpoint.storage.objects import Location
 from shardline.errors import CheckpointNotFoundError, ShardlineError, StorageAccessError
-from shardline.train.records import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, recorded_checkpoint_dirs
+from shardline.train.records import (
+    LOSS_PLOT_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    recorded_checkpoint_dirs,
+    recorded_storage_options,
+)
 
 __all__ = ["CheckpointFacts", "RunFacts", "Status", "collect_run"]
 
@@ -135,8 +142,8 @@ def _check_signature(facts: CheckpointFacts, public_key: Path | None) -> None:
     facts.signature_status = f"signature verifies with {public_key.name} (OpenSSF model-signing, every file re-hashed)"
 
 
-def _facts(base: Path, row: LedgerRow, rows: list[LedgerRow]) -> CheckpointFacts:
-    path = as_location(row.checkpoint) if is_url(row.checkpoint) else base / row.checkpoint
+def _facts(ledger: Ledger, row: LedgerRow, rows: list[LedgerRow]) -> CheckpointFacts:
+    path = ledger.locate(row.checkpoint)
     later = [r for r in rows if r.seq > row.seq and r.checkpoint == row.checkpoint]
     tomb = next((r for r in later if r.event == "tombstone" and r.manifest_sha256 == row.manifest_sha256), None)
     moved = next(
@@ -167,8 +174,16 @@ def _facts(base: Path, row: LedgerRow, rows: list[LedgerRow]) -> CheckpointFacts
     return facts
 
 
-def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | None = None) -> RunFacts:
+def collect_run(
+    run_dir: str | os.PathLike,
+    *,
+    public_key: str | os.PathLike | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> RunFacts:
     """Gather and check what the report shows about ``run_dir`` (a run directory, or a checkpoints directory).
+
+    ``storage_options`` reach the object store the run's checkpoints are in (default: the
+    ``checkpoint.storage_options`` the run recorded in its ``config.yaml``, if any).
 
     Raises:
         CheckpointNotFoundError: ``run_dir`` is not a directory.
@@ -196,7 +211,9 @@ def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | N
         loss_png=(root / LOSS_PLOT_FILE) if (root / LOSS_PLOT_FILE).is_file() else None,
     )
     try:
-        ledger = Ledger(find_ledger(root))
+        found = find_ledger(root)
+        options = recorded_storage_options(found.parent) if storage_options is None else storage_options
+        ledger = Ledger(found, storage_options=options)
         dirs = checkpoint_directories(ledger, also=recorded_checkpoint_dirs(ledger.path.parent))
         report = audit(ledger, directories=dirs)
     except StorageAccessError:
@@ -206,12 +223,12 @@ def collect_run(run_dir: str | os.PathLike, *, public_key: str | os.PathLike | N
         return facts
     facts.ledger_path, facts.lineage = ledger.path, report
     rows = list(report.rows)
-    statements = chain_statements(ledger.path.parent, rows)
+    statements = chain_statements(ledger.path.parent, rows, storage_options=ledger.storage_options)
     for row in rows:
         if not row.is_commit:
             facts.events.append(row)
             continue
-        item = _facts(ledger.path.parent, row, rows)
+        item = _facts(ledger, row, rows)
         found = statements.get(row.seq) or {}
         item.statement = found.get("statement")
         item.statement_source = found.get("source")

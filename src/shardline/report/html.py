@@ -19,6 +19,7 @@ import base64
 import datetime
 import os
 import shlex
+from collections.abc import Mapping
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -299,10 +300,17 @@ def render_report(facts: RunFacts) -> str:
 
 
 def write_report(
-    run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None, public_key: str | os.PathLike | None = None
+    run_dir: str | os.PathLike,
+    *,
+    out: str | os.PathLike | None = None,
+    public_key: str | os.PathLike | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[Path, RunFacts]:
-    """Check the run at ``run_dir`` and write its report (default ``RUN_DIR/report.html``); returns (path, facts)."""
-    facts = collect_run(run_dir, public_key=public_key)
+    """Check the run at ``run_dir`` and write its report (default ``RUN_DIR/report.html``); returns (path, facts).
+
+    ``storage_options`` reach the run's bucket (default: those its ``config.yaml`` records).
+    """
+    facts = collect_run(run_dir, public_key=public_key, storage_options=storage_options)
     target = Path(out) if out is not None else facts.run_dir / REPORT_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")

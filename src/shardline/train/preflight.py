@@ -33,7 +33,7 @@ from shardline.checkpoint.lifecycle.staging import dtype_name
 from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.lineage import order
-from shardline.checkpoint.storage.objects import check_access
+from shardline.checkpoint.storage.objects import Location, as_location, check_access
 from shardline.errors import CheckpointError, ConfigurationError
 from shardline.train.build import build_model
 from shardline.train.data import load_corpus, make_batches
@@ -123,7 +123,7 @@ def check_data(cfg: TrainConfig, *, recorded_global_batch: int | None = None) ->
             raise ConfigurationError(f"{'validation' if split == 'val' else split} data: {e} ({size})") from None
 
 
-def _stored_state(path: Path, verify: VerifyLevel) -> dict[str, tuple[tuple[int, ...], str]]:
+def _stored_state(path: Location, verify: VerifyLevel) -> dict[str, tuple[tuple[int, ...], str]]:
     """``key -> (shape, dtype)`` of the model entries a checkpoint holds (its manifest; else its .metadata).
 
     The manifest is anchored, the listing checked and ``.metadata`` hashed here; the workers hash the data files.
@@ -209,8 +209,11 @@ def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
         except CheckpointError:
             return  # damaged: the workers verify it, move it aside and fall back to an older one
     else:
-        path, what = Path(str(resume)), f"trainer.resume={resume}"
+        # A URL is read with the run's checkpoint.storage_options (its endpoint and credentials).
+        path = as_location(str(resume), storage_options=dict(cfg.checkpoint.storage_options or {}))
+        what = f"trainer.resume={resume}"
         try:
+            check_access(path)
             stored = _stored_state(path, level)
         except CheckpointError as e:
             raise ConfigurationError(f"{what}: {e}") from None
@@ -231,7 +234,7 @@ def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
         )
 
 
-def recorded_global_batch(path: Path) -> int | None:
+def recorded_global_batch(path: Location) -> int | None:
     """The global batch a committed checkpoint's trainer state records (None: not recorded, or unreadable here).
 
     Unreadable is left to the workers, which verify the checkpoint and name what is wrong.

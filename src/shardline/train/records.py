@@ -43,6 +43,7 @@ __all__ = [
     "attempt_path",
     "checkpoint_location",
     "recorded_checkpoint_dirs",
+    "recorded_storage_options",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -72,22 +73,45 @@ def recorded_checkpoint_dirs(run_dir: str | Path) -> list[str]:
 
     Unreadable or malformed config files are skipped: they only add places to look, never remove one.
     """
+    found: list[str] = []
+    for section in _recorded_checkpoint_sections(run_dir):
+        where = section.get("dir")
+        if isinstance(where, str) and where and where not in found:
+            found.append(where)
+    return found
+
+
+def recorded_storage_options(run_dir: str | Path) -> dict[str, Any]:
+    """The ``checkpoint.storage_options`` the newest attempt of the run at ``run_dir`` recorded (empty: none).
+
+    What ``shardline lineage`` and ``report`` use to reach the run's bucket when no
+    ``--storage-option`` is given, so a run saved with options in its config is audited with them.
+    """
+    options: dict[str, Any] = {}
+    for section in _recorded_checkpoint_sections(run_dir):
+        recorded = section.get("storage_options")
+        if isinstance(recorded, dict) and recorded:
+            options = dict(recorded)
+    return options
+
+
+def _recorded_checkpoint_sections(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The ``checkpoint`` section of each attempt's config file, oldest first (unreadable files skipped)."""
     import yaml  # omegaconf's dependency
 
     root = Path(run_dir)
     stem, suffix = Path(CONFIG_FILE).stem, Path(CONFIG_FILE).suffix
     files = [root / CONFIG_FILE, *sorted(root.glob(f"{stem}.resume-*{suffix}"), key=_attempt_number)]
-    found: list[str] = []
+    sections: list[dict[str, Any]] = []
     for file in files:
         try:
             config = yaml.safe_load(file.read_text(encoding="utf-8"))
         except (OSError, ValueError, yaml.YAMLError):
             continue
         section = config.get("checkpoint") if isinstance(config, dict) else None
-        where = section.get("dir") if isinstance(section, dict) else None
-        if isinstance(where, str) and where and where not in found:
-            found.append(where)
-    return found
+        if isinstance(section, dict):
+            sections.append(section)
+    return sections
 
 
 def _attempt_number(path: Path) -> int:

@@ -19,7 +19,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from shardline.checkpoint.format.safetensors_io import SafetensorsWriter, Tensor
 from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.storage.fsutil import fsync_dir
-from shardline.checkpoint.storage.objects import as_location, check_access, is_url
+from shardline.checkpoint.storage.objects import ObjectPath, as_location, check_access, is_url
 from shardline.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -160,7 +160,7 @@ def _read_batch(
 
 
 def consolidate(
-    checkpoint: str | os.PathLike,
+    checkpoint: str | os.PathLike | ObjectPath,
     out: str | os.PathLike,
     *,
     max_shard_size: str | int | None = None,
@@ -169,6 +169,7 @@ def consolidate(
     expected_manifest_hash: str | None = None,
     read_batch_bytes: int = 256 * 2**20,
     adapters: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ConsolidationResult:
     """Export the model weights of ``checkpoint`` as safetensors: one file, or a new directory ``out``.
 
@@ -192,6 +193,8 @@ def consolidate(
         expected_manifest_hash: The manifest hash to trust (e.g. from the ledger); default:
             the one ``manifest.sha256`` records.
         adapters: Export the PEFT adapter (a directory) instead of the model.
+        storage_options: For a ``checkpoint`` URL: options of its fsspec file system (endpoint,
+            credentials; default: the standard AWS environment).
 
     Raises:
         IntegrityError: the checkpoint fails verification (naming the files); nothing is written.
@@ -206,7 +209,7 @@ def consolidate(
             f"consolidate writes a local file or directory, and {out} is an object-store URL: write it to a local "
             f"path, then upload it (e.g. `aws s3 cp --recursive OUT {out}`); the source checkpoint may be a URL"
         )
-    src = as_location(checkpoint)  # a local directory or an object-store URL
+    src = as_location(checkpoint, storage_options=storage_options)  # a local directory or an object-store URL
     check_access(src)
     dst = Path(out).absolute()
     max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None

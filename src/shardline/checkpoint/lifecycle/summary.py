@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE
-from shardline.checkpoint.storage.objects import as_location, check_access, is_url
+from shardline.checkpoint.storage.objects import ObjectPath, as_location, check_access, is_url
 
 __all__ = ["human_bytes", "render_summary", "summarize"]
 
@@ -29,14 +30,18 @@ def _count(n: int) -> str:
     return f"{n:,}"
 
 
-def summarize(path: str | os.PathLike) -> dict[str, Any]:
+def summarize(
+    path: str | os.PathLike | ObjectPath, *, storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """A JSON-able summary of the checkpoint at ``path`` from its manifest (files are not re-hashed).
+
+    ``storage_options`` go to the fsspec file system of a URL (default: the standard AWS environment).
 
     Raises:
         CheckpointNotFoundError, IntegrityError: as :func:`~shardline.checkpoint.integrity.manifest.read_manifest`.
         StorageAccessError: a URL whose bucket, credentials or endpoint cannot be used.
     """
-    root = as_location(path)  # a local directory or an object-store URL
+    root = as_location(path, storage_options=storage_options)  # a local directory or an object-store URL
     check_access(root)
     manifest, digest = read_manifest(root)
     listed = manifest_files(manifest)

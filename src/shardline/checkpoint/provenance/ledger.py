@@ -52,7 +52,7 @@ import os
 import secrets
 import shutil
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,7 +61,7 @@ from typing import Any
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.storage.fsutil import atomic_write_bytes, fsync_dir, fsync_file
-from shardline.checkpoint.storage.objects import as_location, is_url
+from shardline.checkpoint.storage.objects import Location, as_location, is_url
 from shardline.errors import LineageError
 
 __all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "TOMBSTONE", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
@@ -172,10 +172,21 @@ class LineageReport:
 
 
 class Ledger:
-    """The append-only, hash-chained ledger at ``path`` (created on first append), with its head record."""
+    """The append-only, hash-chained ledger at ``path`` (created on first append), with its head record.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    ``storage_options`` reach the object store of rows that name a checkpoint by URL (endpoint,
+    credentials: what ``checkpoint.storage_options`` held when they were saved); see :meth:`locate`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
+        self.storage_options = dict(storage_options or {})
+
+    def locate(self, checkpoint: str) -> Location:
+        """Where a row's ``checkpoint`` lives: a URL in its object store, else a path relative to the ledger."""
+        if is_url(checkpoint):
+            return as_location(checkpoint, storage_options=self.storage_options)
+        return self.path.parent / checkpoint
 
     @property
     def head_path(self) -> Path:
@@ -453,7 +464,7 @@ class Ledger:
                 )
                 continue
             # A row naming a URL (checkpoints in an object store) is checked in the store itself.
-            where = as_location(row.checkpoint) if is_url(row.checkpoint) else self.path.parent / row.checkpoint
+            where = self.locate(row.checkpoint)
             tomb = next(
                 (
                     t

@@ -83,11 +83,11 @@ def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike |
             if not row.is_commit or not row.checkpoint:
                 continue
             if is_url(row.checkpoint):
-                prefixes.add(as_location(row.checkpoint).parent)  # type: ignore[union-attr]
+                prefixes.add(ledger.locate(row.checkpoint).parent)  # type: ignore[arg-type]
             else:
                 found.add((base / row.checkpoint).parent)
     for where in also:
-        location = as_location(where)
+        location = as_location(where, storage_options=ledger.storage_options)
         if isinstance(location, ObjectPath):
             prefixes.add(location)
         else:

@@ -57,7 +57,7 @@ from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import live_branch, order
 from shardline.checkpoint.provenance.statement import read_statement
 from shardline.checkpoint.storage.fsutil import fsync_dir, trash_dir_for
-from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, is_url
+from shardline.checkpoint.storage.objects import Location, ObjectPath, is_url
 from shardline.errors import CheckpointError, ConfigurationError, IntegrityError
 
 __all__ = [
@@ -322,7 +322,7 @@ def record_deletions(ledger: Ledger, *, reason: str = _AFTER_THE_FACT) -> list[L
         # A row naming a URL (a checkpoint in an object store) is looked for in the store, not beside the
         # ledger, by its commit record: a store may keep listing a prefix whose objects are all gone.
         if is_url(row.checkpoint):
-            present = (as_location(row.checkpoint) / "manifest.json").exists()
+            present = (ledger.locate(row.checkpoint) / "manifest.json").exists()
         else:
             present = (ledger.path.parent / row.checkpoint).exists()
         if present:

@@ -252,8 +252,12 @@ def statement_problems(statement: Mapping[str, Any], manifest: Mapping[str, Any]
     return problems
 
 
-def chain_statements(base: Path, rows: Sequence[Any]) -> dict[int, dict[str, Any]]:
+def chain_statements(
+    base: Path, rows: Sequence[Any], *, storage_options: Mapping[str, Any] | None = None
+) -> dict[int, dict[str, Any]]:
     """The provenance statement of every commit row of a ledger (``base``: the ledger's directory), by row ``seq``.
+
+    ``storage_options`` reach the object store of rows that name a checkpoint by URL.
 
     Each entry: ``statement`` (or None), ``sha256``, ``source`` (``"checkpoint"`` when read from
     the directory, ``"tombstone"`` when the checkpoint was deleted and its tombstone row kept a
@@ -273,7 +277,11 @@ def chain_statements(base: Path, rows: Sequence[Any]) -> dict[int, dict[str, Any
         recorded = (json.loads(row.detail).get("provenance") or {}).get("sha256") if row.detail else None
         entry: dict[str, Any] = {"statement": None, "sha256": None, "source": None, "matches_ledger": None}
         copy = kept.get((row.checkpoint, row.manifest_sha256))
-        where = as_location(row.checkpoint) if is_url(row.checkpoint) else base / row.checkpoint
+        where = (
+            as_location(row.checkpoint, storage_options=storage_options)
+            if is_url(row.checkpoint)
+            else base / row.checkpoint
+        )
         if copy is not None:
             entry.update(statement=copy["provenance"], sha256=sha256_hex(canonical_json(copy["provenance"])))
             entry["source"] = "tombstone"

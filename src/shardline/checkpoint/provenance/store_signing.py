@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import posixpath
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -53,9 +54,9 @@ def _copy_down(prefix: ObjectPath, into: Path) -> Path:
     return target
 
 
-def _fetch(signature: Any, into: Path) -> Path:
+def _fetch(signature: Any, into: Path, storage_options: Mapping[str, Any] | None) -> Path:
     """A signature named by URL copied into ``into`` (a local path is used where it is)."""
-    location = as_location(signature)
+    location = as_location(signature, storage_options=storage_options)
     if not isinstance(location, ObjectPath):
         return Path(location)
     if not location.is_file():
@@ -76,12 +77,14 @@ def sign_checkpoint(
     password: str | None = None,
     expected_manifest_hash: str | None = None,
     overwrite: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SignatureResult:
     """Sign the checkpoint (or export, or file) at ``path``, a local path or an object-store URL.
 
     For a URL, the signature goes to ``signature`` (a URL or a local path; default
     :func:`store_signature_path`), after the checkpoint's objects were copied down and verified
     (see the module note). The result names the URL and where the signature went.
+    ``storage_options`` go to the fsspec file system of the URLs (default: the standard AWS environment).
 
     Raises:
         SignatureError: as :func:`~shardline.checkpoint.provenance.signing.sign` (the content does not
@@ -97,10 +100,14 @@ def sign_checkpoint(
             expected_manifest_hash=expected_manifest_hash,
             overwrite=overwrite,
         )
-    prefix = cast(ObjectPath, as_location(path))
+    prefix = cast(ObjectPath, as_location(path, storage_options=storage_options))
     check_access(prefix)
     check_private_key(Path(private_key), password)  # before copying a checkpoint down for nothing
-    target = as_location(signature) if signature is not None else store_signature_path(prefix)
+    target = (
+        as_location(signature, storage_options=storage_options)
+        if signature is not None
+        else store_signature_path(prefix)
+    )
     if isinstance(target, ObjectPath) and target.key.startswith(prefix.key + "/"):
         raise SignatureError(
             f"the signature {target} would be inside {prefix}, which would change what is signed; put it beside the "
@@ -132,11 +139,13 @@ def check_signature(
     *,
     public_key: str | os.PathLike,
     signature: str | os.PathLike | ObjectPath | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SignatureResult:
     """Check the model-signing signature of ``path`` (a local path or an object-store URL) with ``public_key``.
 
     For a URL, the signature defaults to :func:`store_signature_path` (a URL or a local path may be
     given); the objects are copied down and the library verifies the copy (see the module note).
+    ``storage_options`` go to the fsspec file system of the URLs (default: the standard AWS environment).
 
     Raises:
         SignatureError: as :func:`~shardline.checkpoint.provenance.signing.verify_signature`, naming the URL.
@@ -144,11 +153,11 @@ def check_signature(
     """
     if not is_url(path):
         return verify_signature(path, public_key=public_key, signature=None if signature is None else str(signature))
-    prefix = cast(ObjectPath, as_location(path))
+    prefix = cast(ObjectPath, as_location(path, storage_options=storage_options))
     check_access(prefix)
     where = signature if signature is not None else store_signature_path(prefix)
     with tempfile.TemporaryDirectory(prefix="shardline-verify-sig-") as tmp:
-        sig = _fetch(where, Path(tmp))
+        sig = _fetch(where, Path(tmp), storage_options)
         local = _copy_down(prefix, Path(tmp) / "copy")
         try:
             checked = verify_signature(local, public_key=public_key, signature=sig)
