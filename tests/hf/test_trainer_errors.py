@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 from pathlib import Path
 
@@ -37,7 +38,9 @@ def _args(tmp_path: Path, **kw: object) -> TrainingArguments:
     return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
 
 
-def test_sharding_conflicts_are_one_error_at_construction(tmp_path: Path) -> None:
+def test_sharding_conflicts_are_one_error_at_construction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers 4.46 turns fsdp= into ACCELERATE_USE_FSDP=true in the environment: kept to this test.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", os.environ.get("ACCELERATE_USE_FSDP", "false"))
     args = _args(tmp_path, fsdp="full_shard", torch_compile=True, load_best_model_at_end=True,
                  eval_strategy="steps", save_strategy="steps", metric_for_best_model="loss")  # fmt: skip
     with pytest.raises(ConfigurationError) as info:

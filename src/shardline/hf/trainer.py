@@ -58,7 +58,8 @@ from shardline.hf.resume import prepare_resume
 __all__ = ["SUPPORTED_TRANSFORMERS", "ShardlineTrainer", "ShardlineTrainerMixin", "sharded"]
 
 SUPPORTED_TRANSFORMERS = ">=4.46,<6"
-"""The transformers releases whose Trainer this integration fits (tested: 4.46.3 and 5.24.0)."""
+"""The transformers releases whose Trainer this integration fits (tested: 4.46.3, 4.47.1, 5.24.0; under torch >= 2.6,
+4.46 cannot resume any Trainer checkpoint, its own RNG-state load being refused by torch)."""
 _OVERRIDDEN: dict[str, tuple[str, ...]] = {
     "create_accelerator_and_postprocess": (),
     "train": ("resume_from_checkpoint",),
@@ -253,8 +254,9 @@ def sharded(trainer_cls: type) -> type:
     The new class takes ``trainer_cls``'s arguments plus :class:`ShardlineTrainer`'s keywords.
 
     Raises:
-        ConfigurationError: ``trainer_cls`` is not a Trainer subclass, or lacks a method the
-            integration overrides (a transformers release it does not support).
+        ConfigurationError: ``trainer_cls`` is not a Trainer subclass, or a method the
+            integration overrides is missing or takes other leading parameters (a transformers
+            release it does not support, or a subclass's own override).
     """
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise ConfigurationError(f"sharded() takes a transformers.Trainer subclass, got {trainer_cls!r}")
