@@ -2,7 +2,7 @@
 
 Three launches share the work (tests/hf/trainer_script.py says what each runs): torchrun with 2
 CPU ranks, ``accelerate launch`` with the shipped 2-process config, and one plain process that
-resumes the torchrun run's checkpoint at world size 1. The checks:
+resumes the torchrun run's checkpoint at world size 1 (and forks the run killed mid-save). The checks:
 
 * parity: final weights within the fp32 trajectory bound of ``tests/numerics.py``
   (assert_close's fp32 defaults, i.e. <= 1e-5 absolute at these magnitudes) against Trainer's
@@ -13,7 +13,8 @@ resumes the torchrun run's checkpoint at world size 1. The checks:
   after the last;
 * checkpoints: ``checkpoint-N/shardline`` verifies; a resume is bit-identical at W=2 and loads
   exactly the saved weights at W=1; ``save_model()`` output loads with ``from_pretrained`` /
-  ``PeftModel.from_pretrained``.
+  ``PeftModel.from_pretrained``; a save killed mid-way is named and passed over, and a resume
+  from an earlier checkpoint moves the later one aside, recorded in the ledger.
 """
 
 from __future__ import annotations
@@ -122,15 +123,21 @@ def test_torchrun_full_shard_and_zero2_match_ddp_and_resume_bit_identically(torc
     assert all(torch.equal(loaded[k], full[k]) for k in full)
 
 
+@pytest.fixture(scope="module")
+def single_run(torchrun_run: Path) -> Path:
+    """The ``single`` phase (one process) in the torchrun run's folder: it resumes that run's checkpoint-2."""
+    _launch([sys.executable, str(SCRIPT), "single", str(torchrun_run)], torchrun_run, timeout=100)
+    return torchrun_run
+
+
 @pytest.mark.slow
-def test_resume_at_world_size_1(torchrun_run: Path) -> None:
+def test_resume_at_world_size_1(single_run: Path) -> None:
     """The W=2 checkpoint-2 resumed by one process: exactly the saved weights, then training goes on to step 4."""
     from safetensors.torch import load_file
 
     import shardline.checkpoint as ckpt
 
-    out = torchrun_run
-    _launch([sys.executable, str(SCRIPT), "single", str(out)], out, timeout=100)
+    out = single_run
     export = out / "checkpoint-2-export"
     ckpt.consolidate(out / "full_ga" / "checkpoint-2" / "shardline", export)
     saved, loaded = load_file(export / "model.safetensors"), _weights(out, "single_loaded")
@@ -155,6 +162,71 @@ def test_resume_at_world_size_1(torchrun_run: Path) -> None:
     assert "holds no shardline checkpoint (shardline/manifest.json is missing)" in error
     error = (out / "twice_error.txt").read_text()
     assert error.startswith("ConfigurationError: the LlamaForCausalLM given to ShardlineTrainer is already sharded")
+
+
+@pytest.mark.slow
+def test_killed_save_and_roll_back(single_run: Path) -> None:
+    """A save killed mid-way is passed over by name; resuming an earlier checkpoint moves the later one aside,
+    recorded, where Trainer would overwrite it (tests/hf/trainer_script.py, ``resume_after_a_kill``)."""
+    import shardline.checkpoint as ckpt
+
+    out = single_run
+    said = json.loads((out / "killed.json").read_text())
+    run = out / "killed"
+    # The kill, after checkpoint-4's shards were written and before its manifest: its temporary directory stays.
+    (tmp,) = [n for n in said["incomplete"] if not n.endswith(".lock")]
+    assert tmp.startswith(".shardline.tmp-"), said["incomplete"]
+    what = (
+        f"an incomplete save ({tmp}, the temporary directory of a save that did not finish; "
+        "no shardline/manifest.json and no trainer_state.json)"
+    )
+    # Its path given explicitly: refused, naming what is missing and the newest complete checkpoint.
+    assert said["explicit_error"] == (
+        f"CheckpointNotFoundError: cannot resume from {run / 'checkpoint-4'}: it is {what}. Its save was interrupted "
+        "(the process was killed or failed while writing it), so there is nothing to load; the newest complete "
+        f"checkpoint is {run / 'checkpoint-2'} (resume_from_checkpoint=True picks it)."
+    ), said["explicit_error"]
+    # No resume at all over committed checkpoints: refused before training, with the ways on.
+    assert said["fresh_error"].startswith(
+        f"CheckpointExistsError: {run} already holds checkpoint-2 from an earlier run"
+    )
+    assert "train(resume_from_checkpoint=True) (from checkpoint-2)" in said["fresh_error"]
+    assert said["untouched"] == ["checkpoint-2", "checkpoint-4", "lineage.sqlite", "lineage.sqlite.head"]
+    # resume_from_checkpoint=True: checkpoint-4 passed over by name, checkpoint-2 resumed, step 4 reached.
+    assert "auto_error" not in said, said["auto_error"]
+    assert said["auto_step"] == 4
+    first, second = sorted((run / "abandoned").iterdir())
+    assert said["auto_warnings"] == [
+        f"resume_from_checkpoint=True: skipping checkpoint-4, {what}; resuming from checkpoint-2",
+        f"moved checkpoint-4 aside to abandoned/{first.name}: {what}",
+    ], said["auto_warnings"]
+    assert tmp in {p.name for p in first.iterdir()}
+    # Then back to checkpoint-2 over the finished checkpoint-4: moved aside whole, recorded, still verifying.
+    assert "rollback_error" not in said, said["rollback_error"]
+    assert said["rollback_step"] == 4
+    reason = "abandoned: training went back to checkpoint-2 (step 2)"
+    assert said["rollback_warnings"] == [f"moved checkpoint-4 aside to abandoned/{second.name}: {reason}"]
+    assert (second / "trainer_state.json").is_file()
+    assert ckpt.verify_checkpoint(second / "shardline").ok
+    assert ckpt.verify_checkpoint(run / "checkpoint-4" / "shardline").ok
+    _, hash2 = ckpt.read_manifest(run / "checkpoint-2" / "shardline")
+    _, abandoned = ckpt.read_manifest(second / "shardline")
+    manifest4, hash4 = ckpt.read_manifest(run / "checkpoint-4" / "shardline")
+    assert manifest4["parent_manifest_sha256"] == hash2
+    ledger = ckpt.Ledger(run / "lineage.sqlite")
+    rows = [(r.event, r.checkpoint, r.step, r.manifest_sha256) for r in ledger.rows()]
+    assert rows == [
+        ("commit", "checkpoint-2/shardline", 2, hash2),
+        ("commit", "checkpoint-4/shardline", 4, abandoned),
+        ("tombstone", "checkpoint-4/shardline", 4, abandoned),
+        ("commit", "checkpoint-4/shardline", 4, hash4),
+    ], rows
+    detail = json.loads(ledger.rows()[2].detail)
+    moved_to = f"abandoned/{second.name}/shardline"
+    assert detail == {"checkpoint": "checkpoint-4/shardline", "commit_row": 2, "moved_to": moved_to,
+                      "reason": f"{reason}; moved aside to {moved_to}"}  # fmt: skip
+    report = ckpt.audit(ledger)
+    assert report.ok, report.problems
 
 
 @pytest.mark.slow

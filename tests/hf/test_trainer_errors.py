@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import runpy
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,10 @@ from torch import nn
 
 pytest.importorskip("trl")
 
+import transformers
 from transformers import Trainer, TrainingArguments
 
+import shardline.hf.trainer
 from shardline import MixedPrecision
 from shardline.errors import ConfigurationError
 from shardline.hf import ShardlineTrainer, resolve_mixed_precision, resolve_wrap_policy, sharded
@@ -34,7 +38,9 @@ def _args(tmp_path: Path, **kw: object) -> TrainingArguments:
     return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
 
 
-def test_sharding_conflicts_are_one_error_at_construction(tmp_path: Path) -> None:
+def test_sharding_conflicts_are_one_error_at_construction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers 4.46 turns fsdp= into ACCELERATE_USE_FSDP=true in the environment: kept to this test.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", os.environ.get("ACCELERATE_USE_FSDP", "false"))
     args = _args(tmp_path, fsdp="full_shard", torch_compile=True, load_best_model_at_end=True,
                  eval_strategy="steps", save_strategy="steps", metric_for_best_model="loss")  # fmt: skip
     with pytest.raises(ConfigurationError) as info:
@@ -87,3 +93,59 @@ def test_model_init_is_refused(tmp_path: Path) -> None:
     """Trainer would rebuild the model, unsharded, inside train(): refused when the trainer is built."""
     with pytest.raises(ConfigurationError, match=r"model_init= is set: Trainer would build a new, unsharded model"):
         ShardlineTrainer(model_init=lambda: tiny_llama(), args=_args(tmp_path))
+
+
+def test_overrides_pass_on_the_transformers_4_46_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 4.46 calls ``_save_checkpoint(model, trial, metrics=...)``: the override passes ``metrics`` on."""
+    seen = []
+
+    def save_checkpoint_4_46(self: Trainer, model: nn.Module, trial: object, metrics: dict | None = None) -> None:
+        seen.append((model, trial, metrics, self._shardline_saving))  # save_model writes a shardline checkpoint
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save_checkpoint_4_46)
+    trainer = ShardlineTrainer.__new__(ShardlineTrainer)  # the override alone: no model, no process group
+    trainer._shardline_saving, trainer._shardline_run_dir = False, None
+    model = Plain()
+    trainer._save_checkpoint(model, None, metrics={"eval_loss": 0.5})
+    assert seen == [(model, None, {"eval_loss": 0.5}, True)]
+    assert trainer._shardline_saving is False
+
+
+def test_moved_trainer_signatures_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Trainer whose overridden methods moved their parameters fails at import (and in sharded()), by name."""
+    range_ = "shardline supports transformers >=4.46,<6"
+
+    class Renamed(Trainer):
+        def _load_optimizer_and_scheduler(self, path: str) -> None: ...
+
+    class Forwarding(Trainer):  # *args takes any leading parameter
+        def _save_checkpoint(self, *args: object, **kwargs: object) -> None: ...
+
+    with pytest.raises(ConfigurationError) as info:
+        sharded(Renamed)
+    message = str(info.value)
+    assert f"with the installed transformers {transformers.__version__}" in message
+    assert (
+        "_load_optimizer_and_scheduler(path), where shardline overrides _load_optimizer_and_scheduler(checkpoint"
+        in (message)
+    )
+    assert range_ in message
+    assert "If Renamed is your own subclass" in message
+    assert issubclass(sharded(Forwarding), Forwarding)
+
+    # At import: the module's own check against the installed Trainer, run afresh on a Trainer whose
+    # _save_checkpoint lost its trial parameter and whose train is gone.
+    def save_checkpoint(self: Trainer, model: nn.Module) -> None: ...
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save_checkpoint)
+    monkeypatch.delattr(Trainer, "train")
+    with pytest.raises(ConfigurationError) as info:
+        runpy.run_path(shardline.hf.trainer.__file__, run_name="shardline_hf_trainer_at_import")
+    message = str(info.value)
+    assert message.startswith(
+        "shardline's Trainer integration does not fit transformers.trainer.Trainer with the installed transformers "
+        f"{transformers.__version__}; it overrides these methods and found:\n  - train is missing\n"
+        "  - _save_checkpoint(model), where shardline overrides _save_checkpoint(model, trial, ...)\n"
+    ), message
+    assert range_ in message
+    assert "your own subclass" not in message

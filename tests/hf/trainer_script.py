@@ -13,12 +13,18 @@ collectives of accumulation windows, and the folders ``save_model`` wrote.
   against its DDP run; ``save_model()`` of the adapter.
 * ``single`` (W=1): resume the torchrun run's ``checkpoint-2`` in one process; record the
   weights it loaded and finish the run; a short run saving every step with ``save_total_limit=1``.
+  A run killed while saving ``checkpoint-4`` (a forked child, ended at a crash point), then:
+  the incomplete folder refused by path and passed over by ``resume_from_checkpoint=True``; a
+  start without resume refused; a resume from ``checkpoint-2`` over the finished
+  ``checkpoint-4`` (Trainer's roll-back). What each one said is left in ``killed.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -28,6 +34,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import shardline
+from shardline.checkpoint.faults import crashpoints
 from shardline.engine import subtree_units, use_collectives
 from shardline.hf import ShardlineTrainer, sharded
 from shardline.testing import FaultyCollectives
@@ -195,7 +202,56 @@ def lora(out: Path) -> None:
             trainer.save_model(str(out / "lora_export"))
 
 
+def killed_save(out: Path) -> None:
+    """Train to step 4, saving every 2 steps; the process ends while checkpoint-4 is half written."""
+    crashpoints.arm("save.shards_written", hit=2)  # the second save: shards written, no manifest yet
+    ShardlineTrainer(model=llama(), args=targs(out, "killed", save_strategy="steps", save_steps=2),
+                     train_dataset=Tokens()).train()  # fmt: skip
+
+
+def resume_after_a_kill(out: Path) -> None:
+    """What ShardlineTrainer makes of ``killed/``: an incomplete save, then a roll-back to checkpoint-2."""
+    said: dict[str, object] = {}
+    warnings: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("shardline.hf.resume").addHandler(Lines(level=logging.WARNING))
+    args = targs(out, "killed", save_strategy="steps", save_steps=2)
+    run = out / "killed"
+
+    def attempt(key: str, resume: str | bool | None) -> ShardlineTrainer:
+        trainer = ShardlineTrainer(model=llama(), args=args, train_dataset=Tokens())
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except shardline.ShardlineError as e:
+            said[key] = f"{type(e).__name__}: {e}"
+        return trainer
+
+    said["incomplete"] = sorted(p.name for p in (run / "checkpoint-4").iterdir())
+    attempt("explicit_error", str(run / "checkpoint-4"))
+    attempt("fresh_error", None)
+    said["untouched"] = sorted(p.name for p in run.iterdir())  # both refusals moved nothing
+    trainer = attempt("auto_error", True)
+    said["auto_step"] = trainer.state.global_step
+    said["auto_warnings"] = list(warnings)
+    warnings.clear()
+    trainer = attempt("rollback_error", str(run / "checkpoint-2"))
+    said["rollback_step"] = trainer.state.global_step
+    said["rollback_warnings"] = list(warnings)
+    (out / "killed.json").write_text(json.dumps(said))
+
+
 def single_phase(out: Path) -> None:
+    # Before any process group: the child is forked from a process that holds none.
+    child = multiprocessing.get_context("fork").Process(target=killed_save, args=(out,))
+    child.start()
+    child.join(90)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == crashpoints.CRASH_EXIT_CODE, f"the killed save's child exited {child.exitcode}"
     loaded = {}
 
     class Loaded(TrainerCallback):
@@ -222,6 +278,7 @@ def single_phase(out: Path) -> None:
         )
     except shardline.ShardlineError as e:
         (out / "plain_error.txt").write_text(f"{type(e).__name__}: {e}")
+    resume_after_a_kill(out)
     # A model sharded already is refused: the trainer shards it itself.
     model = shardline.fully_shard(llama())
     try:

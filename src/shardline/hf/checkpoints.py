@@ -43,6 +43,7 @@ import shardline.checkpoint as ckpt
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
 from shardline.checkpoint.provenance.retention import record_deletions
 from shardline.errors import CheckpointError, CheckpointNotFoundError
+from shardline.hf.resume import CHECKPOINT_DIR, INCOMPLETE, PLAIN, describe_incomplete, kind_of
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -54,7 +55,6 @@ __all__ = [
     "save_training_checkpoint",
 ]
 
-CHECKPOINT_DIR = "shardline"
 SCHEDULER_KEY = "lr_scheduler"
 LEDGER_FILE = LEDGER_NAME  # the name shardline's ledger has beside every run's checkpoints
 T = TypeVar("T")
@@ -122,10 +122,13 @@ def require_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
 
     Raises:
         CheckpointNotFoundError: ``checkpoint_dir`` holds no shardline checkpoint (e.g. it was
-            written by a plain Trainer).
+            written by a plain Trainer), or is a save that did not finish.
     """
     path = Path(broadcast_object(os.fspath(Path(checkpoint_dir).absolute())))
-    if not broadcast_object((path / CHECKPOINT_DIR / "manifest.json").is_file()):
+    kind = broadcast_object(kind_of(path))
+    if kind == INCOMPLETE:
+        raise CheckpointNotFoundError(f"cannot resume from {path}: it is {describe_incomplete(path)}")
+    if kind == PLAIN:
         raise CheckpointNotFoundError(
             f"{path} holds no shardline checkpoint ({CHECKPOINT_DIR}/manifest.json is missing): ShardlineTrainer "
             "resumes from the checkpoint-N folders it wrote itself. To start from weights saved by another "

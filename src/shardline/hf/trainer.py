@@ -9,16 +9,24 @@ and callbacks are Trainer's own. Checkpoints are shardline checkpoints
 (:mod:`shardline.hf.checkpoints`).
 
 Note: the Trainer methods overridden. Public: ``create_accelerator_and_postprocess`` (to adapt
-the accelerator it creates) and ``save_model``. Trainer has no public hook for what a
-checkpoint holds, so four underscore methods are overridden, each as a whole and each small:
-``_save_checkpoint`` (marks that ``save_model`` is writing a checkpoint, runs Trainer's own,
-then records in the ledger the checkpoints Trainer's rotation deleted),
+the accelerator it creates), ``train`` (to settle which checkpoint it resumes and move the
+later ones aside first, :mod:`shardline.hf.resume`) and ``save_model``. Trainer has no public
+hook for what a checkpoint holds, so four underscore methods are overridden, each as a whole
+and each small: ``_save_checkpoint`` (marks that ``save_model`` is writing a checkpoint, runs
+Trainer's own, then records in the ledger the checkpoints Trainer's rotation deleted),
 ``_save_optimizer_and_scheduler`` (nothing: both are in the shardline checkpoint),
 ``_load_from_checkpoint`` (only checks that the folder holds a shardline checkpoint: the
 optimizer does not exist yet at that point of ``train()``) and
 ``_load_optimizer_and_scheduler`` (verifies and loads model, optimizer and scheduler
-together). :func:`sharded` refuses a Trainer class lacking any of them, so a transformers
-release that renames one fails at once instead of writing incomplete checkpoints.
+together).
+
+Note: one integration across transformers releases. Each override names only the leading
+parameters it reads and passes everything else on (``*args, **kwargs``): 4.46 calls
+``_save_checkpoint(model, trial, metrics=...)``, later releases ``(model, trial)``. Those
+leading parameters are checked against the installed transformers once, at import
+(:data:`_OVERRIDDEN`, :func:`_check_supported`), and against each class :func:`sharded` is
+given, so a release that renames, moves or drops one fails at once, naming the version and
+the supported range, instead of writing incomplete checkpoints.
 """
 
 from __future__ import annotations
@@ -45,17 +53,23 @@ from shardline.hf.checkpoints import (
     save_training_checkpoint,
 )
 from shardline.hf.options import WrapPolicyLike, refused_arguments, resolve_mixed_precision, resolve_wrap_policy
+from shardline.hf.resume import prepare_resume
 
-__all__ = ["ShardlineTrainer", "ShardlineTrainerMixin", "sharded"]
+__all__ = ["SUPPORTED_TRANSFORMERS", "ShardlineTrainer", "ShardlineTrainerMixin", "sharded"]
 
-_OVERRIDDEN = (
-    "create_accelerator_and_postprocess",
-    "save_model",
-    "_save_checkpoint",
-    "_save_optimizer_and_scheduler",
-    "_load_from_checkpoint",
-    "_load_optimizer_and_scheduler",
-)
+SUPPORTED_TRANSFORMERS = ">=4.46,<6"
+"""The transformers releases whose Trainer this integration fits (tested: 4.46.3, 4.47.1, 5.24.0; under torch >= 2.6,
+4.46 cannot resume any Trainer checkpoint, its own RNG-state load being refused by torch)."""
+_OVERRIDDEN: dict[str, tuple[str, ...]] = {
+    "create_accelerator_and_postprocess": (),
+    "train": ("resume_from_checkpoint",),
+    "save_model": ("output_dir",),
+    "_save_checkpoint": ("model", "trial"),
+    "_save_optimizer_and_scheduler": ("output_dir",),
+    "_load_from_checkpoint": ("resume_from_checkpoint",),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+}
+"""Each Trainer method the integration overrides, with the leading parameters its override reads."""
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -139,17 +153,35 @@ class ShardlineTrainerMixin:
         self.accelerator = for_sharded_model(self.accelerator, lambda: getattr(self, "model", None))
 
     # ------------------------------------------------------------------ checkpoints
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train``; before it starts, the checkpoint it resumes is settled (every rank).
+
+        ``resume_from_checkpoint=True`` takes the newest complete ``checkpoint-N``, passing over
+        incomplete saves (a warning names each). Resuming an earlier checkpoint moves the later
+        ones -- the abandoned branch -- to ``output_dir/abandoned/``, recorded in the ledger,
+        where Trainer would overwrite them. See :mod:`shardline.hf.resume`.
+
+        Raises:
+            CheckpointNotFoundError: an explicit path that is missing or an incomplete save (the
+                message names what is missing and the newest complete checkpoint), or ``True``
+                with no complete checkpoint.
+            CheckpointExistsError: a start without ``resume_from_checkpoint`` in an ``output_dir``
+                that holds checkpoints (the message lists the ways on).
+        """
+        resume = prepare_resume(self.args.output_dir, resume_from_checkpoint)
+        return super().train(resume, *args, **kwargs)  # type: ignore[misc]
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
         self._shardline_saving = True
         try:
-            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
         finally:
             self._shardline_saving = False
         # Trainer's save_total_limit may have deleted older checkpoint-N folders: the ledger records it.
         if self._shardline_run_dir is not None:
             record_rotations(self._shardline_run_dir, "deleted by Trainer (save_total_limit)")
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
         """Save the model: a consolidated Hugging Face folder ``from_pretrained`` loads (a collective: every rank).
 
         ``model.safetensors`` + ``config.json`` (+ ``generation_config.json``), or for a PEFT
@@ -180,14 +212,14 @@ class ShardlineTrainerMixin:
                 self.processing_class.save_pretrained(output_dir)  # type: ignore[attr-defined]
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
         """Nothing: the optimizer and scheduler are in the shardline checkpoint ``save_model`` wrote."""
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, *args: Any, **kwargs: Any) -> None:
         """Only check that it is a shardline checkpoint: the model is loaded with the optimizer, later."""
         require_checkpoint(resume_from_checkpoint)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         if checkpoint is None:
             return
         self._shardline_parent = load_training_checkpoint(
@@ -222,8 +254,9 @@ def sharded(trainer_cls: type) -> type:
     The new class takes ``trainer_cls``'s arguments plus :class:`ShardlineTrainer`'s keywords.
 
     Raises:
-        ConfigurationError: ``trainer_cls`` is not a Trainer subclass, or lacks a method the
-            integration overrides (a transformers release it does not support).
+        ConfigurationError: ``trainer_cls`` is not a Trainer subclass, or a method the
+            integration overrides is missing or takes other leading parameters (a transformers
+            release it does not support, or a subclass's own override).
     """
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise ConfigurationError(f"sharded() takes a transformers.Trainer subclass, got {trainer_cls!r}")
@@ -243,16 +276,65 @@ def sharded(trainer_cls: type) -> type:
     return cls
 
 
+def _fits(method: Any, expected: tuple[str, ...]) -> tuple[bool, str]:
+    """Whether ``method``'s positional parameters after ``self`` begin with ``expected`` (a ``*args`` takes the
+    rest); and how its parameters read, for a message."""
+    try:
+        params = list(inspect.signature(method).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return True, ""  # no signature to read (a builtin): nothing to compare
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = []
+    for p in params:
+        if p.kind == inspect.Parameter.VAR_POSITIONAL:
+            names.append(None)  # forwards any further positional parameter
+            break
+        if p.kind in positional:
+            names.append(p.name)
+    shown = ", ".join("*args" if n is None else n for n in names)
+    for i, name in enumerate(expected):
+        if i >= len(names) or names[i] not in (name, None):
+            return False, shown
+        if names[i] is None:
+            break
+    return True, shown
+
+
 def _check_supported(trainer_cls: type) -> None:
-    missing = [name for name in _OVERRIDDEN if not callable(getattr(trainer_cls, name, None))]
-    if missing:
+    """Refuse ``trainer_cls`` if a method the integration overrides is missing or its leading parameters moved.
+
+    Raises:
+        ConfigurationError: naming each method, the parameters expected and found, the installed
+            transformers and :data:`SUPPORTED_TRANSFORMERS`.
+    """
+    problems = []
+    for name, expected in _OVERRIDDEN.items():
+        method = getattr(trainer_cls, name, None)
+        if not callable(method):
+            problems.append(f"{name} is missing")
+            continue
+        ok, found = _fits(method, expected)
+        if not ok:
+            problems.append(f"{name}({found}), where shardline overrides {name}({', '.join(expected)}, ...)")
+    if problems:
         import transformers
 
+        listed = "\n".join(f"  - {p}" for p in problems)
         raise ConfigurationError(
-            f"{trainer_cls.__name__} (transformers {transformers.__version__}) has no {', '.join(missing)}, which "
-            "shardline's Trainer integration overrides; use a transformers release shardline supports (see "
-            "pyproject.toml)"
+            f"shardline's Trainer integration does not fit {trainer_cls.__module__}.{trainer_cls.__qualname__} "
+            f"with the installed transformers {transformers.__version__}; it overrides these methods and found:\n"
+            f"{listed}\nshardline supports transformers {SUPPORTED_TRANSFORMERS}: install a release in that range "
+            f"(pip install 'transformers{SUPPORTED_TRANSFORMERS}'), or a shardline release that supports "
+            f"{transformers.__version__}."
+            + (
+                ""
+                if trainer_cls is Trainer
+                else f" If {trainer_cls.__name__} is your own subclass, keep Trainer's leading parameters."
+            )
         )
+
+
+_check_supported(Trainer)  # once, at import: the installed Trainer still has what the overrides expect
 
 
 class ShardlineTrainer(ShardlineTrainerMixin, Trainer):
