@@ -172,3 +172,22 @@ def test_training_config_rejects_a_negative_count(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "checkpoint.keep_last_n must be a non-negative integer" in done.stderr
+
+
+def test_a_reused_name_gets_one_tombstone_per_commit(tmp_path: Path) -> None:
+    """A name saved twice (a Trainer that went back to an earlier checkpoint): each commit is buried once."""
+    from shardline.checkpoint.provenance.retention import record_deletions
+
+    ledger = ckpt.Ledger(tmp_path / "lineage.sqlite")
+    first, second = "a" * 64, "b" * 64
+    common = {"step": 4, "tag": None, "checkpoint": "checkpoint-4/shardline", "world_size": 1}
+    ledger.append(**common, manifest_sha256=first, parent_manifest_sha256=None)
+    ledger.append(**common, manifest_sha256=first, parent_manifest_sha256=None, event="tombstone",
+                  detail={"checkpoint": common["checkpoint"], "reason": "went back", "moved_to": "abandoned/x"})  # fmt: skip
+    ledger.append(**common, manifest_sha256=second, parent_manifest_sha256=None)
+    # The second checkpoint-4 is deleted by hand (its folder is not on disk): recorded once, the first never again.
+    assert [(r.event, r.manifest_sha256) for r in record_deletions(ledger)] == [("tombstone", second)]
+    assert record_deletions(ledger) == [], "every commit of the name already has its own tombstone"
+    report = ledger.verify()
+    assert report.ok, report.problems
+    assert any("was retired on purpose and moved to abandoned/x" in n for n in report.notes), report.notes

@@ -481,6 +481,8 @@ class Ledger:
                         f"is recorded deleted (tombstone row {tomb.seq}) but still on disk: an interrupted deletion "
                         "that the next save finishes"
                         if still
+                        else f"was retired on purpose and moved to {moved_to}; tombstone row {tomb.seq} records it"
+                        if (moved_to := _detail(tomb).get("moved_to"))
                         else f"was deleted on purpose; tombstone row {tomb.seq} records what it held"
                     )
                 )
@@ -532,6 +534,15 @@ class Ledger:
                 f"row {seq} differs from the one {self.head_path.name} records ({digest[:12]}): the ledger was replaced"
             ]
         return []
+
+
+def _detail(row: LedgerRow) -> dict[str, Any]:
+    """An event row's detail as a dict (empty when it has none or it does not parse)."""
+    try:
+        detail = json.loads(row.detail) if row.detail else {}
+    except ValueError:
+        return {}
+    return detail if isinstance(detail, dict) else {}
 
 
 def _alive(pid: int) -> bool:

@@ -284,6 +284,10 @@ def describe_event(row: LedgerRow) -> str:
         return f"resumed from {what} with verify={detail.get('verify')!r} (not every byte hashed)"
     if row.event == "tombstone":
         reason = detail.get("reason", "no reason recorded")
+        if detail.get("moved_to"):
+            return (
+                f"{what} retired on purpose and moved to {detail['moved_to']} ({reason}); its record stays in the chain"
+            )
         return f"{what} deleted on purpose ({reason}); its record stays in the chain"
     if row.event == "restart":
         elastic = detail.get("elastic_restart")

@@ -308,7 +308,9 @@ def record_deletions(ledger: Ledger, *, reason: str = _AFTER_THE_FACT) -> list[L
     --record-deletions``), so nothing about the files can be vouched for.
     """
     rows = ledger.rows()
-    buried = tombstones(rows)
+    # Every tombstone, not only the newest per name: a name can be reused (a Trainer that went back to an
+    # earlier checkpoint saves the same checkpoint-N again), and each commit under it has its own.
+    buried = {(r.checkpoint, r.manifest_sha256): r.seq for r in rows if r.event == TOMBSTONE}
     moved = {
         str(tombstone_detail(r).get("checkpoint")) for r in rows if r.event == "quarantine"
     }  # quarantine details name the original directory
@@ -316,8 +318,7 @@ def record_deletions(ledger: Ledger, *, reason: str = _AFTER_THE_FACT) -> list[L
     for row in rows:
         if not row.is_commit or not row.checkpoint or row.checkpoint in moved:
             continue
-        earlier = buried.get(row.checkpoint)
-        if earlier is not None and earlier.seq > row.seq and earlier.manifest_sha256 == row.manifest_sha256:
+        if buried.get((row.checkpoint, row.manifest_sha256), 0) > row.seq:
             continue
         # A row naming a URL (a checkpoint in an object store) is looked for in the store, not beside the
         # ledger, by its commit record: a store may keep listing a prefix whose objects are all gone.
