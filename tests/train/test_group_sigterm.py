@@ -69,6 +69,7 @@ def _signal_job_at_step(cmd: list[str], tmp: Path, gates: Path, *, every: list[s
     out = tmp / "out.log"
     with open(out, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    workers: list[int] = []
     try:
         deadline = time.monotonic() + LAUNCH_S
         pids = [gates / f"rank{r}.pid" for r in (0, 1)]
@@ -93,6 +94,10 @@ def _signal_job_at_step(cmd: list[str], tmp: Path, gates: Path, *, every: list[s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+        for pid in workers:  # a failed test leaves no worker behind, even one its agent left saving
+            if not _gone(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _assert_saved(run: Path, output: str, *, ranks_reporting: int) -> None:
