@@ -203,3 +203,16 @@ class HoldOnNode:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{mark} was never released")
             time.sleep(0.1)
+
+
+class LingerOnPreemption:
+    """Once a preemption signal arrived, make the step in flight take ``seconds`` longer on every rank (a long
+    step or a slow save): the launcher must wait for it, up to ``trainer.preemption_grace_s``."""
+
+    def __init__(self, seconds: float = 6.0) -> None:
+        self.seconds, self.done = seconds, False
+
+    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+        if trainer.preemption.requested and not self.done:
+            self.done = True
+            time.sleep(self.seconds)

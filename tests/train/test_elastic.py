@@ -12,8 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -172,42 +170,3 @@ def test_a_preempted_run_resumes_bit_identically_and_on_one_rank_with_the_same_s
     assert manifest["world_size"] == 1
     statement, _ = read_statement(branch / "checkpoints" / "step-4")
     assert statement["predicate"]["distributed"]["world_size"] == 1
-
-
-_GUARD = textwrap.dedent(
-    """
-    import os, signal, sys, time
-    from shardline.train.preemption import PreemptionGuard
-    guard = PreemptionGuard(grace_s=float(sys.argv[1]), world_size=1, backend="gloo", timeout_s=5).install()
-    assert not guard.agreed()
-    for _ in range(int(sys.argv[2])):
-        os.kill(os.getpid(), signal.SIGTERM)
-    print("agreed", guard.agreed(), flush=True)
-    time.sleep(30)
-    print("still alive", flush=True)
-    """
-)
-
-
-@pytest.mark.parametrize(
-    ("grace_s", "signals", "within_s"),
-    [(1.0, 1, 10.0), (60.0, 2, 10.0)],
-    ids=["deadline", "second-signal"],
-)
-def test_the_grace_deadline_or_a_second_signal_exits_at_once(grace_s: float, signals: int, within_s: float) -> None:
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", _GUARD, str(grace_s), str(signals)],
-        capture_output=True, text=True, env=env, timeout=60,
-    )  # fmt: skip
-    took = time.monotonic() - start
-    assert proc.returncode == 143, proc.stdout + proc.stderr
-    assert "still alive" not in proc.stdout
-    if signals == 1:
-        assert "agreed True" in proc.stdout, "the signal is seen at the next agreement"
-        assert "trainer.preemption_grace_s=1 ran out" in proc.stderr
-    else:
-        assert "agreed" not in proc.stdout, "a second signal does not wait for the step to end"
-        assert "a second SIGTERM" in proc.stderr
-    assert took < within_s, f"exited after {took:.1f} s"

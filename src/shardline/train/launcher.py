@@ -9,6 +9,8 @@ Three ways to run, one code path per worker (:func:`shardline.train.worker.run_w
   fails, the launcher stops the rest at once and this command exits 1 with one first line naming
   the cause (the failing rank, its exception's type and message; for a collective that timed
   out, the stalled rank(s) and ``trainer.collective_timeout_s``), then the worker's traceback.
+  A SIGTERM to this command (or to its whole process group) is a preemption: every worker
+  saves the step in flight and the command exits 143 (:mod:`.relay`).
 
 Before any worker starts, everything that can be checked is (exit code 2, one line): the config
 (:mod:`.config`), the model and policies on the meta device (:mod:`.build`), numbers and data
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 import uuid
 from collections.abc import Sequence
@@ -33,12 +36,14 @@ from rich.markup import escape
 from shardline import _torch_compat
 from shardline.distributed import free_port
 from shardline.errors import ShardlineError
+from shardline.train.agentwait import grace_warning
 from shardline.train.build import preflight
 from shardline.train.config import compose_config, experiment_name, to_train_config, to_yaml, validate
 from shardline.train.parentwatch import bind_to_parent
 from shardline.train.preemption import PREEMPTED, PREEMPTED_EXIT_CODE, Preempted
 from shardline.train.preflight import check_data, check_storage, check_values
 from shardline.train.records import LOGS_DIR
+from shardline.train.relay import SigtermRelay
 from shardline.train.reports import ReportServer
 from shardline.train.schema import TrainConfig
 from shardline.train.worker import elastic_entry, open_run_dir, run_worker
@@ -46,8 +51,12 @@ from shardline.train.worker import elastic_entry, open_run_dir, run_worker
 __all__ = ["train"]
 
 _FALLOUT = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "SignalException")
-# Seconds torch's launcher gives the other workers after a failure before it kills them.
+# Seconds torch's agent gives the workers after a SIGINT, SIGHUP or SIGQUIT to the launcher before it kills
+# them. SIGTERM is the launcher's own (.relay); after a worker failure torch 2.13's agent waits a fixed 30 s,
+# which the report server cuts short for stalled workers (.reports).
 _SHUTDOWN_S = 5
+# The signals torch's agent handles in the launcher: all of its defaults but SIGTERM.
+_AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
 
 def _under_torchrun() -> bool:
@@ -75,6 +84,9 @@ def train(overrides: Sequence[str], *, print_config: bool = False, config_dirs: 
         experiment = experiment_name(overrides)
         if launched:
             bind_to_parent()  # torchrun's agent is the parent: never outlive it
+            short = grace_warning(cfg.trainer.preemption_grace_s)
+            if short and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
+                err.print(f"warning: {short}", markup=False)
             try:
                 run_worker(cfg, run_dir=None, experiment=experiment)
             except Preempted as stop:
@@ -118,7 +130,7 @@ def _run_here(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console) ->
 
 
 def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console) -> int:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -140,6 +152,7 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
             redirects=dict.fromkeys(range(1, devices), Std.ALL),
         ),
         shutdown_timeout=_SHUTDOWN_S,
+        signals_to_handle=_AGENT_SIGNALS,
     )
     # We print the failing worker's error ourselves, once: silence torch's launcher loggers (each
     # sets its own level when imported, so the parent logger's level is not enough).
@@ -152,6 +165,7 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
     server = ReportServer(devices, timeout_s=cfg.trainer.collective_timeout_s)
+    relay = SigtermRelay(grace_s=cfg.trainer.preemption_grace_s, pids=server.pids).install()
     failed: BaseException | None = None
     results: dict[int, Any] = {}
     try:
@@ -164,24 +178,34 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
+    except SignalException as exc:  # torch's agent stopped the workers on a signal to this process
+        if exc.sigval == signal.SIGINT:
+            err.print("interrupted")
+            return 130
+        failed = exc
     except Exception as exc:  # torch's launcher failed on its own bookkeeping (e.g. an empty error file)
         failed = exc
     finally:
+        relay.uninstall()
         server.close()
         for logger, level in zip(quiet, previous, strict=True):
             logger.setLevel(level)
+    stopped = [r["message"] for r in results.values() if isinstance(r, dict) and PREEMPTED in r]
+    terminated = relay.requested or (isinstance(failed, SignalException) and failed.sigval == signal.SIGTERM)
+    if stopped or (terminated and server.preempted()):
+        # Note: a worker reports its preemption only after the save committed on every rank.
+        err.print(f"shardline: {stopped[0] if stopped else server.preempted()}", markup=False)
+        return PREEMPTED_EXIT_CODE
     if failed is None:
-        stopped = [r for r in results.values() if isinstance(r, dict) and PREEMPTED in r]
-        if stopped:
-            err.print(f"shardline: {stopped[0]['message']}", markup=False)
-            return PREEMPTED_EXIT_CODE
         return 0
     headline, trace = _explain(failed, server, ChildFailedError)
+    if terminated:
+        headline = f"stopped by SIGTERM without a preemption checkpoint: {headline}"
     err.print("[bold red]error:[/]", escape(headline))
     if trace:
         err.print(trace.rstrip(), markup=False, highlight=False)
     err.print(f"logs of every rank: {run_dir / LOGS_DIR}", markup=False)
-    return 1
+    return PREEMPTED_EXIT_CODE if terminated else 1
 
 
 def _explain(failed: BaseException, server: ReportServer, child_failed: type) -> tuple[str, str]:

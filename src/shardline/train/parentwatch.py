@@ -12,6 +12,12 @@ Note: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends, n
 torch's launchers start their workers from their main thread, which lives as long as they do.
 A parent that died before the signal was armed is caught by comparing ``os.getppid()`` with the
 pid the launcher passed (or the one seen at start) right after arming it.
+
+Note: the one exception is a preemption save in flight (:func:`outlive_parent`, called at the
+first SIGTERM). torchrun's agent exits at its third SIGTERM, and a launcher may be killed while
+its workers save; the workers then finish the step, commit ``step-N-preempted`` and exit, all
+within ``trainer.preemption_grace_s``, whose deadline (:mod:`.preemption`) ends them if they
+have not by then. They train no further step.
 """
 
 from __future__ import annotations
@@ -25,21 +31,22 @@ import sys
 import threading
 import time
 
-__all__ = ["bind_to_parent"]
+__all__ = ["bind_to_parent", "outlive_parent"]
 
 log = logging.getLogger("shardline.train")
 
 _PR_SET_PDEATHSIG = 1
 _ORPHAN_EXIT_CODE = 128 + signal.SIGKILL
+_outliving = threading.Event()
 
 
-def _set_parent_death_signal() -> bool:
-    """Arm ``PR_SET_PDEATHSIG`` (Linux); False where it is not available."""
+def _set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Arm ``PR_SET_PDEATHSIG`` with ``sig`` (0 disarms it; Linux); False where it is not available."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
@@ -53,8 +60,17 @@ def _orphaned(parent: int) -> None:
 def _watch(parent: int, poll_s: float) -> None:
     while True:
         time.sleep(poll_s)
-        if os.getppid() != parent:
+        if os.getppid() != parent and not _outliving.is_set():
             _orphaned(parent)
+
+
+def outlive_parent() -> None:
+    """From now on, let this process outlive its launcher: a preemption save is in flight (see the note).
+
+    Call it from the main thread (the parent-death signal belongs to the thread that armed it).
+    """
+    _outliving.set()
+    _set_parent_death_signal(0)
 
 
 def bind_to_parent(*, parent_pid: int | None = None, poll_s: float = 1.0) -> int:

@@ -9,11 +9,18 @@ those the signal did not reach -- stops after the *same* step, writes a checkpoi
 any committed checkpoint, so a restart loses at most the step that was in flight.
 
 Note: the deadline. From the first signal the worker has ``trainer.preemption_grace_s``
-seconds; then, or at a second SIGTERM, it exits at once (status 143, as if killed by the
-signal) from a watchdog thread, whatever the main thread is doing. A save cut short this way
-never committed: its temporary directory is removed by the next resume and the previous
-committed checkpoint stays the newest. A launcher that kills its workers sooner (torch's own
-launcher waits its shutdown timeout, then sends SIGKILL) bounds the grace period too.
+seconds; then it exits at once (status 143, as if killed by the signal) from a watchdog thread,
+whatever the main thread is doing. A save cut short this way never committed: its temporary
+directory is removed by the next resume and the previous committed checkpoint stays the newest.
+Later SIGTERMs are logged and ignored: a scheduler that signals every process of the job at once
+(SLURM, ``kill -TERM -- -PGID``) reaches each worker directly *and* through its launcher, which
+passes the signal on, and neither copy may cut the save short. Only the deadline, or another
+signal (SIGINT raises ``KeyboardInterrupt``; SIGKILL), ends it early. Once a signal arrived, the
+handler stays installed until the process exits (a late copy cannot kill a worker that has
+already saved), and the worker no longer dies with its launcher (:mod:`.parentwatch`; torchrun's
+agent exits at its third SIGTERM): the deadline bounds its life instead. A launcher that kills
+its workers sooner (torchrun's agent sends SIGKILL after its ``--shutdown-timeout``) bounds the
+grace period too.
 
 Note: the agreement is a collective on a gloo group (the training group when it is one, else a
 gloo group made for it), so it reads one host integer per step and never synchronizes a CUDA
@@ -34,6 +41,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardline.train.parentwatch import outlive_parent
 
 __all__ = ["PREEMPTED", "PREEMPTED_EXIT_CODE", "Preempted", "PreemptionGuard"]
 
@@ -89,8 +98,12 @@ class PreemptionGuard:
         return self
 
     def uninstall(self) -> None:
-        """Put the previous SIGTERM handler back (the deadline watchdog, if started, keeps running)."""
-        if self._installed:
+        """Put the previous SIGTERM handler back, unless a signal arrived (see the module note).
+
+        After a signal this process is on its way out (the deadline watchdog keeps running), and
+        a late SIGTERM must not kill it between the committed save and its exit.
+        """
+        if self._installed and self.requested_at is None:
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
             self._installed = False
 
@@ -101,8 +114,14 @@ class PreemptionGuard:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.requested_at is not None:
-            _exit_now("a second SIGTERM")
+            left = self.grace_s - (time.monotonic() - self.requested_at)
+            log.warning(
+                "SIGTERM again: ignored; the preemption save goes on (%.0f s left of trainer.preemption_grace_s)",
+                max(0.0, left),
+            )
+            return
         self.requested_at = time.monotonic()
+        outlive_parent()  # a launcher killed now must not take the save with it; the deadline bounds it
         log.warning(
             "SIGTERM: finishing the step in flight, then saving a preemption checkpoint (grace %.0f s)", self.grace_s
         )

@@ -8,7 +8,10 @@ also keeps a socket to the launcher on the loopback interface and sends one JSON
 * ``hello`` (rank, pid) at start, ``beat`` every second from a background thread, ``bye`` at a
   clean end;
 * ``error`` when the worker raises: the exception's type, first line, traceback, and whether it
-  is a collective timeout.
+  is a collective timeout;
+* ``preempted`` when it stopped on a preemption signal (:mod:`.preemption`): the line to show.
+  The launcher reads it even where torch's agent loses the workers' return values (its own
+  SIGTERM path), and finds the workers' pids here to pass a SIGTERM on (:mod:`.relay`).
 
 A worker whose collective timed out waits a short grace period (:func:`stall_grace_s`) before
 exiting, so that every rank waiting in that collective can report too. The launcher then knows
@@ -73,6 +76,7 @@ class Report:
     pid: int | None = None
     last_beat: float = 0.0
     done: bool = False
+    preempted: str | None = None
     error: dict[str, Any] | None = None
     error_at: float = 0.0
 
@@ -122,6 +126,10 @@ class Reporter:
                 "timeout": is_collective_timeout(error),
             }
         )
+
+    def preempted(self, message: str) -> None:
+        """Report a stop on a preemption signal (``message``: the line the launcher shows)."""
+        self._send({"kind": "preempted", "rank": self.rank, "message": message})
 
     def close(self, *, clean: bool) -> None:
         """Stop beating (saying ``bye`` first if the worker ended cleanly) and close the socket."""
@@ -188,6 +196,8 @@ class ReportServer:
                 report.pid = int(message["pid"])
             elif kind == "bye":
                 report.done = True
+            elif kind == "preempted":
+                report.preempted = str(message["message"])
             elif kind == "error" and report.error is None:
                 report.error, report.error_at = message, now
                 self._order.append(rank)
@@ -232,6 +242,17 @@ class ReportServer:
                 self._reaper.cancel()
         with contextlib.suppress(OSError):
             self._sock.close()
+
+    def pids(self) -> list[int]:
+        """The pids of the workers that said hello and have not ended cleanly."""
+        with self._lock:
+            return [rep.pid for rep in self.ranks.values() if rep.pid is not None and not rep.done]
+
+    def preempted(self) -> str | None:
+        """The line of a worker that stopped on a preemption signal (the lowest rank's), or None."""
+        with self._lock:
+            lines = [rep.preempted for _, rep in sorted(self.ranks.items()) if rep.preempted]
+        return lines[0] if lines else None
 
     def verdict(self) -> tuple[str, str] | None:
         """``(headline, traceback)`` naming what went wrong, or None if no worker reported a failure."""

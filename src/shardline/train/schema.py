@@ -158,7 +158,7 @@ class TrainerConfig:
     """Seconds a collective may wait before the job fails instead of hanging."""
     preemption_grace_s: float = 120.0
     """After SIGTERM (a preemption notice, torchrun's restart): seconds to finish the step in flight and save it
-    as step-N-preempted; at the deadline, or a second SIGTERM, the worker exits at once."""
+    as step-N-preempted; at the deadline the worker exits at once (repeated SIGTERMs are ignored)."""
     run_root: str = "runs"
     """Run directories are created as <run_root>/<experiment>/<timestamp>/."""
     run_dir: Any = None

@@ -266,8 +266,10 @@ def elastic_entry(
         result = run_worker(config, run_dir=run_dir, experiment=experiment)
         clean = True
         return result
-    except Preempted as stop:  # a clean stop: the launcher reads it from the return value
+    except Preempted as stop:  # a clean stop: the launcher reads it from the return value (or the report)
         clean = True
+        if reporter is not None:
+            reporter.preempted(str(stop))
         return {PREEMPTED: stop.step, "checkpoint": stop.checkpoint, "message": str(stop)}
     except BaseException as error:
         if reporter is not None:
