@@ -25,6 +25,7 @@ protocol needs the ``shardline[s3]`` extra (s3fs).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -307,14 +308,39 @@ class ObjectPath:
             raise FileExistsError(errno.EEXIST, "an object exists there already", str(self))
         self._fs.pipe_file(self.key, bytes(data))
 
+    def unlink(self) -> None:
+        """Delete this object (nothing if there is none)."""
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm_file(self.key)
+
+    def abort_uploads(self) -> int:
+        """Abort the multipart uploads in progress under this prefix (a writer killed mid-upload leaves its
+        parts stored, and billed, until they are aborted); how many there were."""
+        call = getattr(self._fs, "call_s3", None)
+        if call is None or "/" not in self.key:
+            return 0
+        bucket, key = self.key.split("/", 1)
+        aborted = 0
+        markers: dict[str, str] = {}
+        while True:
+            page = call("list_multipart_uploads", Bucket=bucket, Prefix=key + "/", **markers)
+            for upload in page.get("Uploads") or []:
+                call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+            if not page.get("IsTruncated"):
+                return aborted
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
     def remove_tree(self) -> None:
-        """Delete every object under this prefix (nothing if there is none), and the prefix's own marker.
+        """Delete every object under this prefix (nothing if there is none), the multipart uploads in progress
+        there, and the prefix's own marker.
 
         Note: stores backed by a file system (SeaweedFS's filer, for one) keep an empty directory
         after its objects are deleted, and list it as a common prefix -- so a later save of the same
         step would find its prefix "taken". Deleting the ``prefix/`` key removes it; on S3 proper
         that key does not exist and the delete is a no-op.
         """
+        self.abort_uploads()
         if self._fs.exists(self.key):
             self._fs.rm(self.key, recursive=True)
         call = getattr(self._fs, "call_s3", None)
