@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from shardline.errors import CheckpointExistsError
 from tests.checkpoint import crash_scenarios as sc
 from tests.checkpoint import object_crashes
 from tests.checkpoint.conftest import S3_BUCKET
+from tests.checkpoint.s3_proxy import FaultProxy
 from tests.checkpoint.seaweed import S3Server
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,6 +44,13 @@ def _uploads(server: S3Server, root: str) -> list[str]:
     bucket, key = root.removeprefix("s3://").split("/", 1)
     found = server.filesystem().call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key + "/")
     return sorted(u["Key"] for u in found.get("Uploads", []))
+
+
+@pytest.fixture
+def proxy(s3_env: S3Server) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of the session's server (see s3_proxy.py)."""
+    with FaultProxy(s3_env.endpoint) as p:
+        yield p
 
 
 def test_a_save_killed_before_its_manifest_is_cleared_by_the_next_run(
@@ -154,3 +163,26 @@ def test_a_live_claim_is_left_and_named_and_a_restarted_runs_own_is_cleared(s3_e
     m.check_free([2])
     sc._save(m, model, opt, 2)
     assert ckpt.verify_checkpoint(f"{root}/step-2").ok
+
+
+@pytest.mark.parametrize("target", [".shardline-claim", "/manifest.json"])
+def test_a_conditional_put_whose_response_is_lost_is_known_as_ours(
+    s3_env: S3Server, proxy: FaultProxy, tmp_path: Path, target: str
+) -> None:
+    """The proxy forwards the claim's (or the manifest's) ``If-None-Match: *`` PUT to the server, then closes the
+    client's connection without the response; the client retries and gets 412. The save reads the object back,
+    finds its own bytes, and commits: one commit row (not a recovered one), no claim left, the chain verifies."""
+    root, ledger = _prefix(), str(tmp_path / "lineage.sqlite")
+    m = object_crashes.manager(root, ledger, s3_env.env, endpoint_url=proxy.endpoint)
+    model, opt = sc._model()
+    sc._save(m, model, opt, 1)
+    proxy.reset()
+    proxy.inject("lose", lambda r: r.kind == "put-if-none-match" and r.key.endswith(target))
+    sc._save(m, model, opt, 2)
+    outcomes = [o for r, o in proxy.seen if r.kind == "put-if-none-match" and r.key.endswith(target)]
+    assert outcomes == ["lost", "412"], proxy.seen
+    assert ckpt.verify_checkpoint(f"{root}/step-2").ok
+    rows = ckpt.Ledger(Path(ledger)).rows()
+    assert [(r.step, r.recovered) for r in rows if r.is_commit] == [(1, False), (2, False)]
+    assert object_crashes.leftovers(root) == []
+    assert cli.main(["lineage", str(tmp_path)]) == 0

@@ -293,16 +293,28 @@ class ObjectPath:
         re-read what they wrote (see ``save.py``). Other fsspec protocols fall back to a check
         and a write, which a concurrent writer can slip between.
 
+        Note: a retried PUT. When the response to the PUT is lost (a reset connection, a load
+        balancer's timeout), the client sends it again, and the store -- which created the object
+        the first time -- answers the retry with 412. So a refusal is checked: the object is read
+        back, and if it holds exactly ``data`` the write was this one's, and it succeeded. Callers
+        make ``data`` unique (a claim carries a nonce, a manifest its file digests and creation
+        time), so equal bytes cannot be another writer's.
+
         Raises:
-            FileExistsError: an object is there already (the store refused the precondition).
+            FileExistsError: another object is there already (the store refused the precondition).
         """
         if self.protocol in ("s3", "s3a"):
             try:
                 self._fs.pipe_file(self.key, bytes(data), IfNoneMatch="*")
             except OSError as e:
-                if _precondition_failed(e):
+                if not _precondition_failed(e):
+                    raise
+                try:
+                    ours = self.read_bytes() == bytes(data)
+                except FileNotFoundError:  # deleted since the refusal: still not ours to have written
+                    ours = False
+                if not ours:
                     raise FileExistsError(errno.EEXIST, "an object exists there already", str(self)) from None
-                raise
             return
         if self._fs.exists(self.key):
             raise FileExistsError(errno.EEXIST, "an object exists there already", str(self))
