@@ -77,12 +77,18 @@ def child(name: str, root: str, ledger: str, env: dict[str, str], point: str | N
         crashpoints.trace()
     else:
         crashpoints.arm(point, hit=hit)
-    m = manager(root, ledger, env)
+    act(name, root, ledger, env)
+    if point is None:
+        Path(trace).write_text(json.dumps(crashpoints.traced()))
+
+
+def act(name: str, root: str, ledger: str, env: dict[str, str], **options: object) -> None:
+    """The scenario's action: a manager opens, resumes ``auto`` and saves the scenario's step. ``options`` go to
+    the file system (a test's endpoint through a proxy)."""
+    m = manager(root, ledger, env, **options)
     model, opt = sc._model()
     m.load("auto", model=model, optimizer=opt)
     sc._save(m, model, opt, SCENARIOS[name].saving)
-    if point is None:
-        Path(trace).write_text(json.dumps(crashpoints.traced()))
 
 
 def run_child(name: str, root: str, ledger: str, env: dict[str, str], point: str | None, hit: int, trace: str) -> int:

@@ -20,6 +20,7 @@ import shardline.checkpoint as ckpt
 from shardline import cli
 from shardline.checkpoint.faults.crashpoints import CRASH_EXIT_CODE
 from shardline.checkpoint.format.canonical import canonical_json
+from shardline.checkpoint.lifecycle import claim as claim_module
 from shardline.checkpoint.lifecycle.claim import MAX_CLAIM_AGE, Claim, judge
 from shardline.errors import CheckpointExistsError
 from tests.checkpoint import crash_scenarios as sc
@@ -112,16 +113,25 @@ def _claim(*, host: str | None = None, pid: int | None = None, run: str | None =
 
 
 def test_a_claim_is_stale_only_when_no_live_save_can_hold_it() -> None:
-    """The rule of claim.judge, case by case: this host's claims by their pid (dead, reused, alive), this run's
-    from another host (a restart elsewhere), anyone's past the age bound, an unreadable one after a minute."""
+    """The rule of claim.judge, case by case: this host's claims by their pid (dead, reused, alive, this process's
+    with and without a save under way), this run's from another host (a restart elsewhere), anyone's past the age
+    bound, an unreadable one after a minute."""
     young, old = _NOW - datetime.timedelta(minutes=5), _NOW - MAX_CLAIM_AGE - datetime.timedelta(minutes=1)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
     dead_pid = int(gone.stdout)
     assert "no longer running" in judge(_claim(pid=dead_pid), young, run=None, now=_NOW)
-    # This process holds its own claim (it started before the claim was written) ...
-    assert judge(_claim(), datetime.datetime.now(datetime.timezone.utc), run="r") is None
-    # ... but a claim written before this process started names a pid that was reused.
-    assert "pid reused" in judge(_claim(), _NOW - datetime.timedelta(days=3650), run=None, now=_NOW)
+    # A running process that started before the claim holds it; one that started after it reuses its pid.
+    parent = os.getppid()
+    assert judge(_claim(pid=parent), datetime.datetime.now(datetime.timezone.utc), run="r") is None
+    assert "pid reused" in judge(_claim(pid=parent), _NOW - datetime.timedelta(days=3650), run=None, now=_NOW)
+    # This process's own claim is live while one of its saves is under way there, stale after.
+    mine = _claim()
+    assert "ended without removing it" in judge(mine, young, run=None, now=_NOW)
+    claim_module._SAVING.add(mine.checkpoint)
+    try:
+        assert judge(mine, young, run=None, now=_NOW) is None
+    finally:
+        claim_module._SAVING.discard(mine.checkpoint)
     # Another host: this run's claim is a dead incarnation's; another run's young one may be live; old ones are not.
     assert "this run's" in judge(_claim(host="node-7", pid=1, run="/runs/a#ab"), young, run="/runs/a#ab", now=_NOW)
     assert judge(_claim(host="node-7", pid=1, run="/runs/b#cd"), young, run="/runs/a#ab", now=_NOW) is None

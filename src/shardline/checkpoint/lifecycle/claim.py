@@ -28,6 +28,7 @@ __all__ = [
     "claim",
     "claim_path",
     "describe_claim",
+    "finished",
     "holds",
     "judge",
     "newest_committed",
@@ -44,6 +45,12 @@ CLAIM_SUFFIX = ".shardline-claim"
 
 LEGACY_CLAIM = ".shardline-claim"
 """Where earlier versions kept the claim: inside the prefix (``step-N/.shardline-claim``); read, never written."""
+
+_SAVING: set[str] = set()
+"""The checkpoints this process is saving now (claimed, not yet committed or given up): its claims that are live.
+
+Note: process-wide on purpose: it answers "does a save in this process hold this claim?", which a
+manager opened in the same process (after a save whose cleanup failed) must be able to ask."""
 
 MAX_CLAIM_AGE = datetime.timedelta(hours=24)
 """A claim older than this is stale whoever holds it: no save of one checkpoint takes a day (see :func:`judge`)."""
@@ -165,8 +172,11 @@ def claim(final: ObjectPath, *, run: str | None = None) -> None:
         _remove_if_ours(path, token)  # the PUT may have landed before the error (a response lost for good)
         raise
     crash_point("save.store_claimed")
+    if not taken:
+        _SAVING.add(str(final))
     if not taken and any(True for _ in final.snapshot().iterdir()):
         path.unlink()  # ours; what is in the prefix belongs to a save that claimed and finished first
+        finished(final)
         raise CheckpointExistsError(
             f"checkpoint {final} already exists (objects under that prefix, written by another run while this one "
             "was starting its save); shardline never overwrites a checkpoint. Give this run its own checkpoint.dir."
@@ -235,7 +245,9 @@ def judge(
     1. It was written on this machine in this pid namespace (host name and ``/proc/self/ns/pid``
        match): its pid says -- a pid that no longer runs, or that runs a process started after
        the claim was written (the pid was reused), held a claim nobody will release. A pid that
-       runs a process older than the claim (this process included) holds it: live.
+       runs a process older than the claim holds it: live. This process's own claim is live
+       while one of its saves is under way there, and stale once that save ended (its cleanup
+       failed).
     2. It names this run (the same ledger): a restart of this run on another node, after its
        previous incarnation died -- the ledger has one writer, the manager opening now, so the
        incarnation that claimed is gone. (A restart on the same node is case 1, decided by pid.)
@@ -258,6 +270,10 @@ def judge(
             return "its claim is not one shardline wrote or can read"
         return None
     if found.here():
+        if found.pid == os.getpid():
+            if found.checkpoint in _SAVING:
+                return None
+            return "its claim is this process's, from a save that ended without removing it"
         started = _process_start(found.pid)
         if started is None:
             return f"its claim names process {found.pid} on this host, which is no longer running"
@@ -305,9 +321,16 @@ def holds(final: ObjectPath) -> bool:
 
 
 def release(final: ObjectPath) -> None:
-    """Delete the claim on ``final`` if this process holds it (never another run's)."""
+    """Delete the claim on ``final`` if this process holds it (never another run's); the save is over."""
+    finished(final)
     if holds(final):
         claim_path(final).unlink()
+
+
+def finished(final: ObjectPath) -> None:
+    """The save of ``final`` in this process is over (committed, failed or given up): a claim of it that is still
+    there is no longer live (:func:`judge`)."""
+    _SAVING.discard(str(final))
 
 
 def _remove_if_ours(path: ObjectPath, token: bytes) -> None:

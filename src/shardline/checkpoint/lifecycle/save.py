@@ -74,6 +74,7 @@ from shardline.checkpoint.integrity.staged_check import check_written
 from shardline.checkpoint.lifecycle.claim import (
     claim,
     claim_path,
+    finished,
     holds,
     newest_committed,
     refused_message,
@@ -189,7 +190,18 @@ def _prepare_objects(final: ObjectPath, run: str | None) -> str | None:
             f"{final.parent} clears such a prefix when it opens, unless a live save holds its claim "
             f"({claim_path(final).name}); or delete the objects under {final}/."
         )
-    claim(final, run=run)
+    try:
+        claim(final, run=run)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the store failing (5xx, SlowDown past the client's retries, a lost connection)
+        last = None
+        with contextlib.suppress(Exception):
+            last = newest_committed(parent, final)
+        previous = f"the last good checkpoint is {last}" if last else "no earlier checkpoint is known here"
+        raise CheckpointError(
+            f"claiming checkpoint {describe(final)} failed ({_first_line(e)}); no checkpoint was written; {previous}"
+        ) from e
     return newest_committed(parent, final)
 
 
@@ -311,6 +323,7 @@ def _discard(tmp: Location) -> None:
             if holds(tmp):  # never another run's objects: a save whose claim was cleared has nothing here
                 tmp.remove_tree()
                 release(tmp)
+        finished(tmp)
         return
     shutil.rmtree(tmp, ignore_errors=True)
     release_tmp(tmp)
@@ -565,7 +578,8 @@ def _finalize_objects(
     prefix; what makes them a checkpoint is ``manifest.json``, uploaded last, once every object it
     lists (and the two files derived from it) is acknowledged. Until then the prefix is not a
     checkpoint to anything that lists, loads or resumes (``directory.scan``, ``open_checkpoint``).
-    A PUT is atomic: readers see the whole manifest or none.
+    A PUT is atomic: readers see the whole manifest or none. The manifest goes up only while this
+    save still holds its claim, and the claim is deleted after it (see :func:`.claim.claim`).
     """
     crash_point("save.shards_written")
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
@@ -582,6 +596,7 @@ def _finalize_objects(
     crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
     if not holds(final):
+        finished(final)
         raise CheckpointExistsError(
             f"checkpoint {final} was not committed: this save's claim on it ({claim_path(final)}) is gone or no "
             "longer this process's -- another run's CheckpointManager judged it stale and cleared the prefix, or "
@@ -598,6 +613,7 @@ def _finalize_objects(
     done.update(hash=digest, files=files, provenance=statement_digest)
     crash_point("save.committed")
     observer.on_phase(SavePhase.AFTER_RENAME, 0)
+    finished(final)
     try:  # committed: the manifest, not the claim, now guards the prefix (the claim was ours just before it)
         claim_path(final).unlink()
     except Exception as e:  # a claim beside a committed prefix is removed by the next manager on the directory

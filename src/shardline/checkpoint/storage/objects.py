@@ -296,7 +296,8 @@ class ObjectPath:
         Note: a retried PUT. When the response to the PUT is lost (a reset connection, a load
         balancer's timeout), the client sends it again, and the store -- which created the object
         the first time -- answers the retry with 412. So a refusal is checked: the object is read
-        back, and if it holds exactly ``data`` the write was this one's, and it succeeded. Callers
+        back, and if it holds exactly ``data`` the write was this one's, and it succeeded; so is a
+        PUT whose retries all ended without an answer (the first may have landed). Callers
         make ``data`` unique (a claim carries a nonce, a manifest its file digests and creation
         time), so equal bytes cannot be another writer's.
 
@@ -306,15 +307,17 @@ class ObjectPath:
         if self.protocol in ("s3", "s3a"):
             try:
                 self._fs.pipe_file(self.key, bytes(data), IfNoneMatch="*")
-            except OSError as e:
-                if not _precondition_failed(e):
-                    raise
+            except Exception as e:  # s3fs's OSError, or botocore's own class once its retries ran out unanswered
+                refused = _precondition_failed(e)
                 try:
                     ours = self.read_bytes() == bytes(data)
-                except FileNotFoundError:  # deleted since the refusal: still not ours to have written
+                except Exception:  # not there, or the store still failing: not known to be ours
                     ours = False
-                if not ours:
+                if ours:
+                    return
+                if refused:
                     raise FileExistsError(errno.EEXIST, "an object exists there already", str(self)) from None
+                raise
             return
         if self._fs.exists(self.key):
             raise FileExistsError(errno.EEXIST, "an object exists there already", str(self))
