@@ -58,7 +58,7 @@ from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
 from shardline.checkpoint.storage.fsutil import fsync_pool, start_writeback
-from shardline.checkpoint.storage.objects import ObjectPath
+from shardline.checkpoint.storage.objects import ObjectPath, delete_object
 from shardline.errors import CheckpointError, IntegrityError
 
 __all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "hasher_pool", "sha256_file"]
@@ -443,7 +443,7 @@ class HashingFileSystem(FileSystem):
         if self._objects is not None:  # DCP's .metadata: a server-side copy, then a delete
             self._objects.copy(str(path), str(new_path))
             crash_point("save.store_metadata_copied")
-            self._objects.rm(str(path))
+            delete_object(self._objects, str(path))
         else:
             super().rename(path, new_path)
         with self._lock:
@@ -452,7 +452,7 @@ class HashingFileSystem(FileSystem):
 
     def rm_file(self, path: str | os.PathLike) -> None:
         if self._objects is not None:
-            self._objects.rm(str(path))
+            delete_object(self._objects, str(path))
         else:
             super().rm_file(path)
         with self._lock:

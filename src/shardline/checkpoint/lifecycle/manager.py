@@ -795,7 +795,7 @@ def _finish_store_move(path: ObjectPath, target: ObjectPath) -> None:
     crash_point("quarantine.store_copied")
     manifest = f"{path.key}/{MANIFEST}"
     if manifest in objects:
-        fs.rm_file(manifest)
+        (path / MANIFEST).unlink()
     crash_point("quarantine.store_manifest_deleted")
     path.remove_tree()  # the rest, and the prefix itself (a store with directories keeps an empty one)
     crash_point("quarantine.store_removed")
