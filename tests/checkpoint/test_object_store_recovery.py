@@ -140,6 +140,9 @@ def test_a_claim_is_stale_only_when_no_live_save_can_hold_it() -> None:
     # Same host name, another pid namespace (a container): the pid says nothing here.
     other_ns = Claim(host=socket.gethostname(), pid=dead_pid, nonce="x", checkpoint="c", pidns="pid:[1]")
     assert judge(other_ns, young, run=None, now=_NOW) is None
+    # A claim written by an earlier version (no namespace, kept inside the prefix): its host and pid decide.
+    legacy = Claim(host=socket.gethostname(), pid=dead_pid, nonce="x", checkpoint="c")
+    assert "no longer running" in judge(legacy, young, run=None, now=_NOW)
     assert judge(None, _NOW - datetime.timedelta(seconds=10), run=None, now=_NOW) is None
     assert "not one shardline wrote" in judge(None, young, run=None, now=_NOW)
     assert Claim.parse(b"not json") is None
@@ -149,7 +152,7 @@ def test_a_claim_is_stale_only_when_no_live_save_can_hold_it() -> None:
 def test_a_live_claim_is_left_and_named_and_a_restarted_runs_own_is_cleared(s3_env: S3Server, tmp_path: Path) -> None:
     """Another run's young claim from another host is left on open, and check_free and the save of that step name
     its host and pid; the same claim naming this run (its ledger: a restart on another node) is cleared on the
-    next open, and the step saves."""
+    next open, and the step saves; so is a claim an earlier version kept inside the prefix, of a dead process."""
     root, ledger = _prefix(), str(tmp_path / "lineage.sqlite")
     m = object_crashes.manager(root, ledger, s3_env.env)
     model, opt = sc._model()
@@ -173,6 +176,15 @@ def test_a_live_claim_is_left_and_named_and_a_restarted_runs_own_is_cleared(s3_e
     m.check_free([2])
     sc._save(m, model, opt, 2)
     assert ckpt.verify_checkpoint(f"{root}/step-2").ok
+
+    # A save by an earlier version kept its claim inside the prefix; a dead process of this host left this one.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    legacy = {"host": socket.gethostname(), "pid": int(gone.stdout), "nonce": "0", "checkpoint": f"{root}/step-3"}
+    fs.pipe_file(f"{key}/step-3/.shardline-claim", canonical_json(legacy))
+    fs.pipe_file(f"{key}/step-3/.metadata", b"partial")
+    m = object_crashes.manager(root, ledger, s3_env.env)
+    assert object_crashes.leftovers(root) == []
+    sc._save(m, model, opt, 3)
 
 
 @pytest.mark.parametrize("target", [".shardline-claim", "/manifest.json"])

@@ -90,8 +90,9 @@ class Claim:
             return None
 
     def here(self) -> bool:
-        """Whether the claim was written on this machine, in this pid namespace (so its pid can be checked)."""
-        return self.host == socket.gethostname() and self.pidns == _pid_namespace()
+        """Whether the claim was written on this machine, in this pid namespace (so its pid can be checked); a
+        claim without a namespace (written by an earlier version, inside the prefix) by its host alone."""
+        return self.host == socket.gethostname() and (self.pidns is None or self.pidns == _pid_namespace())
 
 
 def _pid_namespace() -> str | None:

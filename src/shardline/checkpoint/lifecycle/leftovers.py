@@ -76,46 +76,58 @@ def clear_store_leftovers(directory: ObjectPath, rows: list[LedgerRow], *, run: 
     recorded = _recorded_committed(rows)
     cleared: list[Cleared] = []
     for name in sorted(prefixes | claimed):
-        prefix = directory / name
-        claim = directory / (name + CLAIM_SUFFIX)
-        if str(prefix) in recorded:
-            if name in claimed and (prefix / MANIFEST).is_file():
-                log.info("removing %s, the claim of a save that committed %s", claim, prefix)
-                claim.unlink()
+        try:
+            done = _clear(directory, name, claimed=name in claimed, recorded=recorded, run=run)
+        except Exception as e:  # the store failing: opening goes on; a save of that step says what blocks it
+            log.warning("could not clear %s (%s: %s); the next open retries", directory / name, type(e).__name__, e)
             continue
-        inside = {child.name for child in prefix.snapshot().iterdir()}  # the second read
-        if MANIFEST in inside:
-            if name in claimed:
-                log.info("removing %s, the claim of a save that committed %s", claim, prefix)
-                claim.unlink()
-            continue
-        holder = claim if name in claimed else (prefix / LEGACY_CLAIM if LEGACY_CLAIM in inside else None)
-        if holder is None:
-            reason = "no claim holds it"
-        else:
-            found, modified = read_claim(holder)
-            if found is None and modified is None:
-                continue  # released since the first read: a save committed there meanwhile
-            why = judge(found, modified, run=run)
-            if why is None:
-                log.info("leaving %s, which has no manifest yet: a live save may hold its claim %s", prefix, holder)
-                continue
-            reason = why
-        uploads = prefix.abort_uploads()
-        prefix.remove_tree()
-        crash_point("recovery.store_cleared")
-        if name in claimed:
-            claim.unlink()
-            crash_point("recovery.store_claim_removed")
-        done = Cleared(prefix=str(prefix), objects=len(inside), uploads=uploads, reason=reason)
-        log.warning(
-            "cleared %s, left by a checkpoint save that did not commit (no manifest.json): %d object(s) deleted, "
-            "%d multipart upload(s) aborted%s; %s",
-            prefix,
-            done.objects,
-            done.uploads,
-            f", its claim {claim.name} removed" if name in claimed else "",
-            reason,
-        )
-        cleared.append(done)
+        if done is not None:
+            cleared.append(done)
     return cleared
+
+
+def _clear(directory: ObjectPath, name: str, *, claimed: bool, recorded: set[str], run: str | None) -> Cleared | None:
+    """Clear the prefix ``name`` if a save that died left it (see the module note); what was cleared, if anything.
+
+    ``claimed``: the first read listed its claim beside it.
+    """
+    prefix = directory / name
+    claim = directory / (name + CLAIM_SUFFIX)
+    if str(prefix) in recorded:
+        if claimed and (prefix / MANIFEST).is_file():
+            log.info("removing %s, the claim of a save that committed %s", claim, prefix)
+            claim.unlink()
+        return None
+    inside = {child.name for child in prefix.snapshot().iterdir()}  # the second read
+    if MANIFEST in inside:
+        if claimed:
+            log.info("removing %s, the claim of a save that committed %s", claim, prefix)
+            claim.unlink()
+        return None
+    holder = claim if claimed else (prefix / LEGACY_CLAIM if LEGACY_CLAIM in inside else None)
+    reason = "no claim holds it"
+    if holder is not None:
+        found, modified = read_claim(holder)
+        if found is None and modified is None:
+            return None  # released since the first read: a save committed there meanwhile
+        why = judge(found, modified, run=run)
+        if why is None:
+            log.info("leaving %s, which has no manifest yet: a live save may hold its claim %s", prefix, holder)
+            return None
+        reason = why
+    uploads = prefix.abort_uploads()
+    prefix.remove_tree()
+    crash_point("recovery.store_cleared")
+    if claimed:
+        claim.unlink()
+        crash_point("recovery.store_claim_removed")
+    log.warning(
+        "cleared %s, left by a checkpoint save that did not commit (no manifest.json): %d object(s) deleted, "
+        "%d multipart upload(s) aborted%s; %s",
+        prefix,
+        len(inside),
+        uploads,
+        f", its claim {claim.name} removed" if claimed else "",
+        reason,
+    )
+    return Cleared(prefix=str(prefix), objects=len(inside), uploads=uploads, reason=reason)

@@ -458,8 +458,8 @@ def check_access(location: Any) -> None:
 
 
 _WARNED: set[str] = set()
-# (file system, bucket) -> (keeps versions, when asked): asked again after a minute (versioning can be turned on).
-_VERSIONING: dict[tuple[int, str], tuple[bool, float]] = {}
+# (endpoint, bucket) -> (keeps versions, when asked): asked again after a minute (versioning can be turned on).
+_VERSIONING: dict[tuple[str, str], tuple[bool, float]] = {}
 _VERSIONING_TTL_S = 60.0
 
 
@@ -479,7 +479,7 @@ def _versioned(fs: Any, protocol: str, bucket: str) -> bool:
     call = getattr(fs, "call_s3", None)
     if call is None or protocol not in ("s3", "s3a"):
         return False
-    cached = _VERSIONING.get((id(fs), bucket))
+    cached = _VERSIONING.get((_endpoint(fs), bucket))
     if cached is not None and time.monotonic() - cached[1] < _VERSIONING_TTL_S:
         return cached[0]
     try:
@@ -488,7 +488,7 @@ def _versioned(fs: Any, protocol: str, bucket: str) -> bool:
         _warn_versions(bucket, f"its versioning could not be read ({type(e).__name__}: {_first_line(e)})")
         return False
     versioned = status in ("Enabled", "Suspended")
-    _VERSIONING[(id(fs), bucket)] = (versioned, time.monotonic())
+    _VERSIONING[(_endpoint(fs), bucket)] = (versioned, time.monotonic())
     return versioned
 
 
