@@ -49,6 +49,12 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 # Points only a checkpoint in an object store reaches: test_object_store_lifecycle.py crashes at each against a real
 # server (the scenarios here run on a local disk).
 STORE_POINTS = (
+    "save.store_claimed",
+    "save.store_uploaded",
+    "save.store_metadata_copied",
+    "save.store_claim_released",
+    "recovery.store_cleared",
+    "recovery.store_claim_removed",
     "retention.store_manifest_deleted",
     "retention.store_removed",
     "quarantine.store_copied",

@@ -35,7 +35,15 @@ CRASH_POINTS: tuple[str, ...] = (
     "save.hash_file_written",  # manifest.sha256 written and fsynced
     "save.sums_written",  # SHA256SUMS written and fsynced, directory fsynced
     "save.renamed",  # rename(tmp, step-N): the commit point, parent not yet fsynced
-    "save.committed",  # the parent directory fsynced
+    "save.committed",  # the parent directory fsynced (object store: the manifest uploaded, the commit)
+    # save.py and hashing.py, object store only: the claim, the uploads, its release
+    "save.store_claimed",  # step-N.shardline-claim created (conditional PUT), nothing under the prefix yet
+    "save.store_uploaded",  # one object (a shard, .metadata.tmp) uploaded; reached once per object
+    "save.store_metadata_copied",  # DCP's .metadata.tmp copied to .metadata, not yet deleted
+    "save.store_claim_released",  # the claim deleted after the manifest
+    # leftovers.py: a manager's open clearing a bucket save that died before its manifest
+    "recovery.store_cleared",  # the uploads aborted and the prefix's objects deleted; its claim still there
+    "recovery.store_claim_removed",  # its claim deleted
     # fsutil.atomic_write_bytes, for `latest` and the ledger's head record
     "latest.tmp_written",  # `.latest.tmp-*` written and fsynced, not yet renamed
     "latest.replaced",  # `latest` replaced, its directory not yet fsynced

@@ -54,10 +54,11 @@ from shardline.checkpoint.coordination.parallelism import (
     files_for_share,
     resolve_files_per_rank,
 )
+from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
 from shardline.checkpoint.storage.fsutil import fsync_pool, start_writeback
-from shardline.checkpoint.storage.objects import ObjectPath
+from shardline.checkpoint.storage.objects import ObjectPath, delete_object
 from shardline.errors import CheckpointError, IntegrityError
 
 __all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "hasher_pool", "sha256_file"]
@@ -395,6 +396,8 @@ class HashingFileSystem(FileSystem):
                     stream.close()
                 finally:
                     raw.close()  # a no-op once the stream closed it; after a failed flush it frees the descriptor
+            if self._objects is not None:
+                crash_point("save.store_uploaded")
         finally:
             with self._open:
                 self._active -= 1
@@ -437,8 +440,10 @@ class HashingFileSystem(FileSystem):
         return bool(self._objects.exists(str(path))) if self._objects is not None else super().exists(path)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        if self._objects is not None:
-            self._objects.mv(str(path), str(new_path))  # a server-side copy, then a delete (DCP's .metadata)
+        if self._objects is not None:  # DCP's .metadata: a server-side copy, then a delete
+            self._objects.copy(str(path), str(new_path))
+            crash_point("save.store_metadata_copied")
+            delete_object(self._objects, str(path))
         else:
             super().rename(path, new_path)
         with self._lock:
@@ -447,7 +452,7 @@ class HashingFileSystem(FileSystem):
 
     def rm_file(self, path: str | os.PathLike) -> None:
         if self._objects is not None:
-            self._objects.rm(str(path))
+            delete_object(self._objects, str(path))
         else:
             super().rm_file(path)
         with self._lock:

@@ -32,7 +32,8 @@ through one seam -- :attr:`CheckpointManager.directory` is a :data:`~.objects.Lo
 differs where a bucket lacks what a disk has:
 
 * the commit record is the manifest, uploaded last (:mod:`.save`); a prefix without one is
-  never listed, loaded or resumed, so a crashed save needs no cleanup on open;
+  never listed, loaded or resumed, and one a dead save left (its claim held by no live save) is
+  cleared on open, so it cannot block a later save of its step (:mod:`.leftovers`);
 * ``latest`` is derived, not stored: the newest regular checkpoint with a committed manifest,
   ordered by the ledger. A pointer object would be a second write after the commit that a
   crash can skip or a reader can see stale (no atomic rename, and a listing and a read of
@@ -73,8 +74,9 @@ from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST, read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
-from shardline.checkpoint.lifecycle.claim import CLAIM
+from shardline.checkpoint.lifecycle.claim import CLAIM_SUFFIX, LEGACY_CLAIM, claim_path, describe_claim
 from shardline.checkpoint.lifecycle.host_staging import HostBuffers, bind_writer_device
+from shardline.checkpoint.lifecycle.leftovers import clear_store_leftovers
 from shardline.checkpoint.lifecycle.load import load as load_checkpoint
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
 from shardline.checkpoint.lifecycle.staging import SaveRequest, StagedCheckpoint
@@ -279,6 +281,7 @@ class CheckpointManager:
         if not problems:
             if self.in_object_store:
                 self._finish_store_quarantines()
+                clear_store_leftovers(self.directory, self._rows(), run=self._run())
             else:
                 self._finish_quarantines()
         missing, recoverable = unrecorded(self.ledger, [self.directory])
@@ -408,7 +411,8 @@ class CheckpointManager:
         """
         self.wait()
         path = self.path_for(request.step, request.tag)
-        tmp = preflight(path, process_group=self._io_group)
+        run = self._run() if self.in_object_store and self._rank == 0 else None
+        tmp = preflight(path, process_group=self._io_group, run=run)
         staged = stage_agreed(
             request,
             path=path,
@@ -432,21 +436,44 @@ class CheckpointManager:
     def check_free(self, steps: Iterable[int]) -> None:
         """Refuse up front (a collective) if a regular save of any of ``steps`` would find its directory taken.
 
+        One listing of the directory answers for every step (in a bucket: one LIST request, however
+        many steps are planned); only a name found taken costs a second look, to say why.
+
         Raises:
             CheckpointExistsError: naming the first such directory, before any training is spent.
         """
         wanted = sorted(set(steps))
 
         def check() -> None:
+            if isinstance(self.directory, ObjectPath):
+                names = {child.name for child in self.directory.snapshot().iterdir()}
+            else:
+                names = set(os.listdir(self.directory)) if self.directory.is_dir() else set()
             for step in wanted:
                 path = self.path_for(step)
-                if path.exists():
-                    raise CheckpointExistsError(
-                        f"{path} already exists, but this run will save step {step} there; checkpoints are never "
-                        "overwritten. Move it away, or resume from it (trainer.resume=auto resumes the newest)."
-                    )
+                if path.name in names or path.name + CLAIM_SUFFIX in names:
+                    raise CheckpointExistsError(self._taken(path, step, has_prefix=path.name in names))
 
         coord.rank0_decides(check, self._group)
+
+    def _taken(self, path: Location, step: int, *, has_prefix: bool) -> str:
+        """Why a save of ``step`` would find ``path`` taken, and what to do (for :meth:`check_free`)."""
+        if has_prefix and has_manifest(path):
+            return (
+                f"{path} already exists, but this run will save step {step} there; checkpoints are never "
+                "overwritten. Move it away, or resume from it (trainer.resume=auto resumes the newest)."
+            )
+        if isinstance(path, ObjectPath) and claim_path(path).exists():
+            return (
+                f"step {step} of this run would be saved to {path}, which another run is saving: "
+                f"{describe_claim(claim_path(path))}. Give each run its own checkpoint.dir, or stop the other run; "
+                "if it is gone, delete the claim (see docs/checkpoints.md, 'A save killed mid-upload')."
+            )
+        return (
+            f"{path} exists but holds no committed checkpoint (no manifest.json), and this run will save step "
+            f"{step} there; nothing can be resumed from it, and checkpoints are never written over it. Move it "
+            "away (`shardline lineage` says whether the ledger records it)."
+        )
 
     def _write(self, staged: StagedCheckpoint, tmp: Path) -> CheckpointInfo:
         try:
@@ -536,6 +563,12 @@ class CheckpointManager:
             world_size=ckpt.world_size,
             recovered=recovered,
         )
+
+    def _run(self) -> str:
+        """This run as an object-store claim names it (rank 0): its ledger's path, and the ledger's first row once
+        there is one (see :func:`.claim.judge`)."""
+        rows = self._rows()
+        return str(self.ledger.path) + (f"#{rows[0].row_sha256}" if rows else "")
 
     def _rel(self, path: Location) -> str:
         """How the ledger names a checkpoint: relative to the ledger's directory, or its URL."""
@@ -655,8 +688,8 @@ class CheckpointManager:
                 continue
             if any(r.seq > row.seq and r.is_commit and r.checkpoint == source_text for r in rows):
                 continue  # the step was saved again after the quarantine: that prefix is a new checkpoint
-            if (source / CLAIM).exists():
-                continue  # a save in progress holds the prefix (another run's; see save.py's claim)
+            if claim_path(source).name in present or (source / LEGACY_CLAIM).exists():
+                continue  # a save holds the prefix (another run's, or a dead one's: cleared on open, see .leftovers)
             log.warning("finishing the move of %s to %s, which a crash interrupted", source, target.name)
             _finish_store_move(source, target)
 
@@ -762,7 +795,7 @@ def _finish_store_move(path: ObjectPath, target: ObjectPath) -> None:
     crash_point("quarantine.store_copied")
     manifest = f"{path.key}/{MANIFEST}"
     if manifest in objects:
-        fs.rm_file(manifest)
+        (path / MANIFEST).unlink()
     crash_point("quarantine.store_manifest_deleted")
     path.remove_tree()  # the rest, and the prefix itself (a store with directories keeps an empty one)
     crash_point("quarantine.store_removed")

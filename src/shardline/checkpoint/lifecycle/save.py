@@ -9,7 +9,9 @@ the same exception class with the same message.
    (``.step-100.tmp-<hex>``). Every rank then checks it can see and write that directory
    (all agree), so an unwritable or unshared path fails on every rank before any data is written.
    In an object store there is no temporary directory: rank 0 claims the final prefix with a
-   conditional PUT (:func:`.claim.claim`), and the manifest, uploaded last and conditionally, commits.
+   conditional PUT (:func:`.claim.claim`), and the manifest, uploaded last and conditionally, commits;
+   the claim is deleted after it. A save that dies before its manifest leaves a prefix the next
+   manager clears on open (:mod:`.leftovers`).
 2. **Stage** (all agree): each rank builds its state dict (:mod:`.staging`).
 3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing.HashingWriter`:
    each rank writes and fsyncs its ``.distcp`` files (one per writer thread), hashing each in the same pass; digests
@@ -38,6 +40,7 @@ import contextlib
 import datetime
 import errno
 import functools
+import logging
 import os
 import shutil
 import sqlite3
@@ -68,7 +71,16 @@ from shardline.checkpoint.integrity.manifest import (
     render_sums,
 )
 from shardline.checkpoint.integrity.staged_check import check_written
-from shardline.checkpoint.lifecycle.claim import CLAIM, claim, newest_committed, refused_message
+from shardline.checkpoint.lifecycle.claim import (
+    claim,
+    claim_path,
+    finished,
+    holds,
+    newest_committed,
+    refused_message,
+    release,
+    taken_message,
+)
 from shardline.checkpoint.lifecycle.host_staging import HostBuffers
 from shardline.checkpoint.lifecycle.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
 from shardline.checkpoint.lifecycle.summary import human_bytes
@@ -96,6 +108,8 @@ __all__ = [
 ]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,7 +165,7 @@ def _prepare(final: Path) -> Path:
     return tmp
 
 
-def _prepare_objects(final: ObjectPath) -> str | None:
+def _prepare_objects(final: ObjectPath, run: str | None) -> str | None:
     """Rank 0: check and claim ``final``; returns the newest committed checkpoint beside it (its URL), if any."""
     # One LIST of the parent both proves access and shows whether the checkpoint's prefix is taken; only
     # when it fails is the bucket itself checked, for an error that names what is wrong.
@@ -163,11 +177,31 @@ def _prepare_objects(final: ObjectPath) -> str | None:
     if not parent.exists():  # an empty or new prefix, or no such bucket: which one, check_access says
         check_access(final)
     if (parent / final.name).exists():
+        if (final / MANIFEST).is_file():
+            raise CheckpointExistsError(
+                f"checkpoint {final} already exists (committed: it has a manifest.json); shardline never "
+                "overwrites a checkpoint. Save under a new step or prefix, or resume from it."
+            )
+        if (parent / claim_path(final).name).exists():
+            raise CheckpointExistsError(taken_message(final))
         raise CheckpointExistsError(
-            f"checkpoint {final} already exists (objects under that prefix); shardline never overwrites a checkpoint. "
-            "Save under a new step or prefix, or remove the old objects first."
+            f"{final} holds objects of a save that never committed (no manifest.json), so nothing can be resumed "
+            f"from it; shardline never writes into a prefix that is not empty. A CheckpointManager on "
+            f"{final.parent} clears such a prefix when it opens, unless a live save holds its claim "
+            f"({claim_path(final).name}); or delete the objects under {final}/."
         )
-    claim(final)
+    try:
+        claim(final, run=run)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the store failing (5xx, SlowDown past the client's retries, a lost connection)
+        last = None
+        with contextlib.suppress(Exception):
+            last = newest_committed(parent, final)
+        previous = f"the last good checkpoint is {last}" if last else "no earlier checkpoint is known here"
+        raise CheckpointError(
+            f"claiming checkpoint {describe(final)} failed ({_first_line(e)}); no checkpoint was written; {previous}"
+        ) from e
     return newest_committed(parent, final)
 
 
@@ -176,17 +210,19 @@ def preflight(
     *,
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    run: str | None = None,
 ) -> Location:
     """Step 1 of the protocol (a collective): check the target on rank 0 and create the temp directory.
 
-    Returns the temporary directory on every rank.
+    Returns the temporary directory on every rank. ``run``: the run an object-store claim names
+    (:func:`.claim.claim`; rank 0's is used).
 
     Raises:
         CheckpointExistsError: the final directory exists (on every rank, nothing written).
         CheckpointError: the path is not writable or not visible from every rank.
     """
     if is_url(path):
-        return preflight_objects(path, process_group=process_group, storage_options=storage_options)[0]
+        return preflight_objects(path, process_group=process_group, storage_options=storage_options, run=run)[0]
     final = Path(path).absolute()
     tmp = Path(coord.rank0_decides(lambda: str(_prepare(final)), process_group))
 
@@ -211,6 +247,7 @@ def preflight_objects(
     *,
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    run: str | None = None,
 ) -> tuple[ObjectPath, str | None]:
     """:func:`preflight` for an object-store URL: ``(the location, the newest committed checkpoint beside it)``.
 
@@ -218,7 +255,7 @@ def preflight_objects(
     """
     target = as_location(path, storage_options=storage_options)
     assert isinstance(target, ObjectPath)  # a URL
-    last_good = coord.rank0_decides(lambda: _prepare_objects(target), process_group)
+    last_good = coord.rank0_decides(lambda: _prepare_objects(target, run), process_group)
     if coord.group_size(process_group) > 1:  # rank 0 has reached it already; the others check their own access
 
         def reach() -> None:
@@ -277,11 +314,16 @@ def stage_agreed(
 
 
 def _discard(tmp: Location) -> None:
-    """Rank 0, after a failed save: remove the temporary directory, then its lock (on a store: the objects written)."""
+    """Rank 0, after a failed save: remove the temporary directory, then its lock (on a store: the objects written,
+    then the claim)."""
     if isinstance(tmp, ObjectPath):
-        # The store may be what failed; without a manifest the prefix is never a checkpoint anyway.
+        # The store may be what failed; without a manifest the prefix is never a checkpoint anyway, and a claim
+        # left behind is cleared as stale by the next manager on the directory (claim.judge).
         with contextlib.suppress(Exception):
-            tmp.remove_tree()
+            if holds(tmp):  # never another run's objects: a save whose claim was cleared has nothing here
+                tmp.remove_tree()
+                release(tmp)
+        finished(tmp)
         return
     shutil.rmtree(tmp, ignore_errors=True)
     release_tmp(tmp)
@@ -399,6 +441,8 @@ def write_and_commit(
                 )
         except Exception as e:
             if isinstance(e, CheckpointExistsError) and isinstance(final, ObjectPath):
+                with contextlib.suppress(Exception):
+                    release(final)
                 raise  # lost the commit to another run: the objects under the prefix may be its, nothing is deleted
             if not done:
                 _discard(tmp)
@@ -534,7 +578,8 @@ def _finalize_objects(
     prefix; what makes them a checkpoint is ``manifest.json``, uploaded last, once every object it
     lists (and the two files derived from it) is acknowledged. Until then the prefix is not a
     checkpoint to anything that lists, loads or resumes (``directory.scan``, ``open_checkpoint``).
-    A PUT is atomic: readers see the whole manifest or none.
+    A PUT is atomic: readers see the whole manifest or none. The manifest goes up only while this
+    save still holds its claim, and the claim is deleted after it (see :func:`.claim.claim`).
     """
     crash_point("save.shards_written")
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
@@ -550,7 +595,13 @@ def _finalize_objects(
     )
     crash_point("save.sums_written")
     observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
-    final.fs.rm_file((final / CLAIM).key)  # every shard is up: the manifest, conditional, now guards the prefix
+    if not holds(final):
+        finished(final)
+        raise CheckpointExistsError(
+            f"checkpoint {final} was not committed: this save's claim on it ({claim_path(final)}) is gone or no "
+            "longer this process's -- another run's CheckpointManager judged it stale and cleared the prefix, or "
+            "another run saves there. Nothing of the other run was deleted. Give each run its own checkpoint.dir."
+        )
     try:
         (final / MANIFEST).write_new(data)  # conditional: never over another run's commit (see .claim)
     except FileExistsError:
@@ -562,13 +613,19 @@ def _finalize_objects(
     done.update(hash=digest, files=files, provenance=statement_digest)
     crash_point("save.committed")
     observer.on_phase(SavePhase.AFTER_RENAME, 0)
+    finished(final)
+    try:  # committed: the manifest, not the claim, now guards the prefix (the claim was ours just before it)
+        claim_path(final).unlink()
+    except Exception as e:  # a claim beside a committed prefix is removed by the next manager on the directory
+        log.warning("checkpoint %s committed; removing its claim failed (%s), the next open removes it", final, e)
+    crash_point("save.store_claim_released")
     return digest, files, statement_digest
 
 
 def _check_listing(tmp: Location, digests: list[FileDigest]) -> None:
     """Every file in ``tmp`` is one a rank reported writing, and every reported one is there."""
     listed = {d.path for d in digests}
-    present = {p.name for p in tmp.iterdir()} - {CLAIM}
+    present = {p.name for p in tmp.iterdir()}
     if present != listed:
         raise CheckpointError(
             f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "

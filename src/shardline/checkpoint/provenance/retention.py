@@ -145,11 +145,11 @@ def _remove_objects(path: ObjectPath) -> None:
     """Object store: the manifest (the commit record) first, then the signature, then the rest of the prefix."""
     manifest = path / MANIFEST
     if manifest.is_file():
-        path.fs.rm_file(manifest.key)
+        manifest.unlink()  # in a bucket that keeps versions, every version (see ObjectPath.remove_tree)
     crash_point("retention.store_manifest_deleted")
     sig = signature_path_for(path)
     if sig.is_file():
-        path.fs.rm_file(sig.key)
+        sig.unlink()
     path.remove_tree()
     crash_point("retention.store_removed")
 
@@ -174,7 +174,7 @@ def _finish_store_deletions(
         child.remove_tree()
         sig = signature_path_for(child)
         if sig.is_file():
-            child.fs.rm_file(sig.key)
+            sig.unlink()
 
 
 def apply_retention(

@@ -25,18 +25,33 @@ protocol needs the ``shardline[s3]`` extra (s3fs).
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import posixpath
 import threading
+import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardline.errors import ConfigurationError, StorageAccessError
+from shardline.errors import CheckpointWarning, ConfigurationError, StorageAccessError
 
-__all__ = ["Location", "ObjectPath", "as_location", "check_access", "describe", "is_url", "split_url"]
+__all__ = [
+    "Location",
+    "ObjectPath",
+    "as_location",
+    "check_access",
+    "delete_object",
+    "describe",
+    "is_url",
+    "split_url",
+]
+
+log = logging.getLogger(__name__)
 
 _SCHEME_SEP = "://"
 # Protocols whose fsspec client ships in an extra of ours, and that extra's name.
@@ -292,14 +307,29 @@ class ObjectPath:
         re-read what they wrote (see ``save.py``). Other fsspec protocols fall back to a check
         and a write, which a concurrent writer can slip between.
 
+        Note: a retried PUT. When the response to the PUT is lost (a reset connection, a load
+        balancer's timeout), the client sends it again, and the store -- which created the object
+        the first time -- answers the retry with 412. So a refusal is checked: the object is read
+        back, and if it holds exactly ``data`` the write was this one's, and it succeeded; so is a
+        PUT whose retries all ended without an answer (the first may have landed). Callers
+        make ``data`` unique (a claim carries a nonce, a manifest its file digests and creation
+        time), so equal bytes cannot be another writer's.
+
         Raises:
-            FileExistsError: an object is there already (the store refused the precondition).
+            FileExistsError: another object is there already (the store refused the precondition).
         """
         if self.protocol in ("s3", "s3a"):
             try:
                 self._fs.pipe_file(self.key, bytes(data), IfNoneMatch="*")
-            except OSError as e:
-                if _precondition_failed(e):
+            except Exception as e:  # s3fs's OSError, or botocore's own class once its retries ran out unanswered
+                refused = _precondition_failed(e)
+                try:
+                    ours = self.read_bytes() == bytes(data)
+                except Exception:  # not there, or the store still failing: not known to be ours
+                    ours = False
+                if ours:
+                    return
+                if refused:
                     raise FileExistsError(errno.EEXIST, "an object exists there already", str(self)) from None
                 raise
             return
@@ -307,18 +337,62 @@ class ObjectPath:
             raise FileExistsError(errno.EEXIST, "an object exists there already", str(self))
         self._fs.pipe_file(self.key, bytes(data))
 
+    def unlink(self) -> None:
+        """Delete this object (nothing if there is none); in a bucket that keeps versions, every version of it.
+
+        See :meth:`remove_tree` for why versions go too.
+        """
+        if _versioned(self._fs, self.protocol, self.bucket):
+            _purge_versions(self._fs, self.key, exact=True)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm_file(self.key)
+
+    def abort_uploads(self) -> int:
+        """Abort the multipart uploads in progress under this prefix (a writer killed mid-upload leaves its
+        parts stored, and billed, until they are aborted); how many there were."""
+        call = getattr(self._fs, "call_s3", None)
+        if call is None or "/" not in self.key:
+            return 0
+        bucket, key = self.key.split("/", 1)
+        aborted = 0
+        markers: dict[str, str] = {}
+        while True:
+            page = call("list_multipart_uploads", Bucket=bucket, Prefix=key + "/", **markers)
+            for upload in page.get("Uploads") or []:
+                call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+            if not page.get("IsTruncated"):
+                return aborted
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
     def remove_tree(self) -> None:
-        """Delete every object under this prefix (nothing if there is none), and the prefix's own marker.
+        """Delete every object under this prefix (nothing if there is none), the multipart uploads in progress
+        there, and the prefix's own marker.
 
         Note: stores backed by a file system (SeaweedFS's filer, for one) keep an empty directory
         after its objects are deleted, and list it as a common prefix -- so a later save of the same
         step would find its prefix "taken". Deleting the ``prefix/`` key removes it; on S3 proper
         that key does not exist and the delete is a no-op.
+
+        Note: a bucket that keeps versions. There a plain delete only adds a delete marker: the
+        object stops being listed, and every byte of it stays stored (and billed) as a noncurrent
+        version -- retention would free nothing. So in a bucket whose versioning is enabled (or
+        suspended, with versions from before) every version of every object under the prefix, and
+        every delete marker, is deleted by version id. Where the credentials may not read the
+        bucket's versioning or delete versions, the objects are deleted plainly and a
+        :class:`~shardline.errors.CheckpointWarning` names the lifecycle rule that frees the space
+        instead (``NoncurrentVersionExpiration``).
         """
-        if self._fs.exists(self.key):
+        self.abort_uploads()
+        purged = _versioned(self._fs, self.protocol, self.bucket) and _purge_versions(
+            self._fs, self.key + "/", exact=False
+        )
+        if not purged and self._fs.exists(self.key):
             self._fs.rm(self.key, recursive=True)
         call = getattr(self._fs, "call_s3", None)
-        if call is not None and "/" in self.key:
+        # In a versioned bucket a delete of a key that is not there adds a delete marker: only when still listed.
+        if call is not None and "/" in self.key and (not purged or self._fs.exists(self.key)):
             bucket, key = self.key.split("/", 1)
             call("delete_object", Bucket=bucket, Key=key + "/")
 
@@ -381,6 +455,93 @@ def check_access(location: Any) -> None:
             f"cannot reach {where} for {location} ({type(e).__name__}: {_first_line(e)}): check the endpoint "
             "(AWS_ENDPOINT_URL or checkpoint.storage_options endpoint_url) and that the server is up"
         ) from None
+
+
+_WARNED: set[str] = set()
+# (endpoint, bucket) -> (keeps versions, when asked): asked again after a minute (versioning can be turned on).
+_VERSIONING: dict[tuple[str, str], tuple[bool, float]] = {}
+_VERSIONING_TTL_S = 60.0
+
+
+def delete_object(fs: Any, key: str) -> None:
+    """Delete the object ``key`` ("bucket/key") of the fsspec file system ``fs``: every version of it in a bucket
+    that keeps versions (see :meth:`ObjectPath.remove_tree`)."""
+    protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else str(fs.protocol)
+    ObjectPath(fs, protocol, key).unlink()
+
+
+def _versioned(fs: Any, protocol: str, bucket: str) -> bool:
+    """Whether ``bucket`` keeps versions (versioning enabled, or suspended with versions from before).
+
+    One ``GetBucketVersioning`` request; a store that will not say (no permission, not implemented) counts as
+    not versioned, with a warning (once per bucket) naming the lifecycle rule that frees noncurrent versions.
+    """
+    call = getattr(fs, "call_s3", None)
+    if call is None or protocol not in ("s3", "s3a"):
+        return False
+    cached = _VERSIONING.get((_endpoint(fs), bucket))
+    if cached is not None and time.monotonic() - cached[1] < _VERSIONING_TTL_S:
+        return cached[0]
+    try:
+        status = call("get_bucket_versioning", Bucket=bucket).get("Status")
+    except Exception as e:  # botocore's own classes for a refusal, s3fs's OSError for the rest
+        _warn_versions(bucket, f"its versioning could not be read ({type(e).__name__}: {_first_line(e)})")
+        return False
+    versioned = status in ("Enabled", "Suspended")
+    _VERSIONING[(_endpoint(fs), bucket)] = (versioned, time.monotonic())
+    return versioned
+
+
+def _purge_versions(fs: Any, key: str, *, exact: bool) -> bool:
+    """Delete every version and delete marker of ``key`` (``exact``) or of every key under the prefix ``key``.
+
+    Returns False, having deleted nothing, when the store refuses to delete by version (the caller then deletes
+    plainly; a warning names the lifecycle rule to set).
+    """
+    bucket, prefix = key.split("/", 1)
+    found: list[dict[str, str]] = []
+    markers: dict[str, str] = {}
+    while True:
+        page = fs.call_s3("list_object_versions", Bucket=bucket, Prefix=prefix, **markers)
+        for entry in [*(page.get("Versions") or []), *(page.get("DeleteMarkers") or [])]:
+            if not exact or entry["Key"] == prefix:
+                found.append({"Key": entry["Key"], "VersionId": entry["VersionId"]})
+        if not page.get("IsTruncated"):
+            break
+        markers = {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page["NextVersionIdMarker"]}
+    for start in range(0, len(found), 1000):  # DeleteObjects takes 1000 keys a request
+        try:
+            answer = fs.call_s3(
+                "delete_objects", Bucket=bucket, Delete={"Objects": found[start : start + 1000], "Quiet": True}
+            )
+        except PermissionError as e:
+            _warn_versions(bucket, f"deleting by version id was refused ({_first_line(e)})")
+            return False
+        errors = answer.get("Errors") or []
+        if errors:
+            first = errors[0]
+            if str(first.get("Code")) == "AccessDenied":
+                _warn_versions(bucket, f"deleting by version id was refused ({first.get('Message')})")
+                return False
+            raise OSError(
+                errno.EIO, f"deleting {len(errors)} object version(s) failed: {first.get('Code')}: "
+                f"{first.get('Message')} ({first.get('Key')} version {first.get('VersionId')})",
+            )  # fmt: skip
+    return True
+
+
+def _warn_versions(bucket: str, why: str) -> None:
+    if bucket in _WARNED:
+        return
+    _WARNED.add(bucket)
+    message = (
+        f"bucket {bucket!r}: {why}; if the bucket keeps versions, a checkpoint deleted (retention, a quarantine "
+        "move, a cleared leftover) stays stored as noncurrent versions. Allow s3:GetBucketVersioning and "
+        "s3:DeleteObjectVersion to the credentials, or give the bucket a lifecycle rule that expires noncurrent "
+        "versions (NoncurrentVersionExpiration, e.g. NoncurrentDays=1)."
+    )
+    log.warning("%s", message)
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
 
 
 def _precondition_failed(error: BaseException) -> bool:
