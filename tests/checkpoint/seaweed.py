@@ -119,6 +119,10 @@ def start(root: Path, *, timeout: float = 60.0) -> S3Server:
         "-s3", f"-s3.port={s3}", f"-s3.config={identities}",
         # Side servers on fixed default ports would collide between two servers (e.g. a test's private one).
         "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+        # Each bucket is a collection that takes volumes of its own; the default cap (8 volumes) runs out
+        # after two or three buckets ("No writable volumes and no free volumes left", an InternalError to
+        # the client). Small volumes, many allowed: nothing is preallocated, the disk holds only what is written.
+        "-volume.max=200", "-master.volumeSizeLimitMB=64",
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
