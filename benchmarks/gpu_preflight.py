@@ -60,7 +60,7 @@ def origin(module: object, *, site: Path | None) -> str:
     path = Path(getattr(module, "__file__", None) or "").resolve()
     if site is not None and path.is_relative_to(site.resolve()):
         return "gpu_wheels"
-    if path.is_relative_to(ROOT):
+    if any(path.is_relative_to(ROOT / part) for part in ("src", "benchmarks", "tests")):
         return "this tree"
     return "environment"
 

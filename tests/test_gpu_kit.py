@@ -81,7 +81,8 @@ def test_gpu_check_stops_when_a_wheel_is_missing() -> None:
 def test_preflight_names_an_import_the_gpu_image_lacks() -> None:
     # The GPU image has no omegaconf of its own: the trainer (imported by tests/gpu) needs the carried wheel.
     code = "import sys; sys.modules['omegaconf'] = None; from benchmarks.gpu_preflight import main; sys.exit(main([]))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    path = [str(ROOT / "src"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, cwd=ROOT, env=env)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "importing shardline.train failed" in proc.stderr
