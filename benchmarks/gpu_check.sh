@@ -89,7 +89,8 @@ timeout "$limit" "$PY" -m benchmarks.gpu_checkpoint --out "$OUT/$NAME.checkpoint
     echo
     echo "- device: $DEVICE"
     echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    # a copied tree may have no .git: then the commit gpu_wheels/ was prepared at (benchmarks/gpu_prepare.sh)
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || cat "$WHEELS/PREPARED.txt" 2>/dev/null || echo unknown)"
     echo "- torch: $("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
     echo "- kit: $SECONDS s in all (cap ${GPU_KIT_BUDGET_S:-470} s); exit $status"
     echo

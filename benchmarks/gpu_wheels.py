@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ REQUIREMENTS = ROOT / "benchmarks" / "gpu_wheels.txt"
 PYTHON_VERSION = "3.12"
 PLATFORM = "manylinux2014_x86_64"
 LIMIT_BYTES = 64 * 2**20  # what one remote run carries besides the working tree
+PREPARED = "PREPARED.txt"  # when and from which commit the folder was prepared (a copied tree may have no .git)
 _MANYLINUX_X86_64 = re.compile(r"^(manylinux1|manylinux2010|manylinux2014|manylinux_\d+_\d+)_x86_64$")
 
 
@@ -150,6 +152,15 @@ def _fetch(req: Requirement, into: Path) -> None:
             raise WheelsError(f"{wheel.path.name}, built here from source, is not pure Python: it may not run there")
 
 
+def _provenance() -> str:
+    """One line: the date and the commit of this tree (with ``+changes`` when the tree differs from it)."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True, check=False)
+    commit = head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
+    return f"prepared {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} at commit {commit}\n"
+
+
 def prepare(dest: Path, requirements: list[Requirement]) -> list[Wheel]:
     """Download (or build) one wheel per requirement into a fresh ``dest``; check it; return its wheels."""
     dest = dest.resolve()
@@ -160,6 +171,7 @@ def prepare(dest: Path, requirements: list[Requirement]) -> list[Wheel]:
         for req in requirements:
             _fetch(req, staging)
         check(staging, requirements)
+        (staging / PREPARED).write_text(_provenance())
         if dest.exists():
             shutil.rmtree(dest)
         staging.rename(dest)
