@@ -299,11 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")  # after each: a timeout keeps what was measured
     params = f"{report['parameters'] / 1e9:.2f}B parameters" if report["parameters"] else "no configuration ran"
-    print(f"device: {name}; model: {params}, {shape}")
-    print(table(results, failed))
+    print(f"device: {name}; model: {params}, {shape}\n")
+    print(table(results, failed) + "\n")
     for target, verdict in report["targets"].items():
-        status = {True: "MET    ", False: "MISSED ", None: "UNKNOWN"}[verdict["met"]]
-        print(f"{status} {target}: {verdict}")
+        status = {True: "MET", False: "MISSED", None: "UNKNOWN"}[verdict["met"]]
+        print(f"- {status} {target}: {verdict}")
     return 1 if failed else 0
 
 

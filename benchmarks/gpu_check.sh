@@ -108,11 +108,17 @@ timeout "$limit" "$PY" -m benchmarks.gpu_checkpoint --out "$OUT/$NAME.checkpoint
     echo
     echo "## Benchmark: step time, tokens/s, MFU, peak memory"
     echo
-    grep -v '^\[rank' "$OUT/logs/bench.txt" | grep -v '^ *File \|^    ' | tail -n 25
+    # the final report: from the last "device:" line on (each row was also printed as it was measured)
+    awk '/^device: /{buf=""} {buf=buf $0 "\n"} END{printf "%s", buf}' "$OUT/logs/bench.txt" | grep -v '^\[rank'
+    grep -h '^gpu_bench: .* failed' "$OUT/logs/bench.txt"
     echo
     echo "## Checkpoints of the same model"
     echo
-    grep -v '^\[rank' "$OUT/logs/checkpoint.txt" | grep -v '^ *File \|^    ' | tail -n 25
+    echo '```'
+    grep -h '^device: \|^  round \|^gpu_checkpoint: ' "$OUT/logs/checkpoint.txt"
+    echo '```'
+    echo
+    awk '/^\| async save/{on=1} on' "$OUT/logs/checkpoint.txt" | grep -v '^\[rank'
 } > "$OUT/$NAME.md"
 echo "gpu_check: results in $OUT/$NAME.md (exit $status)"
 exit "$status"

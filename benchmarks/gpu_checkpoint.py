@@ -267,12 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         savers.close()
         shutil.rmtree(root, ignore_errors=True)
     write()
-    print(table(report["async_save"], report["load"], report["failed"]))
+    print(table(report["async_save"], report["load"], report["failed"]) + "\n")
     for target, verdict in report["targets"].items():
-        status = {True: "MET    ", False: "MISSED ", None: "UNKNOWN"}[verdict["met"]]
-        print(f"{status} {target}: {verdict}")
+        status = {True: "MET", False: "MISSED", None: "UNKNOWN"}[verdict["met"]]
+        print(f"- {status} {target}: {verdict}")
     for skipped in report["skipped"]:
-        print(f"skipped: {skipped}")
+        print(f"- skipped: {skipped}")
     return 1 if report["failed"] else 0
 
 
