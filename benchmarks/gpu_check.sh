@@ -29,9 +29,10 @@ SITE="${GPU_SITE:-$ROOT/build/gpu_site}"
 LOG="$ROOT/build/gpu_check_environment.txt"
 mkdir -p "$ROOT/build"
 : > "$LOG"
-# Note: every step runs under `timeout`, each capped by what is left of the kit's 470 s, so the
-# whole kit ends within 8 minutes whatever hangs (a remote run then has room for a rerun).
-DEADLINE=$((SECONDS + ${GPU_KIT_BUDGET_S:-470}))
+# Note: every step runs under `timeout` (its process group, killed 5 s after the signal), each
+# capped by what is left of the kit's 450 s, so the whole kit ends within 8 minutes whatever
+# hangs (a remote run then has room for a rerun).
+DEADLINE=$((SECONDS + ${GPU_KIT_BUDGET_S:-450}))
 cap() {  # the smaller of $1 seconds and what is left before the deadline (at least 1)
     local left=$((DEADLINE - SECONDS))
     [ "$left" -lt 1 ] && left=1
@@ -45,16 +46,16 @@ environment_incomplete() {
 
 echo "== 0/3 environment: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])') =="
 if [ -d "$WHEELS" ]; then
-    timeout "$(cap 30)" "$PY" -m benchmarks.gpu_wheels install --wheels "$WHEELS" --target "$SITE" 2>&1 | tee -a "$LOG"
+    timeout -k 5 "$(cap 30)" "$PY" -m benchmarks.gpu_wheels install --wheels "$WHEELS" --target "$SITE" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || environment_incomplete "the wheels in $WHEELS/ did not install"
     export PYTHONPATH="$SITE:$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 else
     echo "gpu_check: no $WHEELS/ here: using the packages $PY has" | tee -a "$LOG"
     export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
-timeout "$(cap 60)" "$PY" -m benchmarks.gpu_preflight --site "$SITE" 2>&1 | tee -a "$LOG"
+timeout -k 5 "$(cap 60)" "$PY" -m benchmarks.gpu_preflight --site "$SITE" 2>&1 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] || environment_incomplete "an import of the GPU path failed"
-timeout "$(cap 60)" "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>&1 | tail -n 1 | tee -a "$LOG"
+timeout -k 5 "$(cap 60)" "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>&1 | tail -n 1 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] || environment_incomplete "tests/gpu was not collected"
 echo "gpu_check: environment ready (the GPU path imports, tests/gpu collected)" | tee -a "$LOG"
 
@@ -72,16 +73,16 @@ echo "gpu_check: $DEVICE; writing $OUT/$NAME.*"
 status=0
 
 echo "== 1/3 CUDA tests at W=1 with NCCL (tests/gpu) =="
-timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml "$OUT/$NAME.tests.xml" 2>&1 | tee "$OUT/logs/tests.txt"
+timeout -k 5 "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml "$OUT/$NAME.tests.xml" 2>&1 | tee "$OUT/logs/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== 2/3 ~1.1B Llama-shaped decoder, bf16: shardline FULL_SHARD (eager, compiled) vs torch FSDP2 vs the plain model =="
-timeout "$(cap 170)" "$PY" -m benchmarks.gpu_bench --out "$OUT/$NAME.bench.json" 2>&1 | tee "$OUT/logs/bench.txt"
+timeout -k 5 "$(cap 170)" "$PY" -m benchmarks.gpu_bench --out "$OUT/$NAME.bench.json" 2>&1 | tee "$OUT/logs/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== 3/3 its checkpoints: async save's blocking time and verified load's time vs plain DCP =="
 limit="$(cap 140)"  # no further save round starts within 40 s of its end
-timeout "$limit" "$PY" -m benchmarks.gpu_checkpoint --out "$OUT/$NAME.checkpoint.json" --budget-s $((limit > 60 ? limit - 40 : 20)) 2>&1 | tee "$OUT/logs/checkpoint.txt"
+timeout -k 5 "$limit" "$PY" -m benchmarks.gpu_checkpoint --out "$OUT/$NAME.checkpoint.json" --budget-s $((limit > 60 ? limit - 40 : 20)) 2>&1 | tee "$OUT/logs/checkpoint.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 {
@@ -92,7 +93,7 @@ timeout "$limit" "$PY" -m benchmarks.gpu_checkpoint --out "$OUT/$NAME.checkpoint
     # a copied tree may have no .git: then the commit gpu_wheels/ was prepared at (benchmarks/gpu_prepare.sh)
     echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || cat "$WHEELS/PREPARED.txt" 2>/dev/null || echo unknown)"
     echo "- torch: $("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
-    echo "- kit: $SECONDS s in all (cap ${GPU_KIT_BUDGET_S:-470} s); exit $status"
+    echo "- kit: $SECONDS s in all (cap ${GPU_KIT_BUDGET_S:-450} s); exit $status"
     echo
     echo "## Environment"
     echo
