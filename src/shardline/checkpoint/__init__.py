@@ -1,7 +1,7 @@
 """Checkpoints with shard lineage: DCP files hashed while written, a manifest, atomic commit, resharding loads.
 
-See docs/checkpoints.md (usage, format, commit protocol) and docs/verification.md (checking a
-checkpoint with standard tools).
+See docs/checkpoints.md (usage), docs/checkpoint-protocol.md (format, commit protocol) and
+docs/verification.md (checking a checkpoint with standard tools).
 """
 
 from shardline.checkpoint.faults.fault import FAULT_EXIT_CODE

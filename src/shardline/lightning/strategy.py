@@ -109,7 +109,7 @@ class ShardlineStrategy(ParallelStrategy):
             whose other dimension has size 1 (its ``"data_parallel"`` dimension is used).
         verify: How checkpoints are checked before loading: ``"full"`` (default: every byte hashed
             against the manifest before anything is used), or the recorded opt-ins ``"sizes"`` and
-            ``"none"`` (see docs/checkpoints.md).
+            ``"none"`` (see docs/checkpoints.md, "Verification levels").
         log_grad_norm: Name under which the global gradient norm is logged every step (``None``: not logged).
         process_group_backend: ``gloo``/``nccl`` (default: from the device).
         timeout: Collective timeout.

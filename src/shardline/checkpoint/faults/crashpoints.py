@@ -13,8 +13,8 @@ in turn; ``tests/checkpoint/test_crash_points.py`` does, and fails when a point 
 is reached by none of its scenarios. Nothing is read from the environment: a crash exists
 only where a test armed one.
 
-:data:`CRASH_POINTS` is the list; the docs (docs/checkpoints.md, "Crash points") say what the
-next open sees and does after each.
+:data:`CRASH_POINTS` is the list; the docs (docs/checkpoint-protocol.md, "Crash points") say what
+the next open sees and does after each.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ bytes in memory to hash them, so it reads the tensor straight out of them instea
 directory (``zipfile``), the pickle (an unpickler that knows only the few globals a plain tensor
 pickle names, ``_torch_compat.tensor_pickle_global``) and a ``torch.frombuffer`` view that the
 caller copies into its target. That leaves one copy per item, and a verified load costs what
-plain DCP's does plus the hash (figures in docs/checkpoints.md).
+plain DCP's does plus the hash (figures in docs/benchmarks.md).
 
 Anything else -- a tensor subclass, a quantized or sparse tensor, another byte order, a
 compressed record, a pickle naming any other global -- returns ``None`` and the caller uses

@@ -25,7 +25,7 @@ How:
 Non-tensor items (trainer state, the config) are immutable Python bytes/strings built during
 staging; they are not checked here. The cost is one SHA-256 pass over the rank's state while
 the training thread copies it (on two helper threads) and one read-back and hash on the background thread
-(docs/checkpoints.md has the figures).
+(docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
