@@ -94,7 +94,10 @@ def broken_links(page: Path, *, root: Path = ROOT) -> list[str]:
 
 def test_github_slug_rules() -> None:
     assert github_slug("Object stores (S3 and compatibles)") == "object-stores-s3-and-compatibles"
-    assert github_slug("Experiment trackers: MLflow and Weights & Biases") == "experiment-trackers-mlflow-and-weights--biases"
+    assert (
+        github_slug("Experiment trackers: MLflow and Weights & Biases")
+        == "experiment-trackers-mlflow-and-weights--biases"
+    )
     assert github_slug("`torch.compile`") == "torchcompile"
     assert github_slug("The save's 3%, met") == "the-saves-3-met"
     assert github_slug("keep_last_n and tombstones") == "keep_last_n-and-tombstones"
