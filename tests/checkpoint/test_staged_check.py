@@ -11,7 +11,7 @@ import torch
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.faults.observer import SaveObserver
 from shardline.checkpoint.integrity.staged_check import digest_staged
-from shardline.checkpoint.lifecycle import staging
+from shardline.checkpoint.lifecycle import capture
 from shardline.errors import CheckpointError
 
 
@@ -37,7 +37,7 @@ def test_a_staged_copy_that_is_not_a_copy_is_caught(tmp_path: Path, monkeypatch)
     manager.save(ckpt.SaveRequest(step=1, model=model))
     manager.wait()
     # pytorch#144657: staging that hands the writer the live tensors instead of copies
-    monkeypatch.setattr(staging, "_snapshot", lambda sd, **_: sd)
+    monkeypatch.setattr(capture, "_snapshot", lambda sd, **_: sd)
     hold = _HoldWrites()
     manager.observer = hold
     manager.save(ckpt.SaveRequest(step=2, model=model))  # returns once "staged"

@@ -2,9 +2,10 @@
 
 :class:`SaveRequest` is the one description of a save (model, step, optimizer, trainer state,
 config, data fingerprint, kind, tag), validated once when it is made; ``save``,
-``CheckpointManager.save`` and the staging below all take it instead of repeating the
-arguments. :func:`stage` turns it into a :class:`StagedCheckpoint`: the DCP state dict plus
-everything the manifest records.
+``CheckpointManager.save`` and the capture below all take it instead of repeating the
+arguments. :func:`capture` turns it into a :class:`CapturedCheckpoint`: the DCP state dict plus
+everything the manifest records. (An async save's capture copies the state into host buffers,
+which is what "staged" means elsewhere: :mod:`.host_staging`.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from shardline.checkpoint.storage.objects import Location, as_location
 from shardline.engine import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
-__all__ = ["SAVE_KINDS", "SaveKind", "SaveRequest", "StagedCheckpoint", "describe_model", "dtype_name", "stage"]
+__all__ = ["SAVE_KINDS", "CapturedCheckpoint", "SaveKind", "SaveRequest", "capture", "describe_model", "dtype_name"]
 
 TAG_PATTERN = re.compile(r"^[a-z0-9_]+$")
 
@@ -83,8 +84,8 @@ class SaveRequest:
 
 
 @dataclass(frozen=True)
-class StagedCheckpoint:
-    """Everything a save writes, captured at one instant (see :func:`stage`)."""
+class CapturedCheckpoint:
+    """Everything a save writes, captured at one instant (see :func:`capture`)."""
 
     final: Location
     step: int
@@ -99,7 +100,7 @@ class StagedCheckpoint:
     data_fingerprint: str | None
     parent_manifest_hash: str | None
     total_bytes: int = 0
-    """Bytes of tensor and object data all ranks stage (what the write needs on disk, before DCP's framing)."""
+    """Bytes of tensor and object data all ranks write (what the write needs on disk, before DCP's framing)."""
     extra: dict[str, Any] = field(default_factory=dict)
     config: Mapping[str, Any] | None = None
     """The resolved training config (recorded in the provenance statement)."""
@@ -228,7 +229,7 @@ def _config_text(config: Mapping[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, ensure_ascii=False)
 
 
-def stage(
+def capture(
     request: SaveRequest,
     *,
     path: str | os.PathLike,
@@ -236,7 +237,7 @@ def stage(
     copy: bool = False,
     buffers: HostBuffers | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> StagedCheckpoint:
+) -> CapturedCheckpoint:
     """Capture what the save of ``request`` into ``path`` writes (this rank's part).
 
     With ``copy=False`` the state dict references the live shards (no copy; write before
@@ -244,7 +245,7 @@ def stage(
     ``buffers`` (reused across saves; the previous save's write must have ended) or fresh ones,
     so training may continue while a background thread writes. Kind ``full`` gathers (a
     collective on the default group).
-    ``total_bytes`` is this rank's share here; ``save.stage_agreed`` sums it over the ranks.
+    ``total_bytes`` is this rank's share here; ``save.capture_agreed`` sums it over the ranks.
     """
     rank = coord.group_rank(process_group)
     model, kind = request.model, request.kind
@@ -272,7 +273,7 @@ def stage(
         sd = _snapshot(sd, on_copy=digester.add, buffers=buffers)
         buffers.finish()
         source_device = buffers.source_device
-    return StagedCheckpoint(
+    return CapturedCheckpoint(
         final=as_location(path),
         step=request.step,
         tag=request.tag,
