@@ -135,7 +135,7 @@ def test_async_staging_holds_one_reused_host_copy_and_resumes_bit_identically(tm
 
 
 def test_host_buffers_are_reused_by_shape_and_dtype_and_trimmed() -> None:
-    from shardline.checkpoint.lifecycle.host_staging import HostBuffers
+    from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 
     pool = HostBuffers()
     a, b, c = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3), torch.zeros(4, dtype=torch.int64)
@@ -161,7 +161,7 @@ def test_host_buffers_are_reused_by_shape_and_dtype_and_trimmed() -> None:
 def test_host_buffers_pin_only_for_cuda_sources() -> None:
     from types import SimpleNamespace
 
-    from shardline.checkpoint.lifecycle.host_staging import host_buffer_like, pins_for
+    from shardline.checkpoint.lifecycle.host_buffers import host_buffer_like, pins_for
 
     assert pins_for(SimpleNamespace(type="cuda", index=1))
     assert not pins_for(torch.device("cpu"))
@@ -181,7 +181,7 @@ def test_host_buffers_pin_only_for_cuda_sources() -> None:
 def test_the_writer_thread_binds_to_the_source_cuda_device_only() -> None:
     from types import SimpleNamespace
 
-    from shardline.checkpoint.lifecycle.host_staging import bind_writer_device
+    from shardline.checkpoint.lifecycle.host_buffers import bind_writer_device
 
     calls: list[object] = []
     gpu1 = SimpleNamespace(type="cuda", index=1)

@@ -5,7 +5,7 @@ config, data fingerprint, kind, tag), validated once when it is made; ``save``,
 ``CheckpointManager.save`` and the capture below all take it instead of repeating the
 arguments. :func:`capture` turns it into a :class:`CapturedCheckpoint`: the DCP state dict plus
 everything the manifest records. (An async save's capture copies the state into host buffers,
-which is what "staged" means elsewhere: :mod:`.host_staging`.)
+which is what "staged" means elsewhere: :mod:`.host_buffers`.)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from shardline.checkpoint.format.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY,
 from shardline.checkpoint.format.hf_export import hf_metadata
 from shardline.checkpoint.integrity.manifest import describe_units
 from shardline.checkpoint.integrity.staged_check import StagedDigester
-from shardline.checkpoint.lifecycle.host_staging import HostBuffers
+from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.state.optim_state import optimizer_state_dict
 from shardline.checkpoint.storage.objects import Location, as_location
@@ -173,7 +173,7 @@ def _snapshot(
     """A host copy of every tensor in ``obj`` (DTensor pieces keep their placement) so training can go on.
 
     Each tensor (the local piece of a DTensor) is copied once, into a buffer of ``buffers``
-    (:mod:`.host_staging`: on the host, never on the model's device), and ``on_copy`` gets the
+    (:mod:`.host_buffers`: on the host, never on the model's device), and ``on_copy`` gets the
     copy as soon as it is made. Entries holding the same bytes (tied weights) share one copy.
     """
     memo = {} if memo is None else memo

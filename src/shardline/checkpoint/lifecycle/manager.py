@@ -76,7 +76,7 @@ from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST, read
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveRequest
 from shardline.checkpoint.lifecycle.claim import CLAIM_SUFFIX, LEGACY_CLAIM, claim_path, describe_claim
-from shardline.checkpoint.lifecycle.host_staging import HostBuffers, bind_writer_device
+from shardline.checkpoint.lifecycle.host_buffers import HostBuffers, bind_writer_device
 from shardline.checkpoint.lifecycle.leftovers import clear_store_leftovers
 from shardline.checkpoint.lifecycle.load import load as load_checkpoint
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, capture_agreed, preflight, write_and_commit
@@ -144,7 +144,7 @@ class CheckpointManager:
         storage_options: Options of the fsspec file system of a URL (default: the AWS environment).
         async_save: Write checkpoints in a background thread. ``save`` returns once the state is
             copied (staged) into host buffers the manager reuses from save to save (pinned when
-            the model is on CUDA; nothing extra on the model's device; :mod:`.host_staging`) and
+            the model is on CUDA; nothing extra on the model's device; :mod:`.host_buffers`) and
             freed by ``close``; the next ``save``, ``wait`` or ``close`` waits for the write and
             raises its error, if any. The background thread talks over its own gloo group so
             its collectives never interleave with training's.

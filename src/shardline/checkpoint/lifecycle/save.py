@@ -82,7 +82,7 @@ from shardline.checkpoint.lifecycle.claim import (
     release,
     taken_message,
 )
-from shardline.checkpoint.lifecycle.host_staging import HostBuffers
+from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.lifecycle.summary import human_bytes
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, build_statement
 from shardline.checkpoint.storage.fsutil import (
