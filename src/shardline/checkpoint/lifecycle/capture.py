@@ -27,8 +27,8 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.format.canonical import config_hash
 from shardline.checkpoint.format.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.format.hf_export import hf_metadata
+from shardline.checkpoint.integrity.copy_check import StagedDigester
 from shardline.checkpoint.integrity.manifest import describe_units
-from shardline.checkpoint.integrity.staged_check import StagedDigester
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.state.optim_state import optimizer_state_dict
@@ -106,7 +106,7 @@ class CapturedCheckpoint:
     """The resolved training config (recorded in the provenance statement)."""
     staged_digests: Mapping[int, Any] | None = None
     """For a copied (async) save: this rank's staged tensors by storage, each with the SHA-256 of its bytes
-    (:mod:`.staged_check`); the write checks the bytes in the files against them."""
+    (:mod:`.copy_check`); the write checks the bytes in the files against them."""
     source_device: torch.device | None = None
     """For a copied (async) save: the accelerator device the staged tensors came from (the writer thread makes
     it current), or None when they came from the host."""

@@ -61,6 +61,7 @@ from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_pe
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
+from shardline.checkpoint.integrity.copy_check import check_written
 from shardline.checkpoint.integrity.hashing import FileDigest, HashingWriter
 from shardline.checkpoint.integrity.manifest import (
     MANIFEST,
@@ -70,7 +71,6 @@ from shardline.checkpoint.integrity.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
-from shardline.checkpoint.integrity.staged_check import check_written
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveKind, SaveRequest, capture
 from shardline.checkpoint.lifecycle.claim import (
     claim,

@@ -10,7 +10,7 @@ import torch
 
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.faults.observer import SaveObserver
-from shardline.checkpoint.integrity.staged_check import digest_staged
+from shardline.checkpoint.integrity.copy_check import digest_staged
 from shardline.checkpoint.lifecycle import capture
 from shardline.errors import CheckpointError
 
@@ -53,16 +53,16 @@ def test_a_staged_copy_that_is_not_a_copy_is_caught(tmp_path: Path, monkeypatch)
 
 
 def test_real_copies_pass_and_every_tensor_is_compared(tmp_path: Path, monkeypatch) -> None:
-    from shardline.checkpoint.integrity import staged_check
+    from shardline.checkpoint.integrity import copy_check
 
     compared: list[int] = []
-    real = staged_check._written_digest
+    real = copy_check._written_digest
 
     def counting(*args):
         compared.append(1)
         return real(*args)
 
-    monkeypatch.setattr(staged_check, "_written_digest", counting)
+    monkeypatch.setattr(copy_check, "_written_digest", counting)
     model = _model()
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 32)).sum().backward()
@@ -98,7 +98,7 @@ def test_digest_staged_hashes_the_bytes_torch_save_writes() -> None:
 def test_a_digest_belongs_to_the_tensor_it_names_when_views_share_a_start() -> None:
     import hashlib
 
-    from shardline.checkpoint.integrity.staged_check import StagedDigester, tensor_key
+    from shardline.checkpoint.integrity.copy_check import StagedDigester, tensor_key
 
     t = torch.arange(12, dtype=torch.float32)
     head = t[:4]  # starts where t starts: the same (device, data pointer) key
