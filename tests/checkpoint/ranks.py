@@ -354,7 +354,7 @@ def async_host_staging(rank: int, world: int, directory: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver
-    from shardline.checkpoint.integrity import staged_check
+    from shardline.checkpoint.integrity import copy_check
 
     class Hold(SaveObserver):
         def __init__(self) -> None:
@@ -385,13 +385,13 @@ def async_host_staging(rank: int, world: int, directory: str) -> dict[str, Any]:
     del live
 
     hashed: list[torch.Tensor] = []
-    real_add = staged_check.StagedDigester.add
+    real_add = copy_check.StagedDigester.add
 
     def spy(self: Any, tensor: torch.Tensor) -> None:
         hashed.append(tensor)
         real_add(self, tensor)
 
-    staged_check.StagedDigester.add = spy  # type: ignore[method-assign]
+    copy_check.StagedDigester.add = spy  # type: ignore[method-assign]
     out: dict[str, Any] = {}
     try:
         manager = ckpt.CheckpointManager(directory, async_save=True)
@@ -431,7 +431,7 @@ def async_host_staging(rank: int, world: int, directory: str) -> dict[str, Any]:
         manager.close()
         out["freed_on_close"] = pool.nbytes == 0 and pool.buffers == ()
     finally:
-        staged_check.StagedDigester.add = real_add  # type: ignore[method-assign]
+        copy_check.StagedDigester.add = real_add  # type: ignore[method-assign]
     assert info is not None
     loaded, loaded_optimizer = build(seed=123)
     ckpt.load(info.path, model=loaded, optimizer=loaded_optimizer)

@@ -23,7 +23,7 @@ from shardline.diagnostics.bench import (
     issued_on_gloo,
     run_benchmark,
 )
-from shardline.diagnostics.bench.report import load_results, to_json
+from shardline.diagnostics.bench.results import load_results, to_json
 from shardline.errors import ConfigurationError
 from tests.numerics import close_ratio
 

@@ -10,11 +10,11 @@ from shardline.checkpoint.format.canonical import canonical_json, config_hash, m
 from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.integrity.opening import OpenedCheckpoint, open_checkpoint
 from shardline.checkpoint.integrity.verify import FileProblem, VerifyLevel, VerifyReport, verify_checkpoint
+from shardline.checkpoint.lifecycle.capture import SaveRequest
 from shardline.checkpoint.lifecycle.consolidate import ConsolidationResult, consolidate
 from shardline.checkpoint.lifecycle.load import check_checkpoint, load, load_config, load_trainer_state
 from shardline.checkpoint.lifecycle.manager import CheckpointManager, CommittedCheckpoint
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, save
-from shardline.checkpoint.lifecycle.staging import SaveRequest
 from shardline.checkpoint.lifecycle.summary import summarize
 from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageReport
 from shardline.checkpoint.provenance.lineage import audit

@@ -43,7 +43,7 @@ def _configs(text: str) -> tuple[str, ...]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from shardline.diagnostics.bench import BenchSettings, run_benchmark
     from shardline.diagnostics.bench.render import render_summary, write_results
-    from shardline.diagnostics.bench.report import load_results
+    from shardline.diagnostics.bench.results import load_results
 
     if args.from_json:
         try:

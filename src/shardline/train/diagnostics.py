@@ -22,15 +22,15 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from shardline.diagnostics.report import (
+from shardline.diagnostics.summaries import (
     PhaseMemory,
-    comm_report,
+    comm_table,
     peak_rss_bytes,
-    policy_report,
-    precision_report,
-    rank_report,
+    policy_summary,
+    precision_summary,
+    rank_summary,
     reset_peak_rss,
-    unit_report,
+    unit_summary,
 )
 from shardline.engine import count_collectives, memory_stats, reset_peak_memory_stats, subtree_units
 from shardline.train.records import MEMORY_PHASES_FILE, attempt_path
@@ -63,12 +63,12 @@ class Diagnostics:
         strategy = cfg.trainer.strategy
         lines = [f"strategy {strategy.name} ({strategy.sharding_strategy}), world size {trainer.info.world_size}"]
         if units:
-            lines += unit_report(units, trainer.info.world_size)
-        precision_lines, precision_warnings = precision_report(cfg.trainer.precision, trainer.policies.mixed_precision)
+            lines += unit_summary(units, trainer.info.world_size)
+        precision_lines, precision_warnings = precision_summary(cfg.trainer.precision, trainer.policies.mixed_precision)
         lines += precision_lines
-        lines += policy_report(model, units, trainer.policies.wrap, trainer.policies.checkpointing)
+        lines += policy_summary(model, units, trainer.policies.wrap, trainer.policies.checkpointing)
         lines.append(f"checkpoint state-dict kind: {strategy.state_dict_type}")
-        rank_lines, rank_warnings = rank_report(
+        rank_lines, rank_warnings = rank_summary(
             trainer.info.rank,
             trainer.info.world_size,
             model,
@@ -111,7 +111,7 @@ class Diagnostics:
         reset_peak_memory_stats(trainer.model)
         reset_peak_rss()
         if phase == "batch_end" and step == trainer.start_step + self.memory_steps:
-            self._report(trainer)
+            self._log_memory_table(trainer)
 
     def on_train_batch_start(self, trainer: Any, step: int) -> None:
         self._mark(trainer, step, "batch_start")
@@ -127,7 +127,7 @@ class Diagnostics:
         if self._counting is not None:
             self._counting.__exit__(None, None, None)
             self._counting = None
-            for line in comm_report(self._counter.records):
+            for line in comm_table(self._counter.records):
                 log.info("diagnostics: %s", line)
 
     def on_train_batch_end(self, trainer: Any, step: int) -> None:
@@ -135,9 +135,9 @@ class Diagnostics:
 
     def on_fit_end(self, trainer: Any, summary: Any) -> None:
         if self.rows and len(self.rows) < 4 * self.memory_steps:  # the run was shorter than the window
-            self._report(trainer)
+            self._log_memory_table(trainer)
 
-    def _report(self, trainer: Any) -> None:
+    def _log_memory_table(self, trainer: Any) -> None:
         log.info("diagnostics: memory per phase (peak = during the phase that ends at this point)")
         for row in self.rows:
             log.info("diagnostics: %s", row.line())

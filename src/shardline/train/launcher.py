@@ -39,12 +39,12 @@ from shardline.errors import ShardlineError
 from shardline.train.agentwait import grace_warning
 from shardline.train.build import preflight
 from shardline.train.config import compose_config, experiment_name, to_train_config, to_yaml, validate
+from shardline.train.launcher_channel import ChannelServer
 from shardline.train.parentwatch import bind_to_parent
 from shardline.train.preemption import PREEMPTED, PREEMPTED_EXIT_CODE, Preempted
 from shardline.train.preflight import check_data, check_storage, check_values
 from shardline.train.records import LOGS_DIR
 from shardline.train.relay import SigtermRelay
-from shardline.train.reports import ReportServer
 from shardline.train.schema import TrainConfig
 from shardline.train.worker import elastic_entry, open_run_dir, run_worker
 
@@ -53,7 +53,7 @@ __all__ = ["train"]
 _FALLOUT = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "SignalException")
 # Seconds torch's agent gives the workers after a SIGINT, SIGHUP or SIGQUIT to the launcher before it kills
 # them. SIGTERM is the launcher's own (.relay); after a worker failure torch 2.13's agent waits a fixed 30 s,
-# which the report server cuts short for stalled workers (.reports).
+# which the channel server cuts short for stalled workers (.launcher_channel).
 _SHUTDOWN_S = 5
 # The signals torch's agent handles in the launcher: all of its defaults but SIGTERM.
 _AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
@@ -164,7 +164,7 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
     previous = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
-    server = ReportServer(devices, timeout_s=cfg.trainer.collective_timeout_s)
+    server = ChannelServer(devices, timeout_s=cfg.trainer.collective_timeout_s)
     relay = SigtermRelay(grace_s=cfg.trainer.preemption_grace_s, pids=server.pids).install()
     failed: BaseException | None = None
     results: dict[int, Any] = {}
@@ -208,8 +208,8 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
     return PREEMPTED_EXIT_CODE if terminated else 1
 
 
-def _explain(failed: BaseException, server: ReportServer, child_failed: type) -> tuple[str, str]:
-    """The first line naming the cause, and a traceback: from the workers' own reports when there are any."""
+def _explain(failed: BaseException, server: ChannelServer, child_failed: type) -> tuple[str, str]:
+    """The first line naming the cause, and a traceback: from what the workers told the launcher, if anything."""
     verdict = server.verdict()
     if verdict is not None:
         return verdict

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from shardline.checkpoint.format.dcp_io import MODEL_KEY, key_paths
 from shardline.checkpoint.integrity.opening import check_manifest, read_checked_metadata
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.capture import dtype_name
 from shardline.checkpoint.lifecycle.load import load_trainer_state
 from shardline.checkpoint.lifecycle.manager import is_auto_resume, no_resume
-from shardline.checkpoint.lifecycle.staging import dtype_name
 from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.lineage import order

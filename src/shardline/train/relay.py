@@ -18,7 +18,7 @@ Note: the agent's handlers are installed when it starts the workers, for the sig
 ``signals_to_handle`` names; the launcher leaves SIGTERM out of them. A torch whose launch
 config has no such field (torch 2.6) installs its SIGTERM handler over this one: its agent then
 passes the signal on itself and waits its fixed shutdown timeout (30 s) before SIGKILL, and the
-launcher reads the workers' preemption from their reports (:mod:`.reports`).
+launcher reads the workers' preemption from what they send it (:mod:`.launcher_channel`).
 """
 
 from __future__ import annotations

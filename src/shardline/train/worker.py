@@ -32,11 +32,11 @@ from shardline.errors import ConfigurationError
 from shardline.train.build import build_callbacks, build_policies
 from shardline.train.checkpointing import find_resumable_run
 from shardline.train.config import resolve_accelerator, to_yaml
+from shardline.train.launcher_channel import LauncherChannel, is_collective_timeout, stall_grace_s
 from shardline.train.parentwatch import bind_to_parent
 from shardline.train.preemption import PREEMPTED, Preempted
 from shardline.train.preflight import check_resume
 from shardline.train.records import CONFIG_FILE, LOGS_DIR, attempt_path
-from shardline.train.reports import Reporter, is_collective_timeout, stall_grace_s
 from shardline.train.runlock import RunLock
 from shardline.train.schema import TrainConfig
 from shardline.train.trainer import Trainer
@@ -243,24 +243,24 @@ def elastic_entry(
     config: TrainConfig,
     run_dir: str,
     experiment: str,
-    report_address: str | None = None,
+    channel_address: str | None = None,
     launcher_pid: int | None = None,
 ) -> dict[str, Any] | None:
     """Entry point of the workers the local launcher starts.
 
     The worker exits if the launcher (``launcher_pid``) dies (:mod:`.parentwatch`). Errors are
     recorded for torch's launcher (``@record``) and reported to shardline's launcher over
-    ``report_address`` (see :mod:`.reports`): a collective timeout lingers briefly so that every
+    ``channel_address`` (see :mod:`.launcher_channel`): a collective timeout lingers briefly so that every
     rank that waited reports, and the launcher can name the rank that did not. A preemption
     (:mod:`.preemption`) is a clean return, which the launcher reads.
     """
     bind_to_parent(parent_pid=launcher_pid)
-    reporter = None
-    if report_address:
+    channel = None
+    if channel_address:
         try:
-            reporter = Reporter(report_address, int(os.environ.get("RANK", "0")))
+            channel = LauncherChannel(channel_address, int(os.environ.get("RANK", "0")))
         except OSError:
-            reporter = None
+            channel = None
     clean = False
     try:
         result = run_worker(config, run_dir=run_dir, experiment=experiment)
@@ -268,15 +268,15 @@ def elastic_entry(
         return result
     except Preempted as stop:  # a clean stop: the launcher reads it from the return value (or the report)
         clean = True
-        if reporter is not None:
-            reporter.preempted(str(stop))
+        if channel is not None:
+            channel.preempted(str(stop))
         return {PREEMPTED: stop.step, "checkpoint": stop.checkpoint, "message": str(stop)}
     except BaseException as error:
-        if reporter is not None:
-            reporter.failed(error)
+        if channel is not None:
+            channel.failed(error)
             if is_collective_timeout(error):
                 time.sleep(stall_grace_s(config.trainer.collective_timeout_s))
         raise
     finally:
-        if reporter is not None:
-            reporter.close(clean=clean)
+        if channel is not None:
+            channel.close(clean=clean)

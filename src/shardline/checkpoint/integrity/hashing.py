@@ -525,7 +525,7 @@ class HashingWriter(FileSystemWriter):
         observer: Told of every write and of the ``after_shards`` phase (tests inject faults here).
         check_written: Called on each rank after its files are written, with (directory, plan, planner,
             write results); returns problems, and any fails the save. An async save passes the check
-            that the bytes written are the bytes staged (:mod:`.staged_check`).
+            that the bytes written are the bytes staged (:mod:`.copy_check`).
         files_per_rank: Files each rank writes (0: automatic, from the cores each rank has and the
             size of its share); never more than the rank has items.
         sync_later: False: every file is fsynced before ``torch.distributed.checkpoint.save`` returns,

@@ -1,5 +1,5 @@
-"""The lifecycle of a checkpoint, on top of everything else: what a save captures (``staging``,
-``host_staging``), ``save`` and its commit protocol, verified ``load``, the ``CheckpointManager``
+"""The lifecycle of a checkpoint, on top of everything else: what a save captures (``capture``,
+``host_buffers``), ``save`` and its commit protocol, verified ``load``, the ``CheckpointManager``
 (resume, async saves, retention), and the read-only views: ``summary`` (``inspect``) and
 ``consolidate`` (safetensors export).
 

@@ -74,12 +74,12 @@ from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST, read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveRequest
 from shardline.checkpoint.lifecycle.claim import CLAIM_SUFFIX, LEGACY_CLAIM, claim_path, describe_claim
-from shardline.checkpoint.lifecycle.host_staging import HostBuffers, bind_writer_device
+from shardline.checkpoint.lifecycle.host_buffers import HostBuffers, bind_writer_device
 from shardline.checkpoint.lifecycle.leftovers import clear_store_leftovers
 from shardline.checkpoint.lifecycle.load import load as load_checkpoint
-from shardline.checkpoint.lifecycle.save import CheckpointInfo, preflight, stage_agreed, write_and_commit
-from shardline.checkpoint.lifecycle.staging import SaveRequest, StagedCheckpoint
+from shardline.checkpoint.lifecycle.save import CheckpointInfo, capture_agreed, preflight, write_and_commit
 from shardline.checkpoint.provenance.directory import (
     LATEST_FILE,
     aside_path,
@@ -144,7 +144,7 @@ class CheckpointManager:
         storage_options: Options of the fsspec file system of a URL (default: the AWS environment).
         async_save: Write checkpoints in a background thread. ``save`` returns once the state is
             copied (staged) into host buffers the manager reuses from save to save (pinned when
-            the model is on CUDA; nothing extra on the model's device; :mod:`.host_staging`) and
+            the model is on CUDA; nothing extra on the model's device; :mod:`.host_buffers`) and
             freed by ``close``; the next ``save``, ``wait`` or ``close`` waits for the write and
             raises its error, if any. The background thread talks over its own gloo group so
             its collectives never interleave with training's.
@@ -413,7 +413,7 @@ class CheckpointManager:
         path = self.path_for(request.step, request.tag)
         run = self._run() if self.in_object_store and self._rank == 0 else None
         tmp = preflight(path, process_group=self._io_group, run=run)
-        staged = stage_agreed(
+        captured = capture_agreed(
             request,
             path=path,
             tmp=tmp,
@@ -423,10 +423,10 @@ class CheckpointManager:
             process_group=self._io_group,
         )
         if not self.async_save:
-            return self._write(staged, tmp)
+            return self._write(captured, tmp)
         self._thread = threading.Thread(
             target=self._write_in_background,
-            args=(staged, tmp),
+            args=(captured, tmp),
             name=f"shardline-checkpoint-step-{request.step}",
             daemon=True,
         )
@@ -475,10 +475,10 @@ class CheckpointManager:
             "away (`shardline lineage` says whether the ledger records it)."
         )
 
-    def _write(self, staged: StagedCheckpoint, tmp: Path) -> CheckpointInfo:
+    def _write(self, captured: CapturedCheckpoint, tmp: Path) -> CheckpointInfo:
         try:
             info = write_and_commit(
-                staged,
+                captured,
                 tmp,
                 process_group=self._io_group,
                 observer=self.observer,
@@ -501,10 +501,10 @@ class CheckpointManager:
         self._last_good = info.path
         self.parent_manifest_hash = info.manifest_hash
 
-    def _write_in_background(self, staged: StagedCheckpoint, tmp: Path) -> None:
+    def _write_in_background(self, captured: CapturedCheckpoint, tmp: Path) -> None:
         try:
-            bind_writer_device(staged.source_device)  # a new thread starts on CUDA device 0
-            self._write(staged, tmp)
+            bind_writer_device(captured.source_device)  # a new thread starts on CUDA device 0
+            self._write(captured, tmp)
         except BaseException as e:
             self._error = e
 

@@ -12,7 +12,7 @@ the same exception class with the same message.
    conditional PUT (:func:`.claim.claim`), and the manifest, uploaded last and conditionally, commits;
    the claim is deleted after it. A save that dies before its manifest leaves a prefix the next
    manager clears on open (:mod:`.leftovers`).
-2. **Stage** (all agree): each rank builds its state dict (:mod:`.staging`).
+2. **Capture** (all agree): each rank builds its state dict (:mod:`.capture`).
 3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing.HashingWriter`:
    each rank writes and fsyncs its ``.distcp`` files (one per writer thread), hashing each in the same pass; digests
    reach rank 0 inside the write results DCP gathers; rank 0 writes ``.metadata``.
@@ -61,6 +61,7 @@ from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_pe
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
+from shardline.checkpoint.integrity.copy_check import check_written
 from shardline.checkpoint.integrity.hashing import FileDigest, HashingWriter
 from shardline.checkpoint.integrity.manifest import (
     MANIFEST,
@@ -70,7 +71,7 @@ from shardline.checkpoint.integrity.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
-from shardline.checkpoint.integrity.staged_check import check_written
+from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveKind, SaveRequest, capture
 from shardline.checkpoint.lifecycle.claim import (
     claim,
     claim_path,
@@ -81,8 +82,7 @@ from shardline.checkpoint.lifecycle.claim import (
     release,
     taken_message,
 )
-from shardline.checkpoint.lifecycle.host_staging import HostBuffers
-from shardline.checkpoint.lifecycle.staging import SaveKind, SaveRequest, StagedCheckpoint, stage
+from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.lifecycle.summary import human_bytes
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, build_statement
 from shardline.checkpoint.storage.fsutil import (
@@ -98,12 +98,12 @@ from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullErr
 
 __all__ = [
     "CheckpointInfo",
+    "capture_agreed",
     "commit",
     "disk_full_cause",
     "preflight",
     "preflight_objects",
     "save",
-    "stage_agreed",
     "write_and_commit",
 ]
 
@@ -271,7 +271,7 @@ def preflight_objects(
     return target, last_good
 
 
-def stage_agreed(
+def capture_agreed(
     request: SaveRequest,
     *,
     path: str | os.PathLike,
@@ -280,19 +280,19 @@ def stage_agreed(
     copy: bool = False,
     buffers: HostBuffers | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> StagedCheckpoint:
-    """Step 2 (a collective): :func:`~.staging.stage` on every rank, then agree that all succeeded.
+) -> CapturedCheckpoint:
+    """Step 2 (a collective): :func:`~.capture.capture` on every rank, then agree that all succeeded.
 
-    ``copy`` and ``buffers`` are passed to :func:`~.staging.stage` (an async save's host staging).
+    ``copy`` and ``buffers`` are passed to :func:`~.capture.capture` (an async save's host staging).
 
-    A rank whose staging fails (e.g. trainer state that cannot be saved safely) would otherwise
+    A rank whose capture fails (e.g. trainer state that cannot be saved safely) would otherwise
     leave its peers waiting in the write; instead every rank raises the same error and the temp
     directory goes. The returned ``total_bytes`` counts every rank's share.
     """
 
-    def stage_here() -> int:
-        nonlocal staged
-        staged = stage(
+    def capture_here() -> int:
+        nonlocal captured
+        captured = capture(
             request,
             path=path,
             parent_manifest_hash=parent_manifest_hash,
@@ -300,17 +300,17 @@ def stage_agreed(
             buffers=buffers,
             process_group=process_group,
         )
-        return staged.total_bytes
+        return captured.total_bytes
 
-    staged: StagedCheckpoint | None = None
+    captured: CapturedCheckpoint | None = None
     try:
-        sizes = coord.all_agree(stage_here, process_group, what=f"stage its part of checkpoint {path}")
+        sizes = coord.all_agree(capture_here, process_group, what=f"stage its part of checkpoint {path}")
     except Exception:
         if coord.group_rank(process_group) == 0:
             _discard(tmp)
         raise
-    assert staged is not None  # all_agree returned, so this rank's step succeeded
-    return replace(staged, total_bytes=sum(sizes))
+    assert captured is not None  # all_agree returned, so this rank's step succeeded
+    return replace(captured, total_bytes=sum(sizes))
 
 
 def _discard(tmp: Location) -> None:
@@ -349,7 +349,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _failure_message(
-    final: Location, staged: StagedCheckpoint, error: BaseException, last_good: Location | None
+    final: Location, captured: CapturedCheckpoint, error: BaseException, last_good: Location | None
 ) -> str:
     """Rank 0, after a failed write: one line naming the cause (for a full disk: bytes needed vs free)."""
     previous = f"the last good checkpoint is {last_good}" if last_good else "no earlier checkpoint is known here"
@@ -367,14 +367,14 @@ def _failure_message(
         free = "unknown"
     where = getattr(full, "filename", None) or final
     return (
-        f"disk full: writing checkpoint {final} needs about {human_bytes(staged.total_bytes)}, {free} free on "
+        f"disk full: writing checkpoint {final} needs about {human_bytes(captured.total_bytes)}, {free} free on "
         f"{final.parent} ({type(full).__name__}: {getattr(full, 'strerror', None) or full} at {where}); nothing "
         f"was committed and earlier checkpoints are intact; {previous}. Free space or save elsewhere, then resume."
     )
 
 
 def write_and_commit(
-    staged: StagedCheckpoint,
+    captured: CapturedCheckpoint,
     tmp: Path,
     *,
     process_group: dist.ProcessGroup | None = None,
@@ -383,7 +383,7 @@ def write_and_commit(
     last_good: Location | None = None,
     files_per_rank: int = AUTO,
 ) -> CheckpointInfo:
-    """Steps 3-7 of the protocol (a collective): write ``staged`` into ``tmp`` and commit it.
+    """Steps 3-7 of the protocol (a collective): write ``captured`` into ``tmp`` and commit it.
 
     Each rank writes ``files_per_rank`` files (0: automatic, :mod:`.parallelism`).
 
@@ -394,10 +394,10 @@ def write_and_commit(
             ``after_commit`` failed; its ``info`` is the committed checkpoint.
         CheckpointError: any other failure, named in the first line of the message.
     """
-    final = staged.final.absolute()
+    final = captured.final.absolute()
     check = None
-    if staged.staged_digests is not None:
-        check = functools.partial(check_written, staged=staged.staged_digests)
+    if captured.staged_digests is not None:
+        check = functools.partial(check_written, staged=captured.staged_digests)
     # Rank 0's data files flush in the background while .metadata and the commit records are written; _finalize
     # flushes .metadata with the records and waits for all of them before the rename.
     writer = HashingWriter(
@@ -413,7 +413,7 @@ def write_and_commit(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(
-                staged.state_dict,
+                captured.state_dict,
                 storage_writer=writer,
                 process_group=process_group,
                 no_dist=not dist.is_initialized(),
@@ -425,7 +425,7 @@ def write_and_commit(
         def clean_up() -> None:
             _discard(tmp)
             error = DiskFullError if disk_full_cause(failure) is not None else CheckpointError
-            raise error(_failure_message(final, staged, failure, last_good))
+            raise error(_failure_message(final, captured, failure, last_good))
 
         coord.rank0_decides(clean_up, process_group)
 
@@ -434,10 +434,10 @@ def write_and_commit(
         try:
             digests = writer.file_digests or []
             if isinstance(final, ObjectPath):
-                manifest_digest, files, statement_digest = _finalize_objects(staged, final, digests, observer, done)
+                manifest_digest, files, statement_digest = _finalize_objects(captured, final, digests, observer, done)
             else:
                 manifest_digest, files, statement_digest = _finalize(
-                    staged, tmp, final, digests, observer, done, wait_synced=writer.wait_synced
+                    captured, tmp, final, digests, observer, done, wait_synced=writer.wait_synced
                 )
         except Exception as e:
             if isinstance(e, CheckpointExistsError) and isinstance(final, ObjectPath):
@@ -446,13 +446,13 @@ def write_and_commit(
                 raise  # lost the commit to another run: the objects under the prefix may be its, nothing is deleted
             if not done:
                 _discard(tmp)
-                message = _failure_message(final, staged, e, last_good)
+                message = _failure_message(final, captured, e, last_good)
                 raise (DiskFullError if disk_full_cause(e) is not None else CheckpointError)(message) from e
             # renamed, but the parent's fsync failed: the name may not survive a power loss, yet it is there now
             manifest_digest, files, statement_digest = done["hash"], done["files"], done["provenance"]
-            info = _info(staged, final, manifest_digest, files, statement_digest)
+            info = _info(captured, final, manifest_digest, files, statement_digest)
             return _outcome(info, f"making the commit durable failed ({_first_line(e)})")
-        info = _info(staged, final, manifest_digest, files, statement_digest)
+        info = _info(captured, final, manifest_digest, files, statement_digest)
         problem = None
         if after_commit is not None:
             try:
@@ -467,14 +467,14 @@ def write_and_commit(
         release_tmp(tmp)  # renamed or removed by now (a no-op on ranks other than 0)
     info = CheckpointInfo(
         path=final,
-        step=staged.step,
+        step=captured.step,
         manifest_hash=outcome["hash"],
-        tag=staged.tag,
-        kind=staged.kind,
-        world_size=staged.world_size,
+        tag=captured.tag,
+        kind=captured.kind,
+        world_size=captured.world_size,
         files=outcome["files"],
         total_bytes=outcome["bytes"],
-        parent_manifest_hash=staged.parent_manifest_hash,
+        parent_manifest_hash=captured.parent_manifest_hash,
         provenance_sha256=outcome["provenance"],
     )
     if outcome["problem"] is not None:
@@ -499,18 +499,18 @@ def _outcome(info: CheckpointInfo, problem: str | None) -> dict[str, Any]:
 
 
 def _info(
-    staged: StagedCheckpoint, final: Path, digest: str, files: list[FileDigest], statement_digest: str
+    captured: CapturedCheckpoint, final: Path, digest: str, files: list[FileDigest], statement_digest: str
 ) -> CheckpointInfo:
     return CheckpointInfo(
         path=final,
-        step=staged.step,
+        step=captured.step,
         manifest_hash=digest,
-        tag=staged.tag,
-        kind=staged.kind,
-        world_size=staged.world_size,
+        tag=captured.tag,
+        kind=captured.kind,
+        world_size=captured.world_size,
         files=len(files),
         total_bytes=sum(f.bytes for f in files),
-        parent_manifest_hash=staged.parent_manifest_hash,
+        parent_manifest_hash=captured.parent_manifest_hash,
         provenance_sha256=statement_digest,
     )
 
@@ -522,7 +522,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 def _finalize(
-    staged: StagedCheckpoint,
+    captured: CapturedCheckpoint,
     tmp: Path,
     final: Path,
     digests: list[FileDigest],
@@ -544,7 +544,7 @@ def _finalize(
     crash_point("save.shards_written")
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
     _check_listing(tmp, digests)
-    statement, statement_digest, files, data, digest = _records(staged, digests)
+    statement, statement_digest, files, data, digest = _records(captured, digests)
     # Nothing in tmp counts until the rename, so the four records are written first and flushed together
     # with DCP's .metadata (written unflushed) and tmp's entries, before it: one journal commit rather than six.
     written = [_write(tmp / STATEMENT_FILE, statement)]
@@ -570,7 +570,11 @@ def _finalize(
 
 
 def _finalize_objects(
-    staged: StagedCheckpoint, final: ObjectPath, digests: list[FileDigest], observer: SaveObserver, done: dict[str, Any]
+    captured: CapturedCheckpoint,
+    final: ObjectPath,
+    digests: list[FileDigest],
+    observer: SaveObserver,
+    done: dict[str, Any],
 ) -> tuple[str, list[FileDigest], str]:
     """Rank 0, on an object store: provenance statement, hash files, then ``manifest.json`` -- the commit record.
 
@@ -584,7 +588,7 @@ def _finalize_objects(
     crash_point("save.shards_written")
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
     _check_listing(final, digests)
-    statement, statement_digest, files, data, digest = _records(staged, digests)
+    statement, statement_digest, files, data, digest = _records(captured, digests)
     # The three files the manifest implies go up at once (concurrent PUTs); the manifest only after all three.
     final.fs.pipe(
         {
@@ -633,37 +637,39 @@ def _check_listing(tmp: Location, digests: list[FileDigest]) -> None:
         )
 
 
-def _records(staged: StagedCheckpoint, digests: list[FileDigest]) -> tuple[bytes, str, list[FileDigest], bytes, str]:
+def _records(
+    captured: CapturedCheckpoint, digests: list[FileDigest]
+) -> tuple[bytes, str, list[FileDigest], bytes, str]:
     """(statement, its sha256, every listed file, manifest bytes, manifest hash) of the files ``digests``."""
     created = datetime.datetime.now(datetime.timezone.utc)
     statement = canonical_json(
         build_statement(
             files=[d.to_json() for d in digests],
-            step=staged.step,
-            tag=staged.tag,
-            kind=staged.kind,
+            step=captured.step,
+            tag=captured.tag,
+            kind=captured.kind,
             created_at=created.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            config=staged.config,
-            config_sha256=staged.config_sha256,
-            data_fingerprint=staged.data_fingerprint,
-            parent_manifest_sha256=staged.parent_manifest_hash,
-            world_size=staged.world_size,
-            units=staged.units,
+            config=captured.config,
+            config_sha256=captured.config_sha256,
+            data_fingerprint=captured.data_fingerprint,
+            parent_manifest_sha256=captured.parent_manifest_hash,
+            world_size=captured.world_size,
+            units=captured.units,
         )
     )
     statement_digest = sha256_hex(statement)
     files = sorted([*digests, FileDigest(path=STATEMENT_FILE, rank=0, bytes=len(statement), sha256=statement_digest)])
     manifest = build_manifest(
-        step=staged.step,
-        tag=staged.tag,
-        kind=staged.kind,
-        world_size=staged.world_size,
-        units=staged.units,
-        model_info=staged.model_info,
-        contents=staged.contents,
-        config_sha256=staged.config_sha256,
-        data_fingerprint=staged.data_fingerprint,
-        parent_manifest_sha256=staged.parent_manifest_hash,
+        step=captured.step,
+        tag=captured.tag,
+        kind=captured.kind,
+        world_size=captured.world_size,
+        units=captured.units,
+        model_info=captured.model_info,
+        contents=captured.contents,
+        config_sha256=captured.config_sha256,
+        data_fingerprint=captured.data_fingerprint,
+        parent_manifest_sha256=captured.parent_manifest_hash,
         files=files,
         created=created,
     )
@@ -685,17 +691,22 @@ def commit(
     resolve_files_per_rank(files_per_rank)  # a bad count fails before anything is created
     last_good: Location | None = None
     if is_url(path):
-        # Written in place; staging records this location (with its storage options). The preflight's listing
+        # Written in place; the capture records this location (with its storage options). The preflight's listing
         # also finds the newest committed checkpoint beside it, which a failure message names.
         tmp, found = preflight_objects(path, process_group=process_group, storage_options=storage_options)
         path, last_good = tmp, (tmp.with_name(found.rsplit("/", 1)[-1]) if found else None)
     else:
         tmp = preflight(path, process_group=process_group, storage_options=storage_options)
-    staged = stage_agreed(
+    captured = capture_agreed(
         request, path=path, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
     )
     return write_and_commit(
-        staged, tmp, process_group=process_group, observer=observer, files_per_rank=files_per_rank, last_good=last_good
+        captured,
+        tmp,
+        process_group=process_group,
+        observer=observer,
+        files_per_rank=files_per_rank,
+        last_good=last_good,
     )
 
 
@@ -719,7 +730,7 @@ def save(
     """Save a checkpoint into the new directory ``path`` and commit it atomically (a collective).
 
     The keyword arguments other than ``path``, ``parent_manifest_hash``, ``process_group``,
-    ``observer`` and ``files_per_rank`` make a :class:`~.staging.SaveRequest` (see it for their meaning).
+    ``observer`` and ``files_per_rank`` make a :class:`~.capture.SaveRequest` (see it for their meaning).
 
     Args:
         path: The final checkpoint directory (e.g. ``run/checkpoints/step-100``), or an object-store URL

@@ -1,8 +1,8 @@
 """The engine benchmark (``shardline bench``): the run (:mod:`.run`), its settings and model sizes
 (:mod:`.settings`), the communication theory it is checked against (:mod:`.theory`), the recorded
-results (:mod:`.report`) and their tables and chart (:mod:`.render`)."""
+results (:mod:`.results`) and their tables and chart (:mod:`.render`)."""
 
-from shardline.diagnostics.bench.report import (
+from shardline.diagnostics.bench.results import (
     BenchResult,
     CommVolume,
     ConfigResult,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardline.diagnostics.bench.report import MIB, PHASES, BenchResult, ConfigResult, RunResult, to_json
+from shardline.diagnostics.bench.results import MIB, PHASES, BenchResult, ConfigResult, RunResult, to_json
 from shardline.errors import ConfigurationError
 
 __all__ = [

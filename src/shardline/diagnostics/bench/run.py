@@ -43,8 +43,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardline
 from shardline.diagnostics.bench import render as bench_render
-from shardline.diagnostics.bench import report as bench_report
-from shardline.diagnostics.bench.report import (
+from shardline.diagnostics.bench import results as bench_results
+from shardline.diagnostics.bench.results import (
     PHASES,
     BenchResult,
     CommVolume,
@@ -442,7 +442,7 @@ def run_benchmark(
                     )
                 by_key[key] = probes[memo]
             runs.append(_combine(kind, plan, world, timing, by_key, wall))
-    result = BenchResult(settings=settings, environment=bench_report.environment(command), runs=tuple(runs))
+    result = BenchResult(settings=settings, environment=bench_results.environment(command), runs=tuple(runs))
     result = dataclasses.replace(result, targets=evaluate_targets(result))
     if out_dir is not None:
         bench_render.write_results(result, out_dir=out_dir, plot=plot)

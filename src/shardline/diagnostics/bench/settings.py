@@ -1,4 +1,4 @@
-"""What ``shardline bench`` runs: the model sizes and the settings (shared by the benchmark and its report)."""
+"""What ``shardline bench`` runs: the model sizes and the settings (shared by the benchmark and its results)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ buffers a round did not use, so the pool holds one copy of the newest state and 
 Note: the copy from a CUDA tensor into pinned memory is issued blocking. A non-blocking copy would
 need an event per tensor before its bytes may be hashed; the blocking one makes each buffer final
 when :meth:`HostBuffers.copy` returns, so the SHA-256 helper threads hash it while the next
-tensor is copied (:mod:`.staged_check`).
+tensor is copied (:mod:`.copy_check`).
 """
 
 from __future__ import annotations

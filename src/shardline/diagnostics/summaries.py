@@ -1,4 +1,4 @@
-"""Readable diagnostics of a sharded model: what was resolved, what each rank holds, what smells wrong.
+"""Text summaries of a sharded model: what was resolved, what each rank holds, what smells wrong.
 
 Pure functions returning lines of text, so the training callback, tests and users can all use
 them. Three smells are called out because they are the most common FSDP failures:
@@ -25,13 +25,13 @@ from shardline.engine import CollectiveRecord, MixedPrecision, ShardUnit, is_che
 
 __all__ = [
     "PhaseMemory",
-    "comm_report",
+    "comm_table",
     "peak_rss_bytes",
-    "policy_report",
-    "precision_report",
-    "rank_report",
+    "policy_summary",
+    "precision_summary",
+    "rank_summary",
     "reset_peak_rss",
-    "unit_report",
+    "unit_summary",
 ]
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -57,7 +57,7 @@ def _after_forward(u: ShardUnit) -> str:
     return f"{'frees' if u.reshard_after_forward else 'keeps'} gathered parameters after forward{mesh}"
 
 
-def unit_report(units: Sequence[ShardUnit], world_size: int) -> list[str]:
+def unit_summary(units: Sequence[ShardUnit], world_size: int) -> list[str]:
     """One line per group of identically configured units (strategy, reshard policy, precision)."""
     groups: dict[tuple, list[str]] = {}
     for u in units:
@@ -82,7 +82,7 @@ def unit_report(units: Sequence[ShardUnit], world_size: int) -> list[str]:
     return lines
 
 
-def precision_report(precision: str, mixed_precision: MixedPrecision | None) -> tuple[list[str], list[str]]:
+def precision_summary(precision: str, mixed_precision: MixedPrecision | None) -> tuple[list[str], list[str]]:
     """What ``trainer.precision`` and the applied ``mixed_precision`` mean together; warnings when they disagree."""
     mp = mixed_precision or MixedPrecision()
     autocast = "bf16" if precision == "bf16-mixed" else None
@@ -110,7 +110,7 @@ def precision_report(precision: str, mixed_precision: MixedPrecision | None) -> 
     return lines, warnings
 
 
-def policy_report(
+def policy_summary(
     model: nn.Module, units: Sequence[ShardUnit], wrap: Callable | None, checkpointing: Callable | None
 ) -> list[str]:
     """Which classes the wrap and activation-checkpointing policies matched."""
@@ -130,7 +130,7 @@ def policy_report(
     return lines
 
 
-def rank_report(
+def rank_summary(
     rank: int,
     world_size: int,
     model: nn.Module,
@@ -171,7 +171,7 @@ def rank_report(
     return lines, warnings
 
 
-def comm_report(records: Sequence[CollectiveRecord]) -> list[str]:
+def comm_table(records: Sequence[CollectiveRecord]) -> list[str]:
     """Collectives of a step grouped by kind, unit and phase: count and bytes (logical and per-rank wire)."""
     groups: dict[tuple[str, str, str], list[CollectiveRecord]] = {}
     for r in records:

@@ -14,7 +14,7 @@ How:
 1. :class:`StagedDigester` (on the training thread, before ``save`` returns) hashes every
    staged tensor's bytes on the two SHA-256 helper threads, each tensor as soon as its copy is
    made, keyed by where the tensor lives (device, data pointer). The staged copies are host
-   buffers (:mod:`.host_staging`), so the hash reads the very bytes DCP writes: no second copy
+   buffers (:mod:`.host_buffers`), so the hash reads the very bytes DCP writes: no second copy
    off the device.
 2. After DCP has written this rank's file, :func:`check_written` (on the background thread)
    reads back each tensor item from the file -- DCP writes each one as a ``torch.save`` archive at

@@ -2,9 +2,10 @@
 
 :class:`SaveRequest` is the one description of a save (model, step, optimizer, trainer state,
 config, data fingerprint, kind, tag), validated once when it is made; ``save``,
-``CheckpointManager.save`` and the staging below all take it instead of repeating the
-arguments. :func:`stage` turns it into a :class:`StagedCheckpoint`: the DCP state dict plus
-everything the manifest records.
+``CheckpointManager.save`` and the capture below all take it instead of repeating the
+arguments. :func:`capture` turns it into a :class:`CapturedCheckpoint`: the DCP state dict plus
+everything the manifest records. (An async save's capture copies the state into host buffers,
+which is what "staged" means elsewhere: :mod:`.host_buffers`.)
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.format.canonical import config_hash
 from shardline.checkpoint.format.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.format.hf_export import hf_metadata
+from shardline.checkpoint.integrity.copy_check import StagedDigester
 from shardline.checkpoint.integrity.manifest import describe_units
-from shardline.checkpoint.integrity.staged_check import StagedDigester
-from shardline.checkpoint.lifecycle.host_staging import HostBuffers
+from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.state.optim_state import optimizer_state_dict
 from shardline.checkpoint.storage.objects import Location, as_location
 from shardline.engine import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
-__all__ = ["SAVE_KINDS", "SaveKind", "SaveRequest", "StagedCheckpoint", "describe_model", "dtype_name", "stage"]
+__all__ = ["SAVE_KINDS", "CapturedCheckpoint", "SaveKind", "SaveRequest", "capture", "describe_model", "dtype_name"]
 
 TAG_PATTERN = re.compile(r"^[a-z0-9_]+$")
 
@@ -83,8 +84,8 @@ class SaveRequest:
 
 
 @dataclass(frozen=True)
-class StagedCheckpoint:
-    """Everything a save writes, captured at one instant (see :func:`stage`)."""
+class CapturedCheckpoint:
+    """Everything a save writes, captured at one instant (see :func:`capture`)."""
 
     final: Location
     step: int
@@ -99,13 +100,13 @@ class StagedCheckpoint:
     data_fingerprint: str | None
     parent_manifest_hash: str | None
     total_bytes: int = 0
-    """Bytes of tensor and object data all ranks stage (what the write needs on disk, before DCP's framing)."""
+    """Bytes of tensor and object data all ranks write (what the write needs on disk, before DCP's framing)."""
     extra: dict[str, Any] = field(default_factory=dict)
     config: Mapping[str, Any] | None = None
     """The resolved training config (recorded in the provenance statement)."""
     staged_digests: Mapping[int, Any] | None = None
     """For a copied (async) save: this rank's staged tensors by storage, each with the SHA-256 of its bytes
-    (:mod:`.staged_check`); the write checks the bytes in the files against them."""
+    (:mod:`.copy_check`); the write checks the bytes in the files against them."""
     source_device: torch.device | None = None
     """For a copied (async) save: the accelerator device the staged tensors came from (the writer thread makes
     it current), or None when they came from the host."""
@@ -172,7 +173,7 @@ def _snapshot(
     """A host copy of every tensor in ``obj`` (DTensor pieces keep their placement) so training can go on.
 
     Each tensor (the local piece of a DTensor) is copied once, into a buffer of ``buffers``
-    (:mod:`.host_staging`: on the host, never on the model's device), and ``on_copy`` gets the
+    (:mod:`.host_buffers`: on the host, never on the model's device), and ``on_copy`` gets the
     copy as soon as it is made. Entries holding the same bytes (tied weights) share one copy.
     """
     memo = {} if memo is None else memo
@@ -228,7 +229,7 @@ def _config_text(config: Mapping[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, ensure_ascii=False)
 
 
-def stage(
+def capture(
     request: SaveRequest,
     *,
     path: str | os.PathLike,
@@ -236,7 +237,7 @@ def stage(
     copy: bool = False,
     buffers: HostBuffers | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> StagedCheckpoint:
+) -> CapturedCheckpoint:
     """Capture what the save of ``request`` into ``path`` writes (this rank's part).
 
     With ``copy=False`` the state dict references the live shards (no copy; write before
@@ -244,7 +245,7 @@ def stage(
     ``buffers`` (reused across saves; the previous save's write must have ended) or fresh ones,
     so training may continue while a background thread writes. Kind ``full`` gathers (a
     collective on the default group).
-    ``total_bytes`` is this rank's share here; ``save.stage_agreed`` sums it over the ranks.
+    ``total_bytes`` is this rank's share here; ``save.capture_agreed`` sums it over the ranks.
     """
     rank = coord.group_rank(process_group)
     model, kind = request.model, request.kind
@@ -272,7 +273,7 @@ def stage(
         sd = _snapshot(sd, on_copy=digester.add, buffers=buffers)
         buffers.finish()
         source_device = buffers.source_device
-    return StagedCheckpoint(
+    return CapturedCheckpoint(
         final=as_location(path),
         step=request.step,
         tag=request.tag,

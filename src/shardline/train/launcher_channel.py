@@ -38,7 +38,7 @@ from typing import Any
 
 from shardline.errors import error_chain
 
-__all__ = ["Report", "ReportServer", "Reporter", "is_collective_timeout", "stall_grace_s"]
+__all__ = ["ChannelServer", "LauncherChannel", "RankStatus", "is_collective_timeout", "stall_grace_s"]
 
 _BEAT_S = 1.0
 _TIMEOUT = re.compile(r"(?i)timed out|timeout")
@@ -69,7 +69,7 @@ def _first_line(error: BaseException) -> str:
 
 
 @dataclass
-class Report:
+class RankStatus:
     """What the launcher knows about one rank."""
 
     rank: int
@@ -88,7 +88,7 @@ class _Stall:
     silent_s: dict[int, float] = field(default_factory=dict)
 
 
-class Reporter:
+class LauncherChannel:
     """The worker's side: connect to ``address`` (``host:port``), say hello, beat, report a failure."""
 
     def __init__(self, address: str, rank: int) -> None:
@@ -143,8 +143,8 @@ class Reporter:
                 self._sock = None
 
 
-class ReportServer:
-    """The launcher's side: collect reports from ``world_size`` workers and end stalled ones.
+class ChannelServer:
+    """The launcher's side: hear from ``world_size`` workers and end stalled ones.
 
     Args:
         world_size: Ranks expected.
@@ -155,7 +155,7 @@ class ReportServer:
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
         self.grace_s = stall_grace_s(timeout_s)
-        self.ranks = {r: Report(r) for r in range(world_size)}
+        self.ranks = {r: RankStatus(r) for r in range(world_size)}
         self.killed: list[int] = []
         self._stall: _Stall | None = None
         self._order: list[int] = []
@@ -166,7 +166,7 @@ class ReportServer:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(world_size + 4)
         self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, name="shardline-reports", daemon=True).start()
+        threading.Thread(target=self._accept, name="shardline-launcher-channel", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
@@ -189,20 +189,20 @@ class ReportServer:
         rank = int(message["rank"])
         now = time.monotonic()
         with self._lock:
-            report = self.ranks.setdefault(rank, Report(rank))
-            report.last_beat = now
+            status = self.ranks.setdefault(rank, RankStatus(rank))
+            status.last_beat = now
             kind = message["kind"]
             if kind == "hello":
-                report.pid = int(message["pid"])
+                status.pid = int(message["pid"])
             elif kind == "bye":
-                report.done = True
+                status.done = True
             elif kind == "preempted":
-                report.preempted = str(message["message"])
-            elif kind == "error" and report.error is None:
-                report.error, report.error_at = message, now
+                status.preempted = str(message["message"])
+            elif kind == "error" and status.error is None:
+                status.error, status.error_at = message, now
                 self._order.append(rank)
                 if self._reaper is None and not self._closed:
-                    # Note: wait a little longer than a timed-out rank lingers, so its peers' reports arrive.
+                    # Note: wait a little longer than a timed-out rank lingers, so its peers' errors arrive.
                     self._reaper = threading.Timer(self.grace_s + 0.5, self._reap)
                     self._reaper.daemon = True
                     self._reaper.start()
@@ -283,7 +283,7 @@ class ReportServer:
         if not real:
             with self._lock:
                 vanished = sorted(r for r, rep in self.ranks.items() if rep.pid is not None and rep.error is None)
-            if vanished:  # the cause died without a word; the reports are only its peers noticing
+            if vanished:  # the cause died without a word; the errors are only its peers noticing
                 fallout = errors[order[0]] or {}
                 return (
                     f"worker rank {', '.join(map(str, vanished))} ended without reporting an error (killed, crashed or "

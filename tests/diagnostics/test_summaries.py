@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import shardline
-from shardline.diagnostics.report import policy_report, precision_report, rank_report, unit_report
+from shardline.diagnostics.summaries import policy_summary, precision_summary, rank_summary, unit_summary
 from shardline.engine import subtree_units
 from shardline.testing import run_distributed
 from tests.models import Block, ParityModel
@@ -14,18 +14,18 @@ BF16 = shardline.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.f
 
 
 def test_precision_mismatch_is_flagged() -> None:
-    lines, warnings = precision_report("bf16-mixed", None)
+    lines, warnings = precision_summary("bf16-mixed", None)
     assert "parameters gathered in their own dtype" in lines[0]
     assert len(warnings) == 1
     assert "no trainer.strategy.mixed_precision is set" in warnings[0]
     assert "communication is not halved" in warnings[0]
 
-    _, warnings = precision_report("32-true", BF16)
+    _, warnings = precision_summary("32-true", BF16)
     assert len(warnings) == 1
     assert "computes in bfloat16" in warnings[0]
 
     for precision, mp in (("bf16-mixed", BF16), ("32-true", None)):
-        assert precision_report(precision, mp)[1] == [], "consistent settings raise nothing"
+        assert precision_summary(precision, mp)[1] == [], "consistent settings raise nothing"
 
 
 def _ranks(rank: int, world_size: int) -> dict:
@@ -35,10 +35,10 @@ def _ranks(rank: int, world_size: int) -> dict:
     bad_policy = shardline.layer_policy(torch.nn.LayerNorm)
     bad = shardline.wrap(ParityModel(n_blocks=3), bad_policy)
     return {
-        "good": rank_report(rank, world_size, good, subtree_units(good)),
-        "bad": rank_report(rank, world_size, bad, subtree_units(bad)),
-        "units": unit_report(subtree_units(good), world_size),
-        "policy": policy_report(bad, subtree_units(bad), bad_policy, None),
+        "good": rank_summary(rank, world_size, good, subtree_units(good)),
+        "bad": rank_summary(rank, world_size, bad, subtree_units(bad)),
+        "units": unit_summary(subtree_units(good), world_size),
+        "policy": policy_summary(bad, subtree_units(bad), bad_policy, None),
     }
 
 
@@ -63,7 +63,7 @@ def _even(rank: int, world_size: int) -> list[str]:
     from shardline.models.gpt import Block as GPTBlock
 
     model = shardline.wrap(GPT(dim=32, n_layers=2, n_heads=2, seq_len=16), shardline.layer_policy(GPTBlock))
-    return rank_report(rank, world_size, model, subtree_units(model))[1]
+    return rank_summary(rank, world_size, model, subtree_units(model))[1]
 
 
 def test_an_evenly_divisible_model_raises_no_warning() -> None:

@@ -10,8 +10,8 @@ import torch
 
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.faults.observer import SaveObserver
-from shardline.checkpoint.integrity.staged_check import digest_staged
-from shardline.checkpoint.lifecycle import staging
+from shardline.checkpoint.integrity.copy_check import digest_staged
+from shardline.checkpoint.lifecycle import capture
 from shardline.errors import CheckpointError
 
 
@@ -37,7 +37,7 @@ def test_a_staged_copy_that_is_not_a_copy_is_caught(tmp_path: Path, monkeypatch)
     manager.save(ckpt.SaveRequest(step=1, model=model))
     manager.wait()
     # pytorch#144657: staging that hands the writer the live tensors instead of copies
-    monkeypatch.setattr(staging, "_snapshot", lambda sd, **_: sd)
+    monkeypatch.setattr(capture, "_snapshot", lambda sd, **_: sd)
     hold = _HoldWrites()
     manager.observer = hold
     manager.save(ckpt.SaveRequest(step=2, model=model))  # returns once "staged"
@@ -53,16 +53,16 @@ def test_a_staged_copy_that_is_not_a_copy_is_caught(tmp_path: Path, monkeypatch)
 
 
 def test_real_copies_pass_and_every_tensor_is_compared(tmp_path: Path, monkeypatch) -> None:
-    from shardline.checkpoint.integrity import staged_check
+    from shardline.checkpoint.integrity import copy_check
 
     compared: list[int] = []
-    real = staged_check._written_digest
+    real = copy_check._written_digest
 
     def counting(*args):
         compared.append(1)
         return real(*args)
 
-    monkeypatch.setattr(staged_check, "_written_digest", counting)
+    monkeypatch.setattr(copy_check, "_written_digest", counting)
     model = _model()
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 32)).sum().backward()
@@ -98,7 +98,7 @@ def test_digest_staged_hashes_the_bytes_torch_save_writes() -> None:
 def test_a_digest_belongs_to_the_tensor_it_names_when_views_share_a_start() -> None:
     import hashlib
 
-    from shardline.checkpoint.integrity.staged_check import StagedDigester, tensor_key
+    from shardline.checkpoint.integrity.copy_check import StagedDigester, tensor_key
 
     t = torch.arange(12, dtype=torch.float32)
     head = t[:4]  # starts where t starts: the same (device, data pointer) key
@@ -135,7 +135,7 @@ def test_async_staging_holds_one_reused_host_copy_and_resumes_bit_identically(tm
 
 
 def test_host_buffers_are_reused_by_shape_and_dtype_and_trimmed() -> None:
-    from shardline.checkpoint.lifecycle.host_staging import HostBuffers
+    from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 
     pool = HostBuffers()
     a, b, c = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3), torch.zeros(4, dtype=torch.int64)
@@ -161,7 +161,7 @@ def test_host_buffers_are_reused_by_shape_and_dtype_and_trimmed() -> None:
 def test_host_buffers_pin_only_for_cuda_sources() -> None:
     from types import SimpleNamespace
 
-    from shardline.checkpoint.lifecycle.host_staging import host_buffer_like, pins_for
+    from shardline.checkpoint.lifecycle.host_buffers import host_buffer_like, pins_for
 
     assert pins_for(SimpleNamespace(type="cuda", index=1))
     assert not pins_for(torch.device("cpu"))
@@ -181,7 +181,7 @@ def test_host_buffers_pin_only_for_cuda_sources() -> None:
 def test_the_writer_thread_binds_to_the_source_cuda_device_only() -> None:
     from types import SimpleNamespace
 
-    from shardline.checkpoint.lifecycle.host_staging import bind_writer_device
+    from shardline.checkpoint.lifecycle.host_buffers import bind_writer_device
 
     calls: list[object] = []
     gpu1 = SimpleNamespace(type="cuda", index=1)
