@@ -21,12 +21,20 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from shardline.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+    from torch.distributed.launcher.api import LaunchConfig
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "DCP_METADATA_CLASSES",
@@ -60,9 +68,12 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
+def all_gather_into(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | None:
     """All-gather ``input`` from every rank of ``group`` into ``output`` (rank-major)."""
-    return _all_gather(output, input, group=group, async_op=async_op)
+    work: dist.Work | None = _all_gather(output, input, group=group, async_op=async_op)
+    return work
 
 
 def reduce_scatter_into(
@@ -71,9 +82,10 @@ def reduce_scatter_into(
     group: dist.ProcessGroup,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
-) -> Any:
+) -> dist.Work | None:
     """Reduce ``input`` (rank-major) over ``group`` and keep this rank's slice in ``output``."""
-    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+    work: dist.Work | None = _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+    return work
 
 
 def eager_only(fn: Callable[..., Any], *, reason: str) -> Callable[..., Any]:
@@ -85,7 +97,8 @@ def eager_only(fn: Callable[..., Any], *, reason: str) -> Callable[..., Any]:
     same way. Inside a graph that inlines a call to such a module (``torch.compile`` of a model
     that contains it), the call is a graph break.
     """
-    return torch._dynamo.disable(fn, recursive=True, reason=reason)
+    eager: Callable[..., Any] = torch._dynamo.disable(fn, recursive=True, reason=reason)
+    return eager
 
 
 def compiled_autograd_active() -> bool:
@@ -109,7 +122,7 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def set_writer_filesystem(writer: Any, filesystem: Any) -> None:
+def set_writer_filesystem(writer: FileSystemWriter, filesystem: FileSystem) -> None:
     """Make a ``torch.distributed.checkpoint.FileSystemWriter`` open its files through ``filesystem``.
 
     ``FileSystemWriter`` keeps the ``FileSystem`` it writes through in the attribute ``fs``
@@ -124,16 +137,20 @@ def set_writer_filesystem(writer: Any, filesystem: Any) -> None:
     writer.fs = filesystem
 
 
-def group_timeout(group: dist.ProcessGroup | None) -> Any:
-    """The timeout (a ``datetime.timedelta``) collectives of ``group`` run under, or None if unknown."""
+def group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
+    """The timeout collectives of ``group`` (default: the world) run under, or None if unknown."""
     group = group if group is not None else dist.group.WORLD
+    if group is None:
+        return None
+    timeout: timedelta | None
     try:
-        return group._get_backend(torch.device("cpu")).options._timeout
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError, ValueError):
         try:
-            return group._get_backend(torch.device("cuda")).options._timeout
+            timeout = group._get_backend(torch.device("cuda")).options._timeout
         except (AttributeError, RuntimeError, ValueError):
-            return None
+            timeout = None
+    return timeout
 
 
 @contextlib.contextmanager
@@ -150,7 +167,7 @@ def fake_tensor_mode() -> Iterator[None]:
         yield
 
 
-def dtensor_with_local(dtensor: Any, *, local: torch.Tensor) -> Any:
+def dtensor_with_local(dtensor: DTensor, *, local: torch.Tensor) -> DTensor:
     """A DTensor with ``dtensor``'s mesh, placements and global shape whose local piece is ``local``, as it is.
 
     Note: ``DTensor.from_local`` moves a local piece to the mesh's device type, so a host copy
@@ -165,7 +182,8 @@ def dtensor_with_local(dtensor: Any, *, local: torch.Tensor) -> Any:
 
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity for the storage behind ``tensor`` (shared by its views), valid for fake tensors too."""
-    return tensor.untyped_storage()._cdata
+    key: int = tensor.untyped_storage()._cdata
+    return key
 
 
 def version_of(tensor: torch.Tensor) -> int:
@@ -262,7 +280,7 @@ def typed_storage_dtype(name: str) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def elastic_launch_config(**kwargs: Any) -> Any:
+def elastic_launch_config(**kwargs: Any) -> LaunchConfig:
     """A ``torch.distributed.launcher.api.LaunchConfig``, leaving out fields this torch does not have.
 
     ``shutdown_timeout`` (how long the agent waits after ``SIGTERM`` before ``SIGKILL``) appeared
@@ -274,7 +292,7 @@ def elastic_launch_config(**kwargs: Any) -> Any:
     return LaunchConfig(**{k: v for k, v in kwargs.items() if k in known})
 
 
-def fsspec_storage(*, reader: bool) -> Any:
+def fsspec_storage(*, reader: bool) -> type[FsspecReader] | type[FsspecWriter]:
     """torch DCP's fsspec ``FsspecReader`` (``reader=True``) or ``FsspecWriter`` class.
 
     torch 2.13 keeps them in the private module ``torch.distributed.checkpoint._fsspec_filesystem``
@@ -291,7 +309,7 @@ def _private_api_problems() -> list[str]:
     """The private torch APIs used above that this torch lacks (only those ``import torch`` loads)."""
     from torch.distributed.tensor import DTensor
 
-    checks = {
+    checks: dict[str, Callable[[], object]] = {
         "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
         "torch.autograd.Variable._execution_engine.queue_callback": (
             lambda: torch.autograd.Variable._execution_engine.queue_callback

@@ -45,7 +45,7 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     if isinstance(obj, Mapping):
         mapped = {key: map_tensors(fn, value) for key, value in obj.items()}
         try:
-            return type(obj)(mapped)
+            return type(obj)(mapped)  # type: ignore[call-arg]  # a Mapping subclass, rebuilt from a dict
         except TypeError:
             return mapped
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

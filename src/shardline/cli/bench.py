@@ -10,8 +10,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from typing import TYPE_CHECKING
 
 from shardline.errors import ConfigurationError, ShardlineError
+
+if TYPE_CHECKING:
+    from shardline.diagnostics.bench.settings import ModelSize
 
 __all__ = ["register"]
 
@@ -24,7 +28,7 @@ examples:
 """
 
 
-def _sizes(text: str) -> tuple:
+def _sizes(text: str) -> tuple[ModelSize, ...]:
     from shardline.diagnostics.bench import SIZES
 
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -115,7 +119,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``bench`` to the ``shardline`` command."""
     parser = subparsers.add_parser(
         "bench",

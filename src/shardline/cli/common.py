@@ -12,7 +12,7 @@ from shardline.errors import ConfigurationError, ShardlineError, StorageAccessEr
 __all__ = ["add_storage_options", "emit_json", "fail", "sha256_arg", "storage_options"]
 
 
-def emit_json(obj: Any) -> None:
+def emit_json(obj: object) -> None:
     """Print ``obj`` as one indented JSON object with sorted keys (``--json`` output)."""
     print(json.dumps(obj, indent=2, sort_keys=True))
 
@@ -70,7 +70,7 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return options
 
 
-def _storage_option(text: str) -> tuple[str, Any]:
+def _storage_option(text: str) -> tuple[str, str | bool]:
     """argparse type of ``--storage-option``: ``KEY=VALUE``; ``true``/``false`` become booleans, the rest stays text.
 
     Note: text, not YAML. A secret such as ``12345`` or ``0x1f`` must reach the client exactly as typed.

@@ -29,7 +29,7 @@ def _cmd_env(_args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``env`` to the ``shardline`` command."""
     env = subparsers.add_parser("env", help="print versions and available communication backends")
     env.set_defaults(func=_cmd_env)

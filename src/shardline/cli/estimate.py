@@ -100,7 +100,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``estimate`` to the ``shardline`` command."""
     parser = subparsers.add_parser(
         "estimate",

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +21,7 @@ from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
     from shardline.diagnostics.plan import Architecture, Cluster, Prediction
+    from shardline.train.schema import TrainConfig
 
 __all__ = ["register"]
 
@@ -36,7 +37,7 @@ examples:
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _architecture(args: argparse.Namespace) -> tuple[Architecture, Any]:
+def _architecture(args: argparse.Namespace) -> tuple[Architecture, TrainConfig | None]:
     from shardline.diagnostics.plan import from_gpt_config, load_hf_config
     from shardline.errors import ConfigurationError
 
@@ -193,7 +194,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``plan`` to the ``shardline`` command."""
     parser = subparsers.add_parser(
         "plan",

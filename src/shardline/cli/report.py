@@ -35,7 +35,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 1 if bad or broken else 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``report`` to the ``shardline`` command."""
     report = subparsers.add_parser(
         "report", help="write one self-contained HTML page about a run for a reviewer (verifies every checkpoint)"

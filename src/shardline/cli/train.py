@@ -87,7 +87,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return train(args.overrides, print_config=args.cfg == "job", config_dirs=args.config_dir or ())
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``train`` to the ``shardline`` command."""
     parser = subparsers.add_parser(
         "train",

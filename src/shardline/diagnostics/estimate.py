@@ -400,10 +400,10 @@ def _per_module_activations(
     stack: list[int] = []
     handles = []
 
-    def enter(module: nn.Module, _args: Any) -> None:
+    def enter(module: nn.Module, _args: tuple[object, ...]) -> None:
         stack.append(id(module))
 
-    def leave(module: nn.Module, _args: Any, _out: Any) -> None:
+    def leave(module: nn.Module, _args: tuple[object, ...], _out: object) -> None:
         stack.pop()
 
     for module in model.modules():

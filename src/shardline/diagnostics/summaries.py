@@ -59,7 +59,7 @@ def _after_forward(u: ShardUnit) -> str:
 
 def unit_summary(units: Sequence[ShardUnit], world_size: int) -> list[str]:
     """One line per group of identically configured units (strategy, reshard policy, precision)."""
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple[object, ...], list[str]] = {}
     for u in units:
         mp = u.mixed_precision
         key = (
@@ -111,7 +111,10 @@ def precision_summary(precision: str, mixed_precision: MixedPrecision | None) ->
 
 
 def policy_summary(
-    model: nn.Module, units: Sequence[ShardUnit], wrap: Callable | None, checkpointing: Callable | None
+    model: nn.Module,
+    units: Sequence[ShardUnit],
+    wrap: Callable[[nn.Module], bool] | None,
+    checkpointing: Callable[[nn.Module], bool] | None,
 ) -> list[str]:
     """Which classes the wrap and activation-checkpointing policies matched."""
     wrapped = Counter(original_class(u.module).__name__ for u in units if not u.is_root)

@@ -20,6 +20,7 @@ from shardline.engine.comm import (
     CommCounter,
     CommStats,
     TorchCollectives,
+    Work,
 )
 from shardline.engine.grad import clip_grad_norm_
 from shardline.engine.guards import ddp_ignored_names
@@ -67,6 +68,7 @@ __all__ = [
     "ShardingStrategy",
     "StrategyPolicy",
     "TorchCollectives",
+    "Work",
     "apply_activation_checkpointing",
     "buffer_original_dtypes",
     "check_policy_matches",

@@ -7,8 +7,7 @@ these functions read them for the model (summing when a module holds several sha
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -92,7 +91,7 @@ def use_collectives(model: nn.Module, backend: Collectives) -> Iterator[None]:
             comm.backend = old
 
 
-def _storage_bytes(tensors: Any) -> int:
+def _storage_bytes(tensors: Iterable[object]) -> int:
     seen: dict[tuple[int, int], int] = {}
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":

@@ -58,7 +58,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable[[nn.Module
     for name, module in post_order(model):
         if module is model or not policy(module) or is_checkpointed(module):
             continue
-        module.forward = _CheckpointedForward(module.forward)  # type: ignore[method-assign]
+        module.forward = _CheckpointedForward(module.forward)
         module.__dict__[_MARK] = True
         patched.append(name)
     return patched

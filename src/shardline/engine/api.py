@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardline.engine.context import RootContext
+from shardline.engine.context import RootContext, root_context
 from shardline.engine.device import resolve_device
 from shardline.engine.grad import clip_grad_norm_
 from shardline.engine.guards import ddp_ignored_names, install_optimizer_guard
@@ -31,16 +31,25 @@ M = TypeVar("M", bound=nn.Module)
 _DDP_EXTRA = "_shardline_ddp_extra_ignore"
 
 
-class ShardedModule:
+if TYPE_CHECKING:
+    _ModuleBase = nn.Module
+else:
+    _ModuleBase = object
+
+
+class ShardedModule(_ModuleBase):
     """Methods every module passed to :func:`fully_shard` gains (its class becomes a subclass).
 
     ``isinstance(module, shardline.ShardedModule)`` tells whether a module was sharded.
+
+    Note: a mixin, placed before the module's own class (``Sharded<Class>(ShardedModule, Class)``);
+    type checkers see it as an ``nn.Module`` subclass, which every instance of it is.
     """
 
     @property
     def shard_unit(self) -> ShardUnit:
         """The unit that manages this module's own parameters."""
-        unit = get_unit(self)  # type: ignore[arg-type]
+        unit = get_unit(self)
         assert unit is not None  # the class is only swapped by fully_shard, which sets the unit
         return unit
 
@@ -63,7 +72,7 @@ class ShardedModule:
         group of one) keep their gradients unreduced as with the default; 1-D sharded units have no
         replicas and reduce as usual.
         """
-        units = subtree_units(self)  # type: ignore[arg-type]
+        units = subtree_units(self)
         attribute = "all_reduce_gradients" if reduce_scatter else "sync_gradients"
         previous = [getattr(unit, attribute) for unit in units]
         for unit in units:
@@ -83,7 +92,7 @@ class ShardedModule:
         covers every parameter once (sharded pieces summed across ranks, replicated ones
         counted once), using one all-reduce. Returns the total norm (before clipping).
         """
-        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)  # type: ignore[arg-type]
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def unshard(self) -> None:
         """Gather this unit's parameters now; they stay gathered until :meth:`reshard`.
@@ -105,7 +114,7 @@ class ShardedModule:
         DDP reads this attribute of the module it wraps. Raises ``ShardingError`` when nothing
         trainable would be left for DDP (see ``shardline.engine.guards``).
         """
-        return [*ddp_ignored_names(self), *self.__dict__.get(_DDP_EXTRA, [])]  # type: ignore[arg-type]
+        return [*ddp_ignored_names(self), *self.__dict__.get(_DDP_EXTRA, [])]
 
     @_ddp_params_and_buffers_to_ignore.setter
     def _ddp_params_and_buffers_to_ignore(self, names: list[str]) -> None:
@@ -120,14 +129,15 @@ def _sharded_class(cls: type) -> type:
     new = _CLASS_CACHE.get(cls)
     if new is None:
         namespace: dict[str, Any] = {"__module__": cls.__module__}
-        if callable(getattr(cls, "save_pretrained", None)):
-            namespace["save_pretrained"] = _save_pretrained_guard(cls.save_pretrained)
+        save_pretrained = getattr(cls, "save_pretrained", None)
+        if callable(save_pretrained):
+            namespace["save_pretrained"] = _save_pretrained_guard(save_pretrained)
         new = type(f"Sharded{cls.__name__}", (ShardedModule, cls), namespace)
         _CLASS_CACHE[cls] = new
     return new
 
 
-def _save_pretrained_guard(save_pretrained: Any) -> Any:
+def _save_pretrained_guard(save_pretrained: Callable[..., Any]) -> Callable[..., Any]:
     """``save_pretrained`` of a sharded Hugging Face / PEFT model: only with full weights passed in.
 
     Without ``state_dict=...`` it would see this rank's DTensor pieces; gathering them inside
@@ -270,11 +280,11 @@ def fully_shard(
     _cast_buffers(unit, buffers)
     for _, sub in sub_units:
         sub.is_root = False
-        ctx.absorb(sub.ctx)
+        ctx.absorb(root_context(sub))
     for fqn, m in module.named_modules():
-        sub = get_unit(m)
-        if sub is not None and m is not module:
-            sub.name = fqn
+        below = get_unit(m)
+        if below is not None and m is not module:
+            below.name = fqn
     install_hooks(unit)
     install_state_dict_hooks(unit)
     install_optimizer_guard()

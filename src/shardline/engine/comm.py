@@ -45,14 +45,26 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from shardline import _torch_compat
 
-__all__ = ["CollectiveKind", "CollectiveRecord", "Collectives", "Comm", "CommCounter", "CommStats", "TorchCollectives"]
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+__all__ = [
+    "CollectiveKind",
+    "CollectiveRecord",
+    "Collectives",
+    "Comm",
+    "CommCounter",
+    "CommStats",
+    "TorchCollectives",
+    "Work",
+]
 
 
 class CollectiveKind(str, enum.Enum):
@@ -135,6 +147,14 @@ class CommCounter:
         return sum(r.bytes for r in self.select(kind, unit=unit, phase=phase))
 
 
+class Work(Protocol):
+    """A collective in flight (``async_op=True``): torch's ``dist.Work``, or a backend's stand-in for one."""
+
+    def wait(self) -> bool:
+        """Block until the collective has landed."""
+        ...
+
+
 class Collectives(Protocol):
     """What shardline needs from a communication backend. Async calls return a work handle with ``wait()``.
 
@@ -143,7 +163,9 @@ class Collectives(Protocol):
     wrote its own elements and zeroed the others (:class:`TorchCollectives` does, on gloo).
     """
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
+    ) -> Work | None:
         """All-gather ``input`` of every rank into ``output`` (rank-major)."""
 
     def reduce_scatter(
@@ -154,7 +176,7 @@ class Collectives(Protocol):
         *,
         op: dist.ReduceOp.RedOpType,
         async_op: bool,
-    ) -> Any:
+    ) -> Work | None:
         """Reduce ``input`` (rank-major) over the group; keep this rank's slice in ``output``.
 
         ``input`` is scratch: a backend may overwrite it.
@@ -162,7 +184,7 @@ class Collectives(Protocol):
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
-    ) -> Any:
+    ) -> Work | None:
         """Reduce ``tensor`` over the group, in place."""
 
     def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
@@ -174,13 +196,20 @@ class Collectives(Protocol):
         """Scatter ``chunks`` (given on global rank ``src``) into ``output`` on every rank."""
 
 
+class _GathersInPlace(Protocol):
+    """The optional part of a :class:`Collectives` backend (see its docstring)."""
+
+    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Work | None:
+        """Complete ``buffer`` from the disjoint pieces every rank wrote into it."""
+
+
 class _CopyAfter:
     """Work handle of an emulated reduce-scatter: waits for the all-reduce, then copies this rank's slice out."""
 
-    def __init__(self, work: Any, output: torch.Tensor, source: torch.Tensor) -> None:
+    def __init__(self, work: Work | None, output: torch.Tensor, source: torch.Tensor) -> None:
         self._work, self._output, self._source = work, output, source
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         if self._work is not None:
             self._work.wait()
             self._output.copy_(self._source)
@@ -229,11 +258,16 @@ class TorchCollectives:
             return False
         return (numel * torch.empty((), dtype=dtype).element_size()) % 4 == 0
 
-    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Work | None:
         """Every rank filled its own elements of ``buffer`` and zeroed the rest: OR the bits across ranks."""
-        return dist.all_reduce(buffer.view(torch.int32), op=dist.ReduceOp.BOR, group=group, async_op=async_op)
+        work: Work | None = dist.all_reduce(
+            buffer.view(torch.int32), op=dist.ReduceOp.BOR, group=group, async_op=async_op
+        )
+        return work
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
+    ) -> Work | None:
         if not self._gathers_via_all_reduce(output, group):
             return _torch_compat.all_gather_into(output, input, group, async_op=async_op)
         slots = output.view(dist.get_world_size(group), -1)
@@ -241,7 +275,10 @@ class TorchCollectives:
         slots[:rank].zero_()
         slots[rank].copy_(input.view(-1))
         slots[rank + 1 :].zero_()
-        return dist.all_reduce(output.view(torch.int32), op=dist.ReduceOp.BOR, group=group, async_op=async_op)
+        work: Work | None = dist.all_reduce(
+            output.view(torch.int32), op=dist.ReduceOp.BOR, group=group, async_op=async_op
+        )
+        return work
 
     def reduce_scatter(
         self,
@@ -251,10 +288,10 @@ class TorchCollectives:
         *,
         op: dist.ReduceOp.RedOpType,
         async_op: bool,
-    ) -> Any:
+    ) -> Work | None:
         if not self._via_all_reduce(input, group):
             return _torch_compat.reduce_scatter_into(output, input, group, op=op, async_op=async_op)
-        work = dist.all_reduce(input, op=op, group=group, async_op=async_op)
+        work: Work | None = dist.all_reduce(input, op=op, group=group, async_op=async_op)
         mine = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
         if not async_op:
             output.copy_(mine.view_as(output))
@@ -263,8 +300,9 @@ class TorchCollectives:
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
-    ) -> Any:
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    ) -> Work | None:
+        work: Work | None = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return work
 
     def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
         dist.broadcast(tensor, src=src, group=group)
@@ -349,7 +387,7 @@ class Comm:
         unit: str = "",
         phase: str = "",
         async_op: bool = False,
-    ) -> Any:
+    ) -> Work | None:
         """All-gather ``input`` into ``output`` (rank-major), recorded."""
         self._record(CollectiveKind.ALL_GATHER, output, _nbytes(output), group, unit, phase)
         return self.backend.all_gather(output, input, group, async_op=async_op)
@@ -364,7 +402,7 @@ class Comm:
         unit: str = "",
         phase: str = "",
         async_op: bool = False,
-    ) -> Any:
+    ) -> Work | None:
         """Reduce-scatter ``input`` (rank-major) into ``output``, recorded."""
         self._record(CollectiveKind.REDUCE_SCATTER, input, _nbytes(input), group, unit, phase)
         return self.backend.reduce_scatter(output, input, group, op=op, async_op=async_op)
@@ -385,14 +423,15 @@ class Comm:
         unit: str = "",
         phase: str = "",
         async_op: bool = False,
-    ) -> Any:
+    ) -> Work | None:
         """Complete ``buffer`` on every rank from the disjoint pieces each rank wrote into it (zeros elsewhere).
 
         Recorded as the all-gather it stands for, of ``nbytes`` logical bytes. Only for backends
         whose ``gathers_in_place`` says so.
         """
         self._record(CollectiveKind.ALL_GATHER, buffer, nbytes, group, unit, phase)
-        return self.backend.all_gather_in_place(buffer, group, async_op=async_op)  # type: ignore[attr-defined]
+        backend = cast(_GathersInPlace, self.backend)  # callers asked can_gather_in_place first
+        return backend.all_gather_in_place(buffer, group, async_op=async_op)
 
     def all_reduce(
         self,
@@ -403,7 +442,7 @@ class Comm:
         unit: str = "",
         phase: str = "",
         async_op: bool = False,
-    ) -> Any:
+    ) -> Work | None:
         """All-reduce ``tensor`` in place, recorded."""
         self._record(CollectiveKind.ALL_REDUCE, tensor, _nbytes(tensor), group, unit, phase)
         return self.backend.all_reduce(tensor, group, op=op, async_op=async_op)

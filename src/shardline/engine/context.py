@@ -10,7 +10,7 @@ sharding a model bottom-up all of its units share the root's context, and nothin
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from shardline.engine.pending import PendingReduce
 
-__all__ = ["RootContext", "contexts_of"]
+__all__ = ["RootContext", "contexts_of", "root_context"]
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,20 @@ class RootContext:
         self.touched.clear()
 
 
+def root_context(unit: ShardUnit) -> RootContext:
+    """The context of ``unit``'s tree.
+
+    Note: ``ShardUnit.ctx`` is annotated with the protocol of what a unit itself needs of it, so
+    that unit.py does not import this module; :meth:`RootContext.adopt` is the one place that sets
+    it, so it is always a :class:`RootContext`.
+    """
+    return cast(RootContext, unit.ctx)
+
+
 def contexts_of(module: nn.Module) -> list[RootContext]:
     """The distinct root contexts of the units under ``module`` (one per tree of units)."""
     seen: dict[int, RootContext] = {}
     for unit in subtree_units(module):
-        seen.setdefault(id(unit.ctx), unit.ctx)
+        ctx = root_context(unit)
+        seen.setdefault(id(ctx), ctx)
     return list(seen.values())

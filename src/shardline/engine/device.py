@@ -130,7 +130,8 @@ def resolve_device(
     else:
         device = torch.device("cpu")
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", current_cuda)
+        # torch annotates ``device.index`` as int, but it is None for torch.device("cuda").
+        device = torch.device("cuda", current_cuda)  # type: ignore[unreachable]
     check_communicable(device, device_map, backend, where=_where(params, sub_units, buffers))
     return device
 

@@ -37,6 +37,7 @@ gathered buffer; the values are the very elements forward used, so numerics do n
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ from shardline.engine.pending import PendingGather
 from shardline.engine.profiling import label
 from shardline.errors import ShardingError
 
-__all__ = ["FlatGroup"]
+__all__ = ["FlatGroup", "flat_group"]
 
 
 class _PostShard:
@@ -114,7 +115,7 @@ class FlatGroup(GradientReduction):
         self._index = {id(sp): i for i, sp in enumerate(self.params)}
         self._unsharded_flat: torch.Tensor | None = None
         self._pending_gather: PendingGather | None = None
-        self._grad_layouts: dict[tuple[bool, ...], FlatLayout] = {}
+        self._grad_layouts: dict[tuple[int, ...], FlatLayout] = {}  # (world, trainable flags...)
         self._post: _PostShard | None = None
         self._post_layouts: dict[int, tuple[dist.ProcessGroup, FlatLayout]] = {}
         self.partial: torch.Tensor | None = None  # reduce-scattered gradients awaiting the replica all-reduce
@@ -152,6 +153,7 @@ class FlatGroup(GradientReduction):
 
     def register_unsharded(self) -> None:
         for sp in self.params:
+            assert sp.unsharded is not None  # unshard made it
             sp.register(sp.unsharded)
 
     # ------------------------------------------------------------------ gather / free
@@ -196,9 +198,10 @@ class FlatGroup(GradientReduction):
                 self._alloc_unsharded_flat(memory)
             if pending is None:
                 pending = self._start_all_gather(comm=comm, memory=memory, name=name, phase=phase, async_op=False)
-            flat = self._unsharded_flat
-            assert flat is not None
-            self._finish_all_gather(pending, flat, memory)
+            gathered = self._unsharded_flat
+            assert gathered is not None
+            self._finish_all_gather(pending, gathered, memory)
+            flat = gathered
         self._drop_post_shard(memory)
         if self.params[0].unsharded is None:
             with torch.inference_mode(False):  # see _alloc_unsharded_flat
@@ -305,7 +308,9 @@ class FlatGroup(GradientReduction):
             send, layout, group = self._post.buffer, self._post.layout, self._post.group
             world = layout.world
         else:
-            layout, group, world = self.layout, self.mesh.shard_group, self.mesh.shard_size
+            layout, shard_group, world = self.layout, self.mesh.shard_group, self.mesh.shard_size
+            assert shard_group is not None  # only a group split over ranks gathers
+            group = shard_group
             if self.replicated:
                 send = self._pack_local([self._slot(i) for i in range(len(self.params))], layout, self.dtype)
             elif self.compute_dtype == self.dtype:
@@ -332,11 +337,13 @@ class FlatGroup(GradientReduction):
         replaces (``W * S`` elements). Returns None when the backend cannot.
         """
         world, group = self.mesh.shard_size, self.mesh.shard_group
+        assert group is not None  # only a group split over ranks gathers
         numel = self.master.numel() if self.replicated else self.layout.unsharded_numel
         dtype = self.dtype if self.replicated else self.compute_dtype
         if not comm.can_gather_in_place(group, numel=numel, dtype=dtype, device=self.device):
             return None
         fresh = 0
+        target: torch.Tensor | None
         if self.replicated:
             target = self.master
         else:
@@ -458,6 +465,7 @@ class FlatGroup(GradientReduction):
                 flat[off : off + sp.layout.local_numel].copy_(t.reshape(-1))
         if world > 1:
             gathered = torch.empty(world * layout.shard_numel, dtype=dtype, device=self.device)
+            assert self.mesh.shard_group is not None  # world > 1
             comm.all_gather(gathered, flat, self.mesh.shard_group, unit=name, phase=phase)
             rows = gathered.view(world, layout.shard_numel)
         else:
@@ -494,16 +502,19 @@ class FlatGroup(GradientReduction):
             self._dirty = False
             self._versions = self._current_versions()
             return
-        shard_ranks = dist.get_process_group_ranks(mesh.shard_group)
+        shard_group = mesh.shard_group
+        assert shard_group is not None  # shard_size > 1
+        shard_ranks = dist.get_process_group_ranks(shard_group)
         holds_source = 0 in shard_ranks
         if holds_source:
             source = self.pack_rows(fulls, self.layout, self.dtype) if is_source and fulls is not None else None
             chunks = list(source.unbind(0)) if source is not None else None
             comm.scatter(
-                self.master, chunks, mesh.shard_group, src_rank=mesh.group_rank_of(mesh.shard_group, 0),
+                self.master, chunks, shard_group, src_rank=mesh.group_rank_of(shard_group, 0),
                 unit=name, phase=phase,
             )  # fmt: skip
         if mesh.replicate_size > 1:
+            assert mesh.replicate_group is not None  # replicate_size > 1
             src = mesh.replica_source()
             comm.broadcast(self.master, mesh.replicate_group, src_rank=src, unit=name, phase=phase)
 
@@ -545,3 +556,13 @@ class FlatGroup(GradientReduction):
             torch.utils.swap_tensors(sp.sharded, fresh)  # keeps the Parameter object optimizers hold
         self._versions = self._current_versions()
         self._dirty = False
+
+
+def flat_group(sp: ShardedParam) -> FlatGroup:
+    """The :class:`FlatGroup` holding ``sp``'s shard.
+
+    Note: ``ShardedParam.group`` is annotated ``object`` because param.py cannot import this module
+    (this module imports it); :class:`~shardline.engine.unit.ShardUnit` sets it to the group it
+    builds for the parameter, so it is always one.
+    """
+    return cast(FlatGroup, sp.group)

@@ -17,7 +17,7 @@ parameters only, so frozen ones send no bytes:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from shardline.engine.param import ShardedParam
 from shardline.engine.pending import GradSlice, PendingReduce
 
 if TYPE_CHECKING:
-    from shardline.engine.comm import Comm
+    from shardline.engine.comm import Comm, Work
     from shardline.engine.mesh import ShardMesh
 
 __all__ = ["GradientReduction"]
@@ -47,7 +47,7 @@ class GradientReduction:
     params: list[ShardedParam]
     partial: torch.Tensor | None
     _dirty: bool
-    _grad_layouts: dict[tuple, FlatLayout]
+    _grad_layouts: dict[tuple[int, ...], FlatLayout]
 
     def trainable(self) -> list[ShardedParam]:
         return [sp for sp in self.params if sp.sharded.requires_grad]
@@ -109,6 +109,7 @@ class GradientReduction:
             self.pack_rows(grads, layout, dtype, out=packed)
             output = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
             memory.add("comm_buffers", nbytes(output))
+            assert self.mesh.shard_group is not None  # scatter: split over ranks
             work = comm.reduce_scatter(
                 output, packed.view(-1), self.mesh.shard_group, op=dist.ReduceOp.AVG,
                 unit=name, phase="backward", async_op=True,
@@ -144,6 +145,7 @@ class GradientReduction:
             memory.add("comm_buffers", held)
         reduce_group = self.mesh.shard_group if self.replicated else self.mesh.replicate_group
         if (self.replicated and world > 1) or replicas:
+            assert reduce_group is not None  # a shard group of several ranks, or replicas
             work = comm.all_reduce(
                 output, reduce_group, op=dist.ReduceOp.AVG, unit=name, phase="backward", async_op=True
             )
@@ -153,15 +155,18 @@ class GradientReduction:
 
     def _cross_replica(
         self, output: torch.Tensor, partial: torch.Tensor | None, comm: Comm, name: str
-    ) -> Callable[[], Any]:
+    ) -> Callable[[], Work | None]:
         """The second stage of a hybrid reduction: add the deferred partial sum, all-reduce across replicas."""
         self.partial = None  # this reduction carries it
 
-        def issue() -> Any:
+        replicate_group = self.mesh.replicate_group
+        assert replicate_group is not None  # called for hybrid reductions only
+
+        def issue() -> Work | None:
             if partial is not None:
                 output.add_(partial)
             return comm.all_reduce(
-                output, self.mesh.replicate_group, op=dist.ReduceOp.AVG, unit=name, phase="backward", async_op=True
+                output, replicate_group, op=dist.ReduceOp.AVG, unit=name, phase="backward", async_op=True
             )
 
         return issue
@@ -179,6 +184,7 @@ class GradientReduction:
             grad = sp.unsharded.grad if sp.unsharded is not None else None
             if grad is None or grad.dtype == self.reduce_dtype:
                 continue
+            assert sp.unsharded is not None  # it has a gradient
             if sp.accumulated_grad is None:
                 sp.accumulated_grad = grad.to(self.reduce_dtype)
             else:

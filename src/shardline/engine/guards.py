@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +28,8 @@ from shardline.engine.registry import subtree_units
 from shardline.errors import ShardingError
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from shardline.engine.unit import ShardUnit
 
 __all__ = ["check_not_inside_ddp", "ddp_ignored_names", "install_optimizer_guard"]
@@ -53,7 +55,7 @@ def install_optimizer_guard() -> None:
         _optimizer_guard_installed = True
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer, _args: tuple[object, ...], _kwargs: dict[str, object]) -> None:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if optimizer.__dict__.get(_CHECKED_COUNT) == count:
         return
@@ -119,7 +121,7 @@ def check_not_inside_ddp(root: ShardUnit) -> None:
     """Refuse to run forward under a ``DistributedDataParallel`` that manages this tree's shards."""
     ddp_class = torch.nn.parallel.DistributedDataParallel
     code = ddp_class.forward.__code__
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_FRAMES):
         if frame is None:
             return

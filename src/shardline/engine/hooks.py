@@ -64,7 +64,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from shardline import _torch_compat
 from shardline._tree import iter_tensors, map_tensors
-from shardline.engine.context import RootContext
+from shardline.engine.context import RootContext, root_context
 from shardline.engine.guards import check_not_inside_ddp
 from shardline.engine.registry import set_unit, subtree_units
 from shardline.engine.unit import Residency, ShardUnit
@@ -106,13 +106,15 @@ class _PreForward:
     def __init__(self, unit: ShardUnit) -> None:
         self.unit = unit
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         unit = self.unit
         recomputing = _torch_compat.in_backward()  # activation-checkpoint recomputation
         if recomputing:
             unit.unshard(phase="backward")
         else:
-            ctx = unit.ctx
+            ctx = root_context(unit)
             if ctx.forward_root is None:
                 ctx.forward_root = unit
                 _root_pre_forward(ctx, unit)
@@ -129,7 +131,9 @@ class _PreForward:
         return args, kwargs
 
 
-def _hook_inputs(unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _hook_inputs(
+    unit: ShardUnit, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Pass the inputs that require grad on as views, and hook the post-backward onto those views.
 
     Note: why views. The hook must fire when the module's own backward is complete, before
@@ -158,11 +162,11 @@ class _PostForward:
     def __init__(self, unit: ShardUnit) -> None:
         self.unit = unit
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         unit = self.unit
         if _torch_compat.in_backward():
             return output
-        ctx = unit.ctx
+        ctx = root_context(unit)
         backward_follows = False
         if torch.is_grad_enabled():
             outputs = [t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None]
@@ -198,7 +202,7 @@ class _PreBackward:
         unit = self.unit
         if _torch_compat.compiled_autograd_active():
             raise ConfigurationError(_COMPILED_AUTOGRAD_UNSUPPORTED.format(name=unit.display_name))
-        ctx = unit.ctx
+        ctx = root_context(unit)
         ctx.ensure_final_callback(_finalize_backward)
         ctx.touch(unit)
         ctx.prefetched.pop(id(unit), None)
@@ -215,7 +219,7 @@ class _PostBackward:
 
     def __call__(self, _grads: Sequence[torch.Tensor | None]) -> None:
         unit = self.unit
-        ctx = unit.ctx
+        ctx = root_context(unit)
         ctx.ensure_final_callback(_finalize_backward)
         if unit.sync_gradients and unit.policy.reshard_after_backward:
             unit.reshard()
@@ -266,7 +270,7 @@ def _root_pre_forward(ctx: RootContext, root: ShardUnit) -> None:
 
 def _on_grad_ready(unit: ShardUnit, index: int) -> None:
     """Post-accumulate-grad hook of a gathered parameter: reduce once the unit's gradients are complete."""
-    ctx = unit.ctx
+    ctx = root_context(unit)
     ctx.ensure_final_callback(_finalize_backward)
     ctx.touch(unit)
     if unit.mark_grad_ready(index) and not unit.progress.reduced:

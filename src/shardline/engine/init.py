@@ -139,15 +139,16 @@ def _init_module(
     device: torch.device,
 ) -> None:
     """Initialize ``module``'s own parameters one at a time (see the note at the top)."""
-    names = [n for n, p in module._parameters.items() if p is not None]
-    originals = {n: module._parameters[n] for n in names}
+    originals = {n: p for n, p in module._parameters.items() if p is not None}
+    names = list(originals)
     buffers = _real_buffers(module, device)
     if init is None:  # buffers only and nothing to initialize them with: caught by the NaN check
         names = []
         init = _noop
     state = torch.random.get_rng_state()
     try:
-        for name in names or [None]:
+        order: list[str | None] = [*names] if names else [None]
+        for name in order:
             scratch = {n: _meta_like(originals[n]) for n in names}
             if name is not None:
                 scratch[name] = _full_like(originals[name])
@@ -204,6 +205,7 @@ def _full_shape(p: nn.Parameter) -> tuple[int, ...]:
     owned = getattr(p, OWNER_ATTR, None)
     if owned is None:
         return tuple(p.shape)
+    unit: ShardUnit
     unit, fqn = owned
     for sp in unit.params:
         if sp.fqn == fqn:
@@ -214,8 +216,8 @@ def _full_shape(p: nn.Parameter) -> tuple[int, ...]:
 def _set(module: nn.Module, params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor]) -> None:
     for name, value in params.items():
         module._parameters[name] = value
-    for name, value in buffers.items():
-        module._buffers[name] = value
+    for name, buffer in buffers.items():
+        module._buffers[name] = buffer
 
 
 @torch.no_grad()

@@ -68,6 +68,15 @@ def require_process_group(what: str) -> None:
         )
 
 
+def _world_group() -> dist.ProcessGroup:
+    """The default (world) process group, once ``torch.distributed`` is initialized."""
+    group = dist.group.WORLD
+    if group is None:
+        require_process_group("shardline")
+    assert group is not None  # require_process_group raised otherwise
+    return group
+
+
 @dataclass(frozen=True, eq=False)
 class ShardMesh:
     """The communication groups of one unit.
@@ -238,7 +247,7 @@ def hybrid_mesh(*, replicate_size: int = -1, shard_size: int = -1, device_type: 
     require_process_group("shardline.hybrid_mesh")
     r, s = hybrid_degrees(world_size=dist.get_world_size(), replicate_size=replicate_size, shard_size=shard_size)
     if device_type is None:  # the model's device decides in the end: see ShardMesh.dtensor_placement
-        device_type = default_device_type(group_device_map(dist.group.WORLD), cuda_available=torch.cuda.is_available())
+        device_type = default_device_type(group_device_map(_world_group()), cuda_available=torch.cuda.is_available())
     return init_device_mesh(device_type, (r, s), mesh_dim_names=("replicate", "shard"))
 
 
@@ -257,9 +266,10 @@ def _hybrid_dims(mesh: DeviceMesh) -> tuple[int, int]:
 def _group_of_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     """A process group of exactly ``ranks`` (created once; only its members need to call this)."""
     if list(ranks) == list(range(dist.get_world_size())):
-        return dist.group.WORLD
+        return _world_group()
     timeout = _torch_compat.group_timeout(None)
-    return dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
+    group: dist.ProcessGroup = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
+    return group
 
 
 def post_forward_group(mesh: ShardMesh, size: int) -> dist.ProcessGroup:
@@ -276,7 +286,8 @@ def resolve_mesh(mesh: MeshLike, policy: StrategyPolicy, strategy_name: str = ""
     """Turn ``fully_shard``'s ``mesh`` argument into the unit's groups for ``policy``."""
     require_process_group("shardline.fully_shard")
     name = strategy_name or "this strategy"
-    if mesh is dist.GroupMember.NON_GROUP_MEMBER:
+    non_member: object = dist.GroupMember.NON_GROUP_MEMBER  # what new_group returns off its ranks (an int)
+    if mesh is non_member:
         raise ConfigurationError(
             f"this process (global rank {dist.get_rank()}) is not a member of the process group passed as mesh: "
             "torch.distributed.new_group() returned GroupMember.NON_GROUP_MEMBER here. Every rank that runs "
@@ -286,7 +297,7 @@ def resolve_mesh(mesh: MeshLike, policy: StrategyPolicy, strategy_name: str = ""
         return _resolve_hybrid(mesh, name)
     device_mesh: DeviceMesh | None = None
     if mesh is None:
-        group = dist.group.WORLD
+        group = _world_group()
     elif isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ConfigurationError(

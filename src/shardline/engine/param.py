@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -55,14 +54,14 @@ class ShardedParam:
     accumulated_grad: torch.Tensor | None = None
     grad_ready: bool = field(default=False)
     hooked: bool = field(default=False)
-    group: Any = field(default=None, repr=False)  # the FlatGroup holding its shard
+    group: object = field(default=None, repr=False)  # the FlatGroup holding its shard (read it with flat_group)
 
     @property
     def global_shape(self) -> tuple[int, ...]:
         """The parameter's shape as DTensors and optimizer state show it: its shape, ``(1,)`` for 0-d."""
         return (self.layout.rows, *self.layout.row_shape)
 
-    def register(self, tensor: torch.Tensor) -> None:
+    def register(self, tensor: nn.Parameter) -> None:
         """Make ``tensor`` the value of every attribute this parameter is registered under."""
         for module, name in self.locations:
             module._parameters[name] = tensor  # plain dict write: no __setattr__ checks

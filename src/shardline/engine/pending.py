@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from shardline.engine.comm import Work
 from shardline.engine.layout import FlatLayout
 from shardline.engine.memory import MemoryTracker
 from shardline.engine.param import ShardedParam
@@ -21,7 +22,14 @@ from shardline.engine.profiling import label
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["GradSlice", "PendingGather", "PendingReduce"]
+__all__ = ["GradSlice", "PartialSum", "PendingGather", "PendingReduce"]
+
+
+class PartialSum(Protocol):
+    """Where a reduction whose all-reduce across replicas is deferred lands: a group's partial sum."""
+
+    def add_partial(self, reduced: torch.Tensor) -> None:
+        """Add ``reduced`` to the partial sum awaiting the all-reduce across replicas."""
 
 
 @dataclass
@@ -36,7 +44,7 @@ class PendingGather:
         in_place: The gather writes the parameter-major buffer directly (``gathered`` is it).
     """
 
-    work: Any
+    work: Work | None
     gathered: torch.Tensor
     send: torch.Tensor
     buffer_bytes: int
@@ -82,15 +90,15 @@ class PendingReduce:
     name: str
     memory: MemoryTracker
     master: torch.dtype
-    work: Any
+    work: Work | None
     output: torch.Tensor | None
     slices: list[GradSlice]
     spare: torch.Tensor | None = None  # the memory tracker's scratch buffer in use: given back once landed
     buffer_bytes: int = 0  # what this reduction added to the tracked communication buffers
     direct: list[torch.Tensor | None] | None = None  # one rank, no replicas: the gradients as they are
-    into_partial: Any = None  # the FlatGroup whose partial sum receives the output (deferred all-reduce)
+    into_partial: PartialSum | None = None  # the FlatGroup whose partial sum receives the output (deferred all-reduce)
     copy_back: list[torch.Tensor | None] | None = None  # gradients that receive their reduced values
-    then: Callable[[], Any] | None = None  # issues the second collective once ``work`` landed; returns its work
+    then: Callable[[], Work | None] | None = None  # issues the second collective once ``work`` landed; returns its work
 
     @property
     def chained(self) -> bool:

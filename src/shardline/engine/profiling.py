@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 from torch.autograd.profiler import record_function
 
@@ -12,7 +11,7 @@ from shardline import _torch_compat
 __all__ = ["label"]
 
 
-def label(name: str) -> Any:
+def label(name: str) -> contextlib.AbstractContextManager[object]:
     """A ``torch.profiler`` range named ``shardline::<name>`` while profiling; free otherwise."""
     if _torch_compat.profiling_enabled():
         return record_function(f"shardline::{name}")

@@ -6,7 +6,7 @@ units from a module tree with these functions.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -23,7 +23,7 @@ def get_unit(module: nn.Module) -> ShardUnit | None:
     return module.__dict__.get(UNIT_ATTR)
 
 
-def set_unit(module: nn.Module, unit: Any) -> None:
+def set_unit(module: nn.Module, unit: ShardUnit) -> None:
     """Record ``unit`` as the one managing ``module``."""
     module.__dict__[UNIT_ATTR] = unit
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from shardline.engine.flat import FlatGroup, flat_group
 from shardline.engine.param import ShardedParam
 from shardline.engine.registry import subtree_units
 from shardline.engine.unit import ShardUnit
@@ -76,11 +77,11 @@ class ManagedParam:
     shape = property(lambda self: self._sp.layout.shape)
     global_shape = property(lambda self: self._sp.global_shape)
     local_shape = property(lambda self: self._sp.layout.local_shape)
-    dtype = property(lambda self: self._sp.group.dtype)
+    dtype = property(lambda self: flat_group(self._sp).dtype)
 
     def to_dtensor(self, local: torch.Tensor | None = None) -> DTensor:
         """``local`` (default: the shard), shaped like the shard, as a DTensor piece placed like it (no copy)."""
-        return self._sp.group.to_dtensor(self._sp, local)
+        return flat_group(self._sp).to_dtensor(self._sp, local)
 
     def local_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``full`` (the parameter's full shape), shaped like the shard."""
@@ -90,13 +91,13 @@ class ManagedParam:
                 f"'{self.fqn}': a full tensor of shape {tuple(full.shape)} does not fit the parameter's shape "
                 f"{pl.shape}"
             )
-        return self._sp.group.local_rows(pl, full)
+        return flat_group(self._sp).local_rows(pl, full)
 
     @torch.no_grad()
     def load_full(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of the full tensor ``full`` into the shard (any dtype/device; cast on copy)."""
         self.local_rows(full)  # checks the shape
-        group = self._sp.group
+        group = flat_group(self._sp)
         group.load_full(self._sp, full.to(device=group.device, dtype=group.dtype))
 
     def __repr__(self) -> str:
@@ -124,10 +125,11 @@ def gather_full_tensors(
     per parameter group involved; entries whose tensor is ``None`` or of another dtype come back
     ``None``. Full tensors have the parameter's ``global_shape``.
     """
-    by_group: dict[int, tuple[Any, ShardUnit, dict[int, torch.Tensor]]] = {}
+    by_group: dict[int, tuple[FlatGroup, ShardUnit, dict[int, torch.Tensor]]] = {}
     for handle, tensor in items:
         sp = handle._sp
-        entry = by_group.setdefault(id(sp.group), (sp.group, handle._unit, {}))
+        group = flat_group(sp)
+        entry = by_group.setdefault(id(group), (group, handle._unit, {}))
         if tensor is not None and tensor.dtype == dtype:
             entry[2][id(sp)] = tensor
     out: dict[int, torch.Tensor | None] = {}
@@ -208,7 +210,7 @@ class _SaveHook:  # no __slots__: torch tags public state-dict hooks with an att
             self.keys = _relative_keys(self.unit)
         for key, sp in self.keys:
             if prefix + key in state_dict:
-                state_dict[prefix + key] = sp.group.to_dtensor(sp)
+                state_dict[prefix + key] = flat_group(sp).to_dtensor(sp)
 
 
 class _LoadHook:
@@ -244,9 +246,9 @@ class _LoadHook:
                 state_dict[full_key] = piece if piece is not None else sp.sharded.detach()
 
 
-def _local_piece(sp: ShardedParam, value: Any, key: str, error_msgs: list[str]) -> torch.Tensor | None:
+def _local_piece(sp: ShardedParam, value: object, key: str, error_msgs: list[str]) -> torch.Tensor | None:
     """This rank's shard of ``value`` (a DTensor or a full tensor), or None after recording an error."""
-    pl, group = sp.layout, sp.group
+    pl, group = sp.layout, flat_group(sp)
     if not isinstance(value, torch.Tensor):
         error_msgs.append(f"'{key}': expected a tensor, got {type(value).__name__}")
         return None
@@ -348,8 +350,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
         try:
             for sp, full in zip(unit.params, fulls, strict=True):
                 full = host_copy(full) if cpu_offload else full
-                for tensor in (sp.sharded, sp.unsharded):
-                    for k in keys_of.get(id(tensor), []) if tensor is not None else []:
+                for registered in (sp.sharded, sp.unsharded):
+                    for k in keys_of.get(id(registered), []) if registered is not None else []:
                         out[k] = full
         except HOST_OOM as e:
             oom, keep = (unit.name or "<root>", e), False
@@ -424,6 +426,7 @@ def load_full_state_dict(
                 else:
                     _broadcast_into(value, state_dict.get(key) if _is_rank0() and state_dict else None, units)
                 continue
+            assert state_dict is not None  # every rank passed one (checked above)
             if key not in state_dict:
                 continue
             source = state_dict[key]
@@ -480,6 +483,7 @@ def _scatter_unit(
             fulls = []
             for sp in group.params:
                 key = keys.get(id(sp.sharded)) or keys.get(id(sp.unsharded))
+                assert key is not None  # _validate required every parameter
                 fulls.append(state_dict[key].to(device=group.device, dtype=group.dtype))
         group.scatter_from_rank0(fulls, is_source=rank0, comm=unit.ctx.comm, name=unit.display_name, phase="load")
 

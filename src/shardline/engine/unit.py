@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardline.engine.comm import Comm
-from shardline.engine.flat import FlatGroup
+from shardline.engine.flat import FlatGroup, flat_group
 from shardline.engine.memory import MemoryTracker
 from shardline.engine.mesh import ShardMesh
 from shardline.engine.mixed_precision import MixedPrecision
@@ -291,15 +291,15 @@ class ShardUnit:
         self._trainable_count = 0
         for index, sp in enumerate(self.params):
             wanted = sp.sharded.requires_grad
-            if sp.unsharded.requires_grad != wanted:
-                sp.unsharded.requires_grad_(wanted)
+            unsharded = sp.unsharded
+            assert unsharded is not None  # called once gathered
+            if unsharded.requires_grad != wanted:
+                unsharded.requires_grad_(wanted)
             if wanted:
                 self._trainable_count += 1
                 if not sp.hooked and self.grad_ready_callback is not None:
                     # Hooks can only be registered on tensors that require grad.
-                    sp.unsharded.register_post_accumulate_grad_hook(
-                        _GradReadyHook(self, index, self.grad_ready_callback)
-                    )
+                    unsharded.register_post_accumulate_grad_hook(_GradReadyHook(self, index, self.grad_ready_callback))
                     sp.hooked = True
 
     # ------------------------------------------------------------------ gradients
@@ -369,11 +369,12 @@ class ShardUnit:
     def load_full(self, index: int, full: torch.Tensor) -> None:
         """Copy this rank's rows of the full tensor ``full`` into parameter ``index``'s shard."""
         sp = self.params[index]
-        sp.group.load_full(sp, full.to(device=sp.group.device, dtype=sp.group.dtype))
+        group = flat_group(sp)
+        group.load_full(sp, full.to(device=group.device, dtype=group.dtype))
 
     def to_dtensor(self, sp: ShardedParam, local: torch.Tensor | None = None) -> DTensor:
         """``local`` (default: the shard) as a DTensor piece of ``sp``, sharing memory."""
-        return sp.group.to_dtensor(sp, local)
+        return flat_group(sp).to_dtensor(sp, local)
 
     def materialize(self, device: torch.device) -> None:
         """Give a unit built on the meta device real (zeroed) shard storage on ``device``."""

@@ -124,6 +124,8 @@ def wrap(
     for name, module in matched:
         if get_unit(module) is None:
             fully_shard(module, **fully_shard_kwargs)
-            get_unit(module).name = name
+            unit = get_unit(module)
+            assert unit is not None  # fully_shard made it
+            unit.name = name
     fully_shard(model, **{**fully_shard_kwargs, **(root_kwargs or {})})
     return model

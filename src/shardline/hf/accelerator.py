@@ -24,8 +24,8 @@ is Accelerate's own.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -46,26 +46,32 @@ class ShardedModelAccelerator:
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> torch.nn.Module:
         """Accelerate's ``prepare_model``; for the sharded model: autocast only, never DDP or a device move."""
+        prepared: torch.nn.Module
         if isinstance(model, ShardedModule):
-            return super().prepare_model(model, device_placement=False, evaluation_mode=True)  # type: ignore[misc]
-        return super().prepare_model(model, device_placement, evaluation_mode)  # type: ignore[misc]
+            prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)  # type: ignore[misc]
+        else:
+            prepared = super().prepare_model(model, device_placement, evaluation_mode)  # type: ignore[misc]
+        return prepared
 
-    def no_sync(self, model: torch.nn.Module) -> Any:
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Accelerate's ``no_sync``; for the sharded model its own (no gradient collective inside)."""
         if isinstance(model, ShardedModule):
             return model.no_sync()
-        return super().no_sync(model)  # type: ignore[misc]
+        context: contextlib.AbstractContextManager[None] = super().no_sync(model)  # type: ignore[misc]
+        return context
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> Any:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor | None:
         """Accelerate's ``clip_grad_norm_``; over the sharded model's parameters: by their global norm."""
         params = list(parameters)
         model = self._shardline_model()
-        if not isinstance(model, ShardedModule):
-            return super().clip_grad_norm_(params, max_norm, norm_type)  # type: ignore[misc]
-        mine = {id(p) for p in model.parameters()}
+        mine = {id(p) for p in model.parameters()} if isinstance(model, ShardedModule) else set()
+        if not {id(p) for p in params} & mine:  # not the sharded model's: Accelerate's own
+            norm: torch.Tensor | None = super().clip_grad_norm_(params, max_norm, norm_type)  # type: ignore[misc]
+            return norm
+        assert isinstance(model, ShardedModule)
         given = {id(p) for p in params}
-        if not given & mine:
-            return super().clip_grad_norm_(params, max_norm, norm_type)  # type: ignore[misc]
         if given != mine:
             raise ConfigurationError(
                 f"clip_grad_norm_ was given {len(given & mine)} of the sharded model's {len(mine)} parameters; "
@@ -91,5 +97,5 @@ def for_sharded_model(accelerator: Accelerator, model: Callable[[], nn.Module | 
             new.__qualname__ = cls.__qualname__
             _CLASSES[cls] = new
         accelerator.__class__ = new
-    accelerator._shardline_model = model  # type: ignore[attr-defined]
+    accelerator._shardline_model = model
     return accelerator

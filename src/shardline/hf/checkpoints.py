@@ -33,11 +33,12 @@ import shutil
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
@@ -71,7 +72,7 @@ def broadcast_object(obj: T, src: int = 0) -> T:
 
 def _on_rank0(work: Callable[[], T]) -> T:
     """Run ``work`` on rank 0; every rank gets its result, or raises its error (so no rank waits on a failed one)."""
-    result: Any = None
+    result: T | None = None
     failure: tuple[str, str] | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
@@ -83,15 +84,15 @@ def _on_rank0(work: Callable[[], T]) -> T:
     failure, result = broadcast_object((failure, result))
     if failure is not None:
         raise CheckpointError(f"rank 0 failed: {failure[0]}: {failure[1]}")
-    return result
+    return cast(T, result)  # rank 0 did not fail, so ``work`` returned it
 
 
 def save_training_checkpoint(
-    output_dir: str | os.PathLike,
+    output_dir: str | os.PathLike[str],
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
+    scheduler: LRScheduler | None,
     step: int,
     config: Mapping[str, Any],
     parent_manifest_hash: str | None,
@@ -117,7 +118,7 @@ def save_training_checkpoint(
     return info
 
 
-def require_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
+def require_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path:
     """``checkpoint_dir/shardline``, the same path on every rank.
 
     Raises:
@@ -153,7 +154,7 @@ def record_commit(run_dir: Path, checkpoint: Path, info: ckpt.CheckpointInfo) ->
     _on_rank0(append)
 
 
-def record_rotations(run_dir: str | os.PathLike, reason: str) -> int:
+def record_rotations(run_dir: str | os.PathLike[str], reason: str) -> int:
     """Tombstone rows for recorded checkpoints that are gone from ``run_dir`` (a collective); how many."""
     run = Path(broadcast_object(os.fspath(Path(run_dir).absolute())))
 
@@ -167,11 +168,11 @@ def record_rotations(run_dir: str | os.PathLike, reason: str) -> int:
 
 
 def load_training_checkpoint(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike[str],
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
+    scheduler: LRScheduler | None,
     verify: ckpt.VerifyLevel | str,
 ) -> str:
     """Verify and load ``checkpoint_dir/shardline`` into the model (and optimizer, scheduler); its manifest hash.
@@ -189,7 +190,7 @@ def load_training_checkpoint(
     return digest
 
 
-def export_pretrained(output_dir: str | os.PathLike, *, model: nn.Module, step: int, adapters: bool) -> list[str]:
+def export_pretrained(output_dir: str | os.PathLike[str], *, model: nn.Module, step: int, adapters: bool) -> list[str]:
     """Write the model's weights as a Hugging Face folder into ``output_dir`` (a collective); the file names.
 
     ``adapters``: a PEFT model's adapter (``adapter_model.safetensors`` + ``adapter_config.json``),

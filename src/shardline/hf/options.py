@@ -11,13 +11,16 @@ the trainer is built.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shardline.engine import MixedPrecision, layer_policy, original_class
 from shardline.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 __all__ = ["refused_arguments", "resolve_mixed_precision", "resolve_wrap_policy"]
 
@@ -74,7 +77,7 @@ def resolve_wrap_policy(model: nn.Module, policy: WrapPolicyLike) -> Callable[[n
     return layer_policy(*found)
 
 
-def resolve_mixed_precision(args: Any, given: MixedPrecision | None) -> MixedPrecision | None:
+def resolve_mixed_precision(args: TrainingArguments, given: MixedPrecision | None) -> MixedPrecision | None:
     """shardline's mixed precision for Trainer's ``bf16`` / ``fp16`` (``given`` wins when set).
 
     ``bf16=True`` gathers parameters and computes in bf16 while shards, optimizer state and the
@@ -94,7 +97,7 @@ def resolve_mixed_precision(args: Any, given: MixedPrecision | None) -> MixedPre
     return None
 
 
-def refused_arguments(args: Any) -> list[str]:
+def refused_arguments(args: TrainingArguments) -> list[str]:
     """Each TrainingArguments setting that cannot work on a shardline-sharded model, with its fix."""
     problems = []
     if getattr(args, "fsdp", None):

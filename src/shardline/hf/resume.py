@@ -36,7 +36,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 from shardline._transformers_compat import PREFIX_CHECKPOINT_DIR, TRAINER_STATE_NAME
 from shardline.checkpoint.coordination.coord import rank0_decides
@@ -117,7 +117,7 @@ def _newest_hint(run: Path) -> str:
     return f"the newest complete checkpoint is {newest} (resume_from_checkpoint=True picks it)"
 
 
-def _choose(run: Path, resume: str | os.PathLike | bool) -> Path:
+def _choose(run: Path, resume: str | Literal[True]) -> Path:
     """Rank 0: the folder to resume from (see the module docstring)."""
     if resume is True:
         passed: list[Path] = []
@@ -215,7 +215,7 @@ def _move(run: Path, folder: Path, reason: str) -> None:
     log.warning("moved %s aside to %s: %s", folder.name, os.path.relpath(target, run), reason)
 
 
-def _decide(output_dir: str, resume: str | bool | None) -> str | None:
+def _decide(output_dir: str, resume: str | Literal[True] | None) -> str | None:
     """Rank 0: see :func:`prepare_resume`; plain data out."""
     run = Path(output_dir).absolute()
     chosen = _choose(run, resume) if resume is not None else None
@@ -252,7 +252,7 @@ def _decide(output_dir: str, resume: str | bool | None) -> str | None:
     return None if chosen is None else str(chosen)
 
 
-def prepare_resume(output_dir: str | os.PathLike, resume: str | os.PathLike | bool | None) -> str | None:
+def prepare_resume(output_dir: str | os.PathLike[str], resume: str | os.PathLike[str] | bool | None) -> str | None:
     """The checkpoint folder a ``train(resume_from_checkpoint=resume)`` loads, after the folders after it
     were moved aside (a collective; see the module docstring). None: start from step 0.
 
@@ -264,5 +264,5 @@ def prepare_resume(output_dir: str | os.PathLike, resume: str | os.PathLike | bo
     """
     if resume is False:
         resume = None
-    value: Any = resume if isinstance(resume, (bool, type(None))) else os.fspath(resume)
+    value: str | Literal[True] | None = resume if resume is None or resume is True else os.fspath(resume)
     return rank0_decides(lambda: _decide(os.fspath(output_dir), value), None)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -62,15 +62,19 @@ def _is_peft(model: nn.Module) -> bool:
     return isinstance(getattr(model, "peft_config", None), dict) and hasattr(model, "get_base_model")
 
 
-class ShardlineTrainerMixin:
-    """What :func:`sharded` adds to a Trainer class (see :class:`ShardlineTrainer` for the arguments)."""
+if TYPE_CHECKING:
+    from transformers.trainer_utils import TrainOutput
 
-    model: nn.Module
-    args: Any
-    accelerator: Any
-    optimizer: Any
-    lr_scheduler: Any
-    state: Any
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class ShardlineTrainerMixin(_TrainerBase):
+    """What :func:`sharded` adds to a Trainer class (see :class:`ShardlineTrainer` for the arguments).
+
+    Note: a mixin, placed before the Trainer class it extends; type checkers see it as a ``Trainer``.
+    """
 
     def __init__(
         self,
@@ -108,6 +112,20 @@ class ShardlineTrainerMixin:
         self._shardline_mixed_precision = resolve_mixed_precision(self.args, mixed_precision)
         self._shard(auto_wrap_policy, reshard_after_forward)
 
+    @property
+    def _sharded_model(self) -> nn.Module:
+        """The model, sharded by ``__init__`` (which refuses a trainer without one)."""
+        model = self.model
+        assert model is not None
+        return model
+
+    @property
+    def _output_dir(self) -> str:
+        """``args.output_dir``; TrainingArguments sets it (``trainer_output``) when it is not given."""
+        output_dir = self.args.output_dir
+        assert output_dir is not None
+        return output_dir
+
     # ------------------------------------------------------------------ sharding
     def _shard(self, policy: WrapPolicyLike, reshard_after_forward: bool | int | None) -> None:
         model = self.model
@@ -135,11 +153,11 @@ class ShardlineTrainerMixin:
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator, adapted to the sharded model (see :mod:`shardline.hf.accelerator`)."""
-        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        super().create_accelerator_and_postprocess()
         self.accelerator = for_sharded_model(self.accelerator, lambda: getattr(self, "model", None))
 
     # ------------------------------------------------------------------ checkpoints
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
         """Trainer's ``train``; before it starts, the checkpoint it resumes is settled (every rank).
 
         ``resume_from_checkpoint=True`` takes the newest complete ``checkpoint-N``, passing over
@@ -154,13 +172,13 @@ class ShardlineTrainerMixin:
             CheckpointExistsError: a start without ``resume_from_checkpoint`` in an ``output_dir``
                 that holds checkpoints (the message lists the ways on).
         """
-        resume = prepare_resume(self.args.output_dir, resume_from_checkpoint)
-        return super().train(resume, *args, **kwargs)  # type: ignore[misc]
+        resume = prepare_resume(self._output_dir, resume_from_checkpoint)
+        return super().train(resume, *args, **kwargs)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
         self._shardline_saving = True
         try:
-            super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
+            super()._save_checkpoint(model, trial, *args, **kwargs)
         finally:
             self._shardline_saving = False
         # Trainer's save_total_limit may have deleted older checkpoint-N folders: the ledger records it.
@@ -176,12 +194,12 @@ class ShardlineTrainerMixin:
         gathered: see :mod:`shardline.hf.checkpoints`. Inside Trainer's periodic saves, the
         shardline checkpoint of ``checkpoint-N/`` is written instead.
         """
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        output_dir = output_dir if output_dir is not None else self._output_dir
         if self._shardline_saving:
             include_optimizer = not self.args.save_only_model
             info = save_training_checkpoint(
                 output_dir,
-                model=self.model,
+                model=self._sharded_model,
                 optimizer=_inner_optimizer(self.optimizer) if include_optimizer else None,
                 scheduler=self.lr_scheduler if include_optimizer else None,
                 step=int(self.state.global_step),
@@ -192,10 +210,11 @@ class ShardlineTrainerMixin:
             self._shardline_run_dir = os.path.dirname(os.path.abspath(output_dir))
             return
         os.makedirs(output_dir, exist_ok=True)
-        export_pretrained(output_dir, model=self.model, step=int(self.state.global_step), adapters=_is_peft(self.model))
+        model = self._sharded_model
+        export_pretrained(output_dir, model=model, step=int(self.state.global_step), adapters=_is_peft(model))
         if self.args.should_save:
-            if self.processing_class is not None:  # type: ignore[attr-defined]
-                self.processing_class.save_pretrained(output_dir)  # type: ignore[attr-defined]
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
@@ -210,16 +229,17 @@ class ShardlineTrainerMixin:
             return
         self._shardline_parent = load_training_checkpoint(
             checkpoint,
-            model=self.model,
+            model=self._sharded_model,
             optimizer=_inner_optimizer(self.optimizer),
             scheduler=self.lr_scheduler,
             verify=self._shardline_verify,
         )
 
 
-def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+def _inner_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (itself when not wrapped)."""
-    return getattr(optimizer, "optimizer", optimizer)
+    inner: torch.optim.Optimizer | None = getattr(optimizer, "optimizer", optimizer)
+    return inner
 
 
 def _refuse(problems: list[str], name: str) -> None:

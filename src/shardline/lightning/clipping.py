@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
 
 __all__ = ["GlobalNormClipping", "clip_globally", "log_metric"]
 
@@ -40,7 +43,7 @@ class GlobalNormClipping:
 
     def clip_gradients(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer,
         clip_val: float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
@@ -70,7 +73,7 @@ def clip_globally(plugin: Precision, clipper: _Clipper) -> Precision:
     return plugin
 
 
-def log_metric(module: Any, name: str, value: torch.Tensor) -> None:
+def log_metric(module: LightningModule, name: str, value: torch.Tensor) -> None:
     """``module.log(name, value)`` per step, where Lightning allows logging (skipped elsewhere)."""
     # e.g. clip_gradients called by the user from a hook that may not log: skip the metric, not the clipping
     with contextlib.suppress(MisconfigurationException):

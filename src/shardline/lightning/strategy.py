@@ -77,7 +77,8 @@ def _policy(value: Any, name: str) -> Callable[[nn.Module], bool] | None:
     if isinstance(value, (str, type)):
         return shardline.layer_policy(value)
     if callable(value):
-        return value
+        policy: Callable[[nn.Module], bool] = value
+        return policy
     if isinstance(value, Iterable):
         items = list(value)
         if items and all(isinstance(v, (str, type)) for v in items):

@@ -74,7 +74,8 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class MLP(nn.Module):
@@ -84,7 +85,8 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        out: torch.Tensor = self.proj(F.gelu(self.fc(x)))
+        return out
 
 
 class Block(nn.Module):
@@ -100,7 +102,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        out: torch.Tensor = x + self.drop(self.mlp(self.ln2(x)))
+        return out
 
 
 class GPT(nn.Module):
@@ -127,4 +130,5 @@ class GPT(nn.Module):
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        out: torch.Tensor = self.head(self.ln_f(x))
+        return out

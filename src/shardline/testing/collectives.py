@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from collections.abc import Callable
+from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from shardline.engine import Collectives, TorchCollectives
+from shardline.engine import Collectives, TorchCollectives, Work
 
 __all__ = ["DelayedCollectives", "FaultyCollectives", "GradientFault"]
 
@@ -20,7 +22,9 @@ class _Forwarding:
     def __init__(self, inner: Collectives | None = None) -> None:
         self.inner: Collectives = inner or TorchCollectives()
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
+    ) -> Work | None:
         return self.inner.all_gather(output, input, group, async_op=async_op)
 
     def reduce_scatter(
@@ -31,20 +35,22 @@ class _Forwarding:
         *,
         op: dist.ReduceOp.RedOpType,
         async_op: bool,
-    ) -> Any:
+    ) -> Work | None:
         return self.inner.reduce_scatter(output, input, group, op=op, async_op=async_op)
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
-    ) -> Any:
+    ) -> Work | None:
         return self.inner.all_reduce(tensor, group, op=op, async_op=async_op)
 
-    def gathers_in_place(self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: Any) -> bool:
+    def gathers_in_place(
+        self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> bool:
         check = getattr(self.inner, "gathers_in_place", None)
         return bool(check is not None and check(group, numel=numel, dtype=dtype, device=device))
 
-    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
-        return self.inner.all_gather_in_place(buffer, group, async_op=async_op)  # type: ignore[attr-defined]
+    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Work | None:
+        return _in_place(self.inner)(buffer, group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, src: int) -> None:
         self.inner.broadcast(tensor, group, src=src)
@@ -55,13 +61,21 @@ class _Forwarding:
         self.inner.scatter(output, chunks, group, src=src)
 
 
+_GatherInPlace = Callable[..., Work | None]
+
+
+def _in_place(backend: Collectives) -> _GatherInPlace:
+    """``backend``'s optional ``all_gather_in_place`` (the engine calls it only where ``gathers_in_place`` said so)."""
+    return cast(_GatherInPlace, backend.all_gather_in_place)  # type: ignore[attr-defined]
+
+
 class _DelayedWork:
     """An async collective whose result only appears, late, when waited on."""
 
-    def __init__(self, work: Any, seconds: float, land: Any) -> None:
+    def __init__(self, work: Work | None, seconds: float, land: Callable[[], object]) -> None:
         self._work, self._seconds, self._land = work, seconds, land
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         if self._work is not None:
             time.sleep(self._seconds)
             self._work.wait()
@@ -91,7 +105,7 @@ class DelayedCollectives(_Forwarding):
         self.seconds = float(seconds)
         self.delayed = 0
 
-    def _delay(self, output: torch.Tensor, issue: Any) -> Any:
+    def _delay(self, output: torch.Tensor, issue: Callable[[torch.Tensor], Work | None]) -> Work:
         scratch = output.clone()
         work = issue(scratch)
         if output.is_floating_point():
@@ -99,7 +113,9 @@ class DelayedCollectives(_Forwarding):
         self.delayed += 1
         return _DelayedWork(work, self.seconds, lambda: output.copy_(scratch))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
+    ) -> Work | None:
         if not async_op:
             return self.inner.all_gather(output, input, group, async_op=False)
         return self._delay(output, lambda out: self.inner.all_gather(out, input, group, async_op=True))
@@ -112,20 +128,20 @@ class DelayedCollectives(_Forwarding):
         *,
         op: dist.ReduceOp.RedOpType,
         async_op: bool,
-    ) -> Any:
+    ) -> Work | None:
         if not async_op:
             return self.inner.reduce_scatter(output, input, group, op=op, async_op=False)
         return self._delay(output, lambda out: self.inner.reduce_scatter(out, input, group, op=op, async_op=True))
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
-    ) -> Any:
+    ) -> Work | None:
         if not async_op:
             return self.inner.all_reduce(tensor, group, op=op, async_op=False)
         return self._delay(tensor, lambda out: self.inner.all_reduce(out, group, op=op, async_op=True))
 
-    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Any:
-        inner = self.inner.all_gather_in_place  # type: ignore[attr-defined]
+    def all_gather_in_place(self, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Work | None:
+        inner = _in_place(self.inner)
         if not async_op:
             return inner(buffer, group, async_op=False)
         return self._delay(buffer, lambda out: inner(out, group, async_op=True))
@@ -143,7 +159,7 @@ class GradientFault(str, enum.Enum):
 class _Done:
     """Work handle of a collective that did nothing."""
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         return True
 
     def is_completed(self) -> bool:
@@ -181,7 +197,7 @@ class FaultyCollectives(_Forwarding):
         *,
         op: dist.ReduceOp.RedOpType,
         async_op: bool,
-    ) -> Any:
+    ) -> Work | None:
         run = self._op(op)
         if run is None:  # this rank's rows, unreduced
             output.copy_(input.view(dist.get_world_size(group), -1)[dist.get_rank(group)].view_as(output))
@@ -190,7 +206,7 @@ class FaultyCollectives(_Forwarding):
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool
-    ) -> Any:
+    ) -> Work | None:
         run = self._op(op)
         if run is None:
             return _Done() if async_op else None

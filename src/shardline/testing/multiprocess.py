@@ -54,6 +54,9 @@ _GRACE_S = 3.0  # how long the other ranks get to report after one failed
 _FALLOUT = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
 _PRELOAD = ["torch", "torch.distributed", "shardline", "shardline.testing._warmup"]
 
+_Report = tuple[int, bool, Any]
+"""What a rank sends back: its rank, whether ``fn`` returned, and its return value or its traceback."""
+
 
 class RankFailedError(ShardlineError, RuntimeError):
     """A rank raised or died. ``failures`` maps rank -> traceback text (or exit description)."""
@@ -71,7 +74,7 @@ class DistributedTimeoutError(ShardlineError, TimeoutError):
         self.stacks = dict(stacks)
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def _context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
@@ -125,7 +128,7 @@ def _worker(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     env: Mapping[str, str],
-    results: Any,
+    results: multiprocessing.queues.Queue[_Report],
 ) -> None:
     os.environ.update(
         {
@@ -248,7 +251,13 @@ def run_distributed(
             results.close()
 
 
-def _collect(procs: list[Any], results: Any, deadline: float, stack_files: list[str], timeout: float) -> list[Any]:
+def _collect(
+    procs: Sequence[multiprocessing.process.BaseProcess],
+    results: multiprocessing.queues.Queue[_Report],
+    deadline: float,
+    stack_files: list[str],
+    timeout: float,
+) -> list[Any]:
     world_size = len(procs)
     values: dict[int, Any] = {}
     failures: dict[int, str] = {}

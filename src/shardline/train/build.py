@@ -20,6 +20,7 @@ from shardline.errors import ConfigurationError, ShardlineError
 from shardline.train.compiling import check_compile_supported
 from shardline.train.config import resolve_accelerator
 from shardline.train.hints import keyword_hint, target_hint
+from shardline.train.hooks import check_callback
 from shardline.train.schema import TrainConfig
 
 __all__ = ["Policies", "build_callbacks", "build_model", "build_policies", "preflight"]
@@ -75,9 +76,15 @@ class Policies:
             )
 
 
-def build_callbacks(cfg: TrainConfig) -> list[Any]:
-    """The configured callbacks, in config order."""
-    return [instantiate_node(node, f"callbacks.{name}") for name, node in (cfg.callbacks or {}).items() if node]
+def build_callbacks(cfg: TrainConfig) -> list[object]:
+    """The configured callbacks, in config order; each checked to name only hooks the trainer calls."""
+    callbacks: list[object] = []
+    for name, node in (cfg.callbacks or {}).items():
+        if node:
+            callback = instantiate_node(node, f"callbacks.{name}")
+            check_callback(callback, where=f"callbacks.{name}")
+            callbacks.append(callback)
+    return callbacks
 
 
 def build_policies(cfg: TrainConfig) -> Policies:

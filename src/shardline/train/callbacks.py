@@ -2,7 +2,7 @@
 
 Each callback is configured under ``callbacks.<name>`` with a ``_target_`` and removed with
 ``~callbacks.<name>``. Hooks receive the :class:`~shardline.train.trainer.Trainer`; output
-happens on rank 0 only.
+happens on rank 0 only. :class:`Callback` is the base class of these, and may be of yours.
 """
 
 from __future__ import annotations
@@ -12,15 +12,21 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from shardline.train.records import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, attempt_path
 
-__all__ = ["LossPlot", "MetricsCSV", "ProgressBar", "Summary", "TensorBoard"]
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from shardline.train.trainer import StepMetrics, Trainer
+    from shardline.train.trainer import Summary as RunSummary
+
+__all__ = ["Callback", "LossPlot", "MetricsCSV", "ProgressBar", "Summary", "TensorBoard"]
 
 log = logging.getLogger("shardline.train")
 
@@ -42,7 +48,44 @@ METRIC_FIELDS = (
 global batch (its samples, in order) and is the same for a step at every world size."""
 
 
-def _cell(value: Any) -> str:
+class Callback:
+    """A base class for callbacks: every hook of the training loop, typed, doing nothing.
+
+    Optional (any object with some of these methods is a callback), but a subclass's overrides
+    are checked against these signatures by a type checker. Either way, a callback's ``on_*``
+    methods must be hooks: a misspelt one is refused when the callbacks are built
+    (:func:`shardline.train.hooks.check_callback`). docs/training.md says when each is called.
+    """
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Training starts (after a resume, before the first evaluation)."""
+
+    def on_train_batch_start(self, trainer: Trainer, step: int) -> None:
+        """Step ``step`` (1-based) starts."""
+
+    def on_after_backward(self, trainer: Trainer, step: int) -> None:
+        """Every micro-batch of step ``step`` went through backward; gradients are reduced."""
+
+    def on_before_optimizer_step(self, trainer: Trainer, step: int) -> None:
+        """Gradients are clipped; the optimizer steps next."""
+
+    def on_train_batch_end(self, trainer: Trainer, step: int) -> None:
+        """Step ``step`` is done; nothing has been read from the device yet."""
+
+    def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
+        """Once per step, at the end of its read interval, with the values read."""
+
+    def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None:
+        """An evaluation after ``step`` (0: before training) gave ``val_loss``."""
+
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
+        """Training finished (not called when it raised)."""
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        """Training raised ``error`` (about to propagate); an error raised here is logged, not raised."""
+
+
+def _cell(value: object) -> str:
     """A CSV cell: floats and ints exactly (repr), text as is, None empty."""
     if value is None:
         return ""
@@ -53,16 +96,16 @@ def _console() -> Console:
     return Console(highlight=False, soft_wrap=True)
 
 
-class ProgressBar:
+class ProgressBar(Callback):
     """A live bar on rank 0 (step, loss, tokens/s, ETA) on a terminal; a line every N steps otherwise."""
 
     def __init__(self, refresh_per_second: float = 4.0) -> None:
         self.refresh_per_second = refresh_per_second
         self._progress: Progress | None = None
-        self._task: Any = None
+        self._task = TaskID(0)  # the bar's task, once on_fit_start made the bar
         self._console = _console()
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if not trainer.is_rank0 or not self._console.is_terminal:
             return
         self._progress = Progress(
@@ -80,13 +123,13 @@ class ProgressBar:
         self._progress.start()
         self._task = self._progress.add_task("train", total=trainer.max_steps, loss="-", val="-", tps="-")
 
-    def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
+    def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None:
         if self._progress is not None:
             self._progress.update(self._task, val=f"{val_loss:.4f}")
         elif trainer.is_rank0:
             self._console.print(f"step {step:>6}  validation loss {val_loss:.4f}")
 
-    def on_step_end(self, trainer: Any, m: Any) -> None:
+    def on_step_end(self, trainer: Trainer, m: StepMetrics) -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=m.step, loss=f"{m.loss:.4f}", tps=f"{m.tokens_per_s:,.0f}")
         elif trainer.is_rank0 and (m.step % trainer.cfg.trainer.log_every_n_steps == 0 or m.step == 1):
@@ -96,13 +139,13 @@ class ProgressBar:
                 f"grad norm {m.grad_norm:.3f}  {m.tokens_per_s:,.0f} tok/s  ETA {remaining:.0f}s"
             )
 
-    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
 
 
-class MetricsCSV:
+class MetricsCSV(Callback):
     """``metrics.csv`` in the run directory: one row per step, plus the initial evaluation (step 0).
 
     Append-only: a resumed attempt adds its rows after the earlier attempts' (``attempt`` column:
@@ -114,10 +157,10 @@ class MetricsCSV:
     def __init__(self, filename: str = METRICS_FILE) -> None:
         self.filename = filename
         self._file: IO[str] | None = None
-        self._writer: Any = None
+        self._writer: csv.DictWriter[str] | None = None
         self._attempt = 0
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if not trainer.is_rank0:
             return
         path = Path(trainer.run_dir) / self.filename
@@ -133,34 +176,34 @@ class MetricsCSV:
         if not exists:
             self._writer.writeheader()
 
-    def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
+    def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None:
         if self._writer is not None and step == 0:
             self._writer.writerow(
                 {"step": 0, "val_loss": repr(val_loss), "attempt": self._attempt, "world_size": trainer.info.world_size}
             )
 
-    def on_step_end(self, trainer: Any, m: Any) -> None:
-        if self._writer is None:
+    def on_step_end(self, trainer: Trainer, m: StepMetrics) -> None:
+        if self._writer is None or self._file is None:
             return
         row = {name: getattr(m, name) for name in METRIC_FIELDS if name != "attempt"}
         # repr() keeps every bit of the floats, so two runs can be compared exactly.
         self._writer.writerow({**{k: _cell(v) for k, v in row.items()}, "attempt": self._attempt})
         self._file.flush()
 
-    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-class TensorBoard:
+class TensorBoard(Callback):
     """TensorBoard event files under ``<run_dir>/tensorboard`` when the ``[tensorboard]`` extra is installed."""
 
     def __init__(self, subdir: str = "tensorboard") -> None:
         self.subdir = subdir
-        self._writer: Any = None
+        self._writer: SummaryWriter | None = None
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if not trainer.is_rank0:
             return
         try:
@@ -170,29 +213,29 @@ class TensorBoard:
             return
         self._writer = SummaryWriter(log_dir=str(Path(trainer.run_dir) / self.subdir))
 
-    def on_step_end(self, trainer: Any, m: Any) -> None:
+    def on_step_end(self, trainer: Trainer, m: StepMetrics) -> None:
         if self._writer is None:
             return
         for name in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib", "comm_mib"):
             self._writer.add_scalar(f"train/{name}", getattr(m, name), m.step)
 
-    def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
+    def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None:
         if self._writer is not None:
             self._writer.add_scalar("val/loss", val_loss, step)
 
-    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
 
-class LossPlot:
+class LossPlot(Callback):
     """``loss.png``: training loss per step and validation loss at each evaluation (``[plot]`` extra)."""
 
     def __init__(self, filename: str = LOSS_PLOT_FILE) -> None:
         self.filename = filename
 
-    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
         if not trainer.is_rank0:
             return
         try:
@@ -222,13 +265,13 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 1024:,.0f} KiB"
 
 
-class Summary:
+class Summary(Callback):
     """A final table on rank 0 and ``summary.json`` in the run directory."""
 
     def __init__(self, filename: str = SUMMARY_FILE) -> None:
         self.filename = filename
 
-    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
         if not trainer.is_rank0:
             return
         attempt_path(trainer.run_dir, self.filename).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")

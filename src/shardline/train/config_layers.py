@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -324,7 +324,10 @@ def _experiment_model(ref: ExperimentRef) -> dict[str, Any]:
     if package is not None and package.group(1) != "_global_":
         return {}
     model = node.get("model") if isinstance(node, DictConfig) else None
-    return dict(OmegaConf.to_container(model, resolve=False)) if isinstance(model, DictConfig) else {}
+    if not isinstance(model, DictConfig):
+        return {}
+    container = OmegaConf.to_container(model, resolve=False)
+    return dict(cast("dict[str, Any]", container))  # a DictConfig's container is a dict
 
 
 def apply_model_replacement(cfg: DictConfig, plan: ConfigPlan) -> None:

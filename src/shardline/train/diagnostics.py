@@ -14,9 +14,10 @@ each rank's log and rank 0's ``memory_phases.csv``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -32,15 +33,19 @@ from shardline.diagnostics.summaries import (
     reset_peak_rss,
     unit_summary,
 )
-from shardline.engine import count_collectives, memory_stats, reset_peak_memory_stats, subtree_units
+from shardline.engine import CommCounter, count_collectives, memory_stats, reset_peak_memory_stats, subtree_units
+from shardline.train.callbacks import Callback
 from shardline.train.records import MEMORY_PHASES_FILE, attempt_path
+
+if TYPE_CHECKING:
+    from shardline.train.trainer import Summary, Trainer
 
 __all__ = ["Diagnostics"]
 
 log = logging.getLogger("shardline.train")
 
 
-class Diagnostics:
+class Diagnostics(Callback):
     """See the module docstring. Thresholds are configurable under ``callbacks.diagnostics``."""
 
     def __init__(
@@ -50,14 +55,14 @@ class Diagnostics:
         self.dominant_unit_fraction = dominant_unit_fraction
         self.uneven_tolerance = uneven_tolerance
         self.rows: list[PhaseMemory] = []
-        self._counter: Any = None
-        self._counting: Any = None
+        self._counter: CommCounter | None = None
+        self._counting: contextlib.AbstractContextManager[CommCounter] | None = None
         self.setup_lines: list[str] = []
         self.warnings: list[str] = []
         self._console = Console(highlight=False, soft_wrap=True)
 
     # ------------------------------------------------------------------ setup
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         cfg, model = trainer.cfg, trainer.model
         units = subtree_units(model)
         strategy = cfg.trainer.strategy
@@ -90,7 +95,7 @@ class Diagnostics:
         reset_peak_rss()
 
     # ------------------------------------------------------------------ per-phase memory
-    def _mark(self, trainer: Any, step: int, phase: str) -> None:
+    def _mark(self, trainer: Trainer, step: int, phase: str) -> None:
         if step > trainer.start_step + self.memory_steps:
             return
         stats = memory_stats(trainer.model, optimizer=trainer.optimizer)
@@ -113,31 +118,31 @@ class Diagnostics:
         if phase == "batch_end" and step == trainer.start_step + self.memory_steps:
             self._log_memory_table(trainer)
 
-    def on_train_batch_start(self, trainer: Any, step: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, step: int) -> None:
         self._mark(trainer, step, "batch_start")
         if step == trainer.start_step + 1:  # itemize the first step's collectives
             self._counting = count_collectives(trainer.model)
             self._counter = self._counting.__enter__()
 
-    def on_after_backward(self, trainer: Any, step: int) -> None:
+    def on_after_backward(self, trainer: Trainer, step: int) -> None:
         self._mark(trainer, step, "after_backward")
 
-    def on_before_optimizer_step(self, trainer: Any, step: int) -> None:
+    def on_before_optimizer_step(self, trainer: Trainer, step: int) -> None:
         self._mark(trainer, step, "before_optimizer_step")
-        if self._counting is not None:
+        if self._counting is not None and self._counter is not None:
             self._counting.__exit__(None, None, None)
             self._counting = None
             for line in comm_table(self._counter.records):
                 log.info("diagnostics: %s", line)
 
-    def on_train_batch_end(self, trainer: Any, step: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, step: int) -> None:
         self._mark(trainer, step, "batch_end")  # right after the step (on_step_end waits for the read)
 
-    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+    def on_fit_end(self, trainer: Trainer, summary: Summary) -> None:
         if self.rows and len(self.rows) < 4 * self.memory_steps:  # the run was shorter than the window
             self._log_memory_table(trainer)
 
-    def _log_memory_table(self, trainer: Any) -> None:
+    def _log_memory_table(self, trainer: Trainer) -> None:
         log.info("diagnostics: memory per phase (peak = during the phase that ends at this point)")
         for row in self.rows:
             log.info("diagnostics: %s", row.line())

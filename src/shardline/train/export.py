@@ -11,17 +11,21 @@ manifest hash in its ``consolidation.json``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.consolidate import consolidate
+from shardline.train.callbacks import Callback
+
+if TYPE_CHECKING:
+    from shardline.train.trainer import Summary, Trainer
 
 __all__ = ["Export"]
 
 log = logging.getLogger("shardline.train")
 
 
-class Export:
+class Export(Callback):
     """Consolidate the last checkpoint into ``RUN_DIR/<folder>/model`` (and ``.../adapter``) at the end of training.
 
     Args:
@@ -32,11 +36,11 @@ class Export:
     """
 
     def __init__(
-        self, *, folder: str = "export", model: bool = True, adapters: bool = False, dtype: Any = None
+        self, *, folder: str = "export", model: bool = True, adapters: bool = False, dtype: str | None = None
     ) -> None:
         self.folder, self.model, self.adapters, self.dtype = folder, model, adapters, dtype
 
-    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+    def on_fit_end(self, trainer: Trainer, summary: Summary) -> None:
         if not trainer.is_rank0:
             return
         last = trainer.checkpoints.manager.wait()

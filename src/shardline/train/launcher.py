@@ -28,7 +28,7 @@ import traceback
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -43,6 +43,9 @@ from shardline.train.launcher_channel import ChannelServer
 from shardline.train.parentwatch import bind_to_parent
 from shardline.train.preemption import PREEMPTED, PREEMPTED_EXIT_CODE, Preempted
 from shardline.train.preflight import check_data, check_storage, check_values
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from shardline.train.records import LOGS_DIR
 from shardline.train.relay import SigtermRelay
 from shardline.train.schema import TrainConfig
@@ -208,7 +211,7 @@ def _launch_local(cfg: TrainConfig, run_dir: Path, experiment: str, err: Console
     return PREEMPTED_EXIT_CODE if terminated else 1
 
 
-def _explain(failed: BaseException, server: ChannelServer, child_failed: type) -> tuple[str, str]:
+def _explain(failed: BaseException, server: ChannelServer, child_failed: type[ChildFailedError]) -> tuple[str, str]:
     """The first line naming the cause, and a traceback: from what the workers told the launcher, if anything."""
     verdict = server.verdict()
     if verdict is not None:
@@ -226,7 +229,7 @@ def _explain(failed: BaseException, server: ChannelServer, child_failed: type) -
     )
 
 
-def _root_cause(exc: Any) -> tuple[int, str, str]:
+def _root_cause(exc: ChildFailedError) -> tuple[int, str, str]:
     """The failure that caused the others: earliest, and not a peer noticing a dead rank."""
     failures = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
     real = [f for f in failures if not any(m in _failure_text(f[1]) for m in _FALLOUT)] or failures
@@ -240,6 +243,6 @@ def _root_cause(exc: Any) -> tuple[int, str, str]:
     return failure.local_rank if hasattr(failure, "local_rank") else rank, text, trace
 
 
-def _failure_text(failure: Any) -> str:
+def _failure_text(failure: ProcessFailure) -> str:
     data = failure.error_file_data or {}
     return f"{failure.message} {data}"

@@ -211,7 +211,7 @@ class ChannelServer:
         """After the first failure: name stalled ranks (if a collective timed out) and end stuck workers."""
         now = time.monotonic()
         with self._lock:
-            timed_out = [r for r in self._order if self.ranks[r].error and self.ranks[r].error.get("timeout")]
+            timed_out = [r for r in self._order if (self.ranks[r].error or {}).get("timeout")]
             silent = {
                 r: now - rep.last_beat
                 for r, rep in self.ranks.items()

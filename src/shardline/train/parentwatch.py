@@ -46,7 +46,7 @@ def _set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+        return bool(libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 

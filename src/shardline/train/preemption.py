@@ -35,9 +35,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from types import FrameType
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,9 +81,9 @@ class PreemptionGuard:
         self.grace_s = float(grace_s)
         self.world_size = world_size
         self.requested_at: float | None = None
-        self._previous: Any = None
+        self._previous: Callable[[int, FrameType | None], object] | int | None = None
         self._installed = False
-        self._group: Any = None
+        self._group: dist.ProcessGroup | None = None
         if world_size > 1:
             self._group = (
                 None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

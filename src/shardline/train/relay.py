@@ -31,7 +31,6 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 __all__ = ["MARGIN_S", "SigtermRelay"]
 
@@ -56,7 +55,7 @@ class SigtermRelay:
         self.requested_at: float | None = None
         self.killed: list[int] = []
         self._pids = pids
-        self._previous: Any = None
+        self._previous: Callable[[int, FrameType | None], object] | int | None = None
         self._installed = False
         self._repeats = 0
         self._done = threading.Event()

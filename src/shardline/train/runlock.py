@@ -80,7 +80,7 @@ class RunLock:
         stale: After :meth:`acquire`, the holder a stale lock file named (None if there was none).
     """
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
         self.stale: LockHolder | None = None

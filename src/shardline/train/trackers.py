@@ -51,11 +51,15 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from shardline.checkpoint import Ledger
 from shardline.errors import ConfigurationError
+from shardline.train.callbacks import Callback
 from shardline.train.records import CONFIG_FILE, LEDGER_NAME, SUMMARY_FILE
+
+if TYPE_CHECKING:
+    from shardline.train.trainer import StepMetrics, Summary, Trainer
 
 __all__ = ["WANDB_MODES", "MLflow", "RunInfo", "TrackerError", "WandB", "WandBMode", "flatten_config"]
 
@@ -108,7 +112,7 @@ class TrackerError(RuntimeError):
     """A call to an experiment tracker failed (raised on rank 0; the job stops like on any worker error)."""
 
 
-class _Tracker(abc.ABC):
+class _Tracker(Callback, abc.ABC):
     """What both trackers share: rank 0 only, metrics buffered to each read interval, checkpoints from the ledger,
     and every tracker call on a background thread (see the module docstring)."""
 
@@ -171,7 +175,7 @@ class _Tracker(abc.ABC):
             raise TrackerError(f"callbacks.{self.name}: {type(error).__name__}: {error}") from error
 
     # -- trainer hooks
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if not trainer.is_rank0:
             return
         run_dir = Path(trainer.run_dir)
@@ -200,11 +204,11 @@ class _Tracker(abc.ABC):
         self._active = True
         self._submit(self._start, self._run, flatten_config(trainer.cfg.to_dict()), tags)
 
-    def on_validation_end(self, trainer: Any, step: int, val_loss: float) -> None:
+    def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None:
         if self._active and step == 0:  # later evaluations arrive with their step's metrics
             self._submit(self._log_metrics, [(0, {"val_loss": float(val_loss)})])
 
-    def on_step_end(self, trainer: Any, m: Any) -> None:
+    def on_step_end(self, trainer: Trainer, m: StepMetrics) -> None:
         if not self._active:
             return
         values = {name: getattr(m, name) for name in _METRICS}
@@ -213,7 +217,7 @@ class _Tracker(abc.ABC):
         if m.step % self._every == 0 or m.val_loss is not None or m.step == trainer.max_steps:
             self._flush(trainer)
 
-    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+    def on_fit_end(self, trainer: Trainer, summary: Summary) -> None:
         if not self._active:
             return
         try:
@@ -224,7 +228,7 @@ class _Tracker(abc.ABC):
             self._drain()
         self._raise_if_failed()
 
-    def on_exception(self, trainer: Any, error: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
         if self._thread is None:
             return
         if self._active:
@@ -236,7 +240,7 @@ class _Tracker(abc.ABC):
         self._raise_if_failed()
 
     # -- shared machinery
-    def _flush(self, trainer: Any, *, force: bool = False) -> None:
+    def _flush(self, trainer: Trainer, *, force: bool = False) -> None:
         if self._pending:
             rows, self._pending = self._pending, []
             self._submit(self._log_metrics, rows)
@@ -403,7 +407,7 @@ class WandB(_Tracker):
     def __init__(
         self,
         *,
-        mode: str = "offline",
+        mode: WandBMode = "offline",
         project: str | None = None,
         entity: str | None = None,
         name: str | None = None,

@@ -29,7 +29,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from shardline.train.compiling import compile_units
 from shardline.train.config import shard_degrees
 from shardline.train.data import Corpus, check_vocab, load_corpus, make_batches
 from shardline.train.global_batch import plan_global_batch
+from shardline.train.hooks import Hook, check_callbacks
 from shardline.train.precision import autocast
 from shardline.train.preemption import PREEMPTED, Preempted, PreemptionGuard
 from shardline.train.records import METRICS_FILE
@@ -174,8 +175,9 @@ class Trainer:
         run_dir: Path,
         experiment: str,
         policies: Policies,
-        callbacks: list[Any],
+        callbacks: list[object],
     ) -> None:
+        check_callbacks(callbacks)  # a misspelt hook would never be called
         self.cfg = cfg
         self.info = info
         self.run_dir = run_dir
@@ -185,8 +187,9 @@ class Trainer:
         self.is_rank0 = info.rank == 0
         self.metrics: list[StepMetrics] = []
         self.val_history: list[tuple[int, float]] = []
-        self.sharded = cfg.trainer.strategy.sharding is not None
-        self.hybrid = self.sharded and cfg.trainer.strategy.sharding.policy.hybrid
+        sharding = cfg.trainer.strategy.sharding
+        self.sharded = sharding is not None
+        self.hybrid = sharding is not None and sharding.policy.hybrid
         self.device = info.device
         self.precision = cfg.trainer.precision
         self.max_steps = cfg.trainer.max_steps
@@ -308,7 +311,13 @@ class Trainer:
             {"params": no_decay, "weight_decay": 0.0},
         ]
         # fused: the kernel reads ``found_inf`` on the device, so a diverged step skips without a host read.
-        return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=True)
+        betas = cast("tuple[float, float]", tuple(opt.betas))  # two, as the config schema says
+        return torch.optim.AdamW(groups, lr=opt.lr, betas=betas, eps=opt.eps, fused=True)
+
+    @property
+    def _shards(self) -> shardline.ShardedModule:
+        """The model, where ``self.sharded`` (``_build_model`` sharded it)."""
+        return cast(shardline.ShardedModule, self.model)
 
     # ------------------------------------------------------------------ loop
     def _loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -359,7 +368,9 @@ class Trainer:
             # Hybrid sharding reduce-scatters every micro-batch (memory stays sharded) and all-reduces
             # across replicas once per step; the others skip every gradient collective until the last.
             sync = (
-                contextlib.nullcontext() if last or not self.sharded else self.model.no_sync(reduce_scatter=self.hybrid)
+                contextlib.nullcontext()
+                if last or not self.sharded
+                else self._shards.no_sync(reduce_scatter=self.hybrid)
             )
             with sync:
                 loss = self._loss(x, y) / self.accumulate
@@ -369,13 +380,13 @@ class Trainer:
         loss = self._global_mean(loss_sum)
         max_norm = self.cfg.trainer.gradient_clip_val or math.inf
         if self.sharded:
-            grad_norm = self.model.clip_grad_norm_(max_norm)
+            grad_norm = self._shards.clip_grad_norm_(max_norm)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         bad = torch.logical_not(torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.float32)
         torch.maximum(self._skip, bad, out=self._skip)  # sticky: no update after a bad step either
         self._call("on_before_optimizer_step", step + 1)
-        self.optimizer.found_inf = self._skip  # read by the fused kernel: 1 skips the update
+        self.optimizer.found_inf = self._skip  # type: ignore[attr-defined]  # read by the fused kernel: 1 skips
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -387,7 +398,7 @@ class Trainer:
             return []
         values = torch.stack([t for p in pending for t in (p.loss, p.grad_norm)]).tolist()
         per_step = wall_s / len(pending)
-        out = []
+        out: list[StepMetrics] = []
         for i, p in enumerate(pending):
             loss, grad_norm = values[2 * i], values[2 * i + 1]
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -427,7 +438,7 @@ class Trainer:
             self.metrics.append(m)
             self._call("on_step_end", m)
 
-    def _call(self, hook: str, *args: Any) -> None:
+    def _call(self, hook: Hook, *args: object) -> None:
         for callback in self.callbacks:
             method = getattr(callback, hook, None)
             if method is not None:

@@ -188,7 +188,9 @@ def _nonzero(volume: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in volume.items() if v}
 
 
-def _ratio_target(name: str, size: str, ours: ConfigResult | None, peer: ConfigResult | None, threshold: float):
+def _ratio_target(
+    name: str, size: str, ours: ConfigResult | None, peer: ConfigResult | None, threshold: float
+) -> Target | None:
     if ours is None or peer is None:
         return None
     return Target(
@@ -355,7 +357,7 @@ def load_results(path: str | Path) -> BenchResult:
         data = json.loads(Path(path).read_text())
         if data.get("schema") != SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r} is not {SCHEMA!r}")
-        sizes = {}
+        sizes: dict[str, ModelSize] = {}
         runs = []
         for run in data["runs"]:
             size = ModelSize(**{k: v for k, v in run["size"].items() if k != "num_params"})

@@ -49,11 +49,8 @@ def shardline_theory(model: nn.Module) -> dict[str, int]:
     volume = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     for unit in subtree_units(model):
         shard, replicas, policy = unit.mesh.shard_size, unit.mesh.replicate_size, unit.policy
-        groups: dict[int, list] = {}
-        for sp in unit.params:
-            groups.setdefault(id(sp.group), []).append(sp)
-        for members in groups.values():
-            group = members[0].group
+        for group in unit.groups:
+            members = group.params
             shapes = [sp.layout.shape for sp in members]
             trainable = [sp.layout.shape for sp in members if sp.sharded.requires_grad]
             rd = group.reduce_dtype.itemsize

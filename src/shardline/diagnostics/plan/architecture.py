@@ -14,9 +14,12 @@ import dataclasses
 import enum
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from shardline.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from shardline.models.gpt import GPTConfig
 
 __all__ = ["ActivationCheckpointing", "Architecture", "from_gpt_config", "load_hf_config"]
 
@@ -153,6 +156,17 @@ def _get(cfg: dict[str, Any], path: Path, *keys: str, default: Any = None) -> An
     raise ConfigurationError(f"{path}: no {' or '.join(keys)} in the config; a {cfg.get('model_type')} config has it")
 
 
+class _Common(TypedDict):
+    """The fields every Llama-like config.json names the same way."""
+
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    ffn_dim: int
+
+
 def load_hf_config(path: str | Path) -> Architecture:
     """The :class:`Architecture` of an HF ``config.json`` (Llama/Mistral/Qwen2, GPT-2, GPT-NeoX decoders)."""
     path = Path(path)
@@ -183,7 +197,7 @@ def load_hf_config(path: str | Path) -> Architecture:
             tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )
     heads = int(_get(cfg, path, "num_attention_heads"))
-    common = {
+    common: _Common = {
         "name": name,
         "vocab_size": int(_get(cfg, path, "vocab_size")),
         "dim": int(_get(cfg, path, "hidden_size")),
@@ -203,7 +217,7 @@ def load_hf_config(path: str | Path) -> Architecture:
     )
 
 
-def from_gpt_config(cfg: Any, *, name: str = "GPT") -> Architecture:
+def from_gpt_config(cfg: GPTConfig, *, name: str = "GPT") -> Architecture:
     """The :class:`Architecture` of shardline's own :class:`~shardline.models.gpt.GPTConfig`."""
     return Architecture(
         name=name,

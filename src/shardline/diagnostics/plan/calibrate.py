@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +123,11 @@ def load_calibration(path: str | Path) -> Calibration:
 def _best_slowest(samples: list[float]) -> float:
     t = torch.tensor(samples, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a repetition lasts as long as its slowest rank
-    return min(t.tolist())
+    slowest: list[float] = t.tolist()
+    return min(slowest)
 
 
-def _timed(fn: Any, repeats: int) -> list[float]:
+def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
     fn()  # warm-up
     out = []
     for _ in range(repeats):
@@ -155,6 +157,7 @@ def _measure(rank: int, world: int, shape: tuple[int, int, int], comm_mib: int, 
         matmuls()
     mm = _best_slowest(_timed(matmuls, repeats)) / 4
     group = dist.group.WORLD
+    assert group is not None  # the calibration's ranks run in a process group
     comm = TorchCollectives()
     full = torch.ones(comm_mib * 2**20 // 4)
     piece = torch.ones(full.numel() // world)

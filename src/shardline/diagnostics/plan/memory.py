@@ -118,7 +118,8 @@ def plan_memory(
     extra = arch.n_layers - 1
 
     def extend(pair: list[MemoryEstimate], field: str) -> int:
-        a, b = getattr(pair[0], field), getattr(pair[1], field)
+        a: int = getattr(pair[0], field)
+        b: int = getattr(pair[1], field)
         return a + extra * (b - a)
 
     state = {f: extend(states, f) for f in _STATE_FIELDS}

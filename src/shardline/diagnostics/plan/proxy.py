@@ -34,9 +34,12 @@ class ProxyMLP(nn.Module):
         self.down = nn.Linear(arch.ffn_dim, arch.dim, bias=arch.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
         if self.gate is not None:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.down(F.gelu(self.up(x)))
+            out = self.down(F.silu(self.gate(x)) * self.up(x))
+        else:
+            out = self.down(F.gelu(self.up(x)))
+        return out
 
 
 class ProxyBlock(nn.Module):
@@ -61,7 +64,8 @@ class ProxyBlock(nn.Module):
         v = self.v(h).view(b, t, self.kv_heads, hd).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 class ProxyDecoder(nn.Module):
@@ -84,4 +88,5 @@ class ProxyDecoder(nn.Module):
             x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        out: torch.Tensor = self.head(self.norm(x))
+        return out

@@ -163,7 +163,7 @@ def open_tokens(path: Path, token_dtype: str) -> np.ndarray:
         raise ConfigurationError(f"data.path={path}: no such file")
     if path.suffix == ".npy":
         try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            array: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
         except ValueError as exc:
             raise ConfigurationError(f"{path} is not a plain .npy array ({exc})") from None
     else:

@@ -85,7 +85,9 @@ def _data_files(path: Any, key: str) -> tuple[str, list[str]]:
             f"{key}={path} mixes formats ({', '.join(sorted(k for k in kinds if k))}); one dataset is one format. "
             "Point it at files of one kind."
         )
-    return kinds.pop(), [str(p) for p in files]
+    kind = kinds.pop()
+    assert kind is not None  # refused above
+    return kind, [str(p) for p in files]
 
 
 def check_hf_path(path: Any, key: str) -> None:
@@ -188,7 +190,7 @@ def build_hf_corpus(
         raise ConfigurationError(f"data.val_every must be at least 2, got {val_every}")
     digest = hashlib.sha256(encoder.fingerprint.encode() + b"\0hf\0")
     texts: dict[str, list[str]] = {"train": [], "val": []}
-    sources = [("train", path, "data.path", split, ("train",))]
+    sources: list[tuple[str, Any, str, str | None, tuple[str, ...]]] = [("train", path, "data.path", split, ("train",))]
     if val_path is not None:
         sources.append(("val", val_path, "data.val_path", None, ("validation", "test", "train")))
     for split_name, source, key, chosen, preferred in sources:

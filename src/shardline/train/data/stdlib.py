@@ -31,7 +31,7 @@ _SKIP_PREFIXES = ("_sysconfigdata",)
 
 
 def _stdlib_files(root: Path) -> list[Path]:
-    found = []
+    found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py") and not f.startswith(_SKIP_PREFIXES))
