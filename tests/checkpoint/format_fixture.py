@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+
 import torch
 from safetensors.torch import save_file
 
