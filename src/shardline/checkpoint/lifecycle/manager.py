@@ -75,9 +75,7 @@ from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, Save
 from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST, read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveRequest
-from shardline.checkpoint.lifecycle.claim import CLAIM_SUFFIX, LEGACY_CLAIM, claim_path, describe_claim
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers, bind_writer_device
-from shardline.checkpoint.lifecycle.leftovers import clear_store_leftovers
 from shardline.checkpoint.lifecycle.load import load as load_checkpoint
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, capture_agreed, preflight, write_and_commit
 from shardline.checkpoint.provenance.directory import (
@@ -102,7 +100,9 @@ from shardline.checkpoint.provenance.retention import (
     tombstone_detail,
 )
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, read_statement
+from shardline.checkpoint.storage.claims import CLAIM_SUFFIX, LEGACY_CLAIM, claim_path, describe_claim
 from shardline.checkpoint.storage.fsutil import fsync_dir, is_tmp_lock_name, is_tmp_name, is_trash_name, tmp_in_use
+from shardline.checkpoint.storage.object_leftovers import clear_store_leftovers
 from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, is_url
 from shardline.errors import (
     CheckpointError,
@@ -281,7 +281,7 @@ class CheckpointManager:
         if not problems:
             if self.in_object_store:
                 self._finish_store_quarantines()
-                clear_store_leftovers(self.directory, self._rows(), run=self._run())
+                clear_store_leftovers(self.directory, recorded=_recorded_committed(self._rows()), run=self._run())
             else:
                 self._finish_quarantines()
         missing, recoverable = unrecorded(self.ledger, [self.directory])
@@ -781,6 +781,19 @@ class CheckpointManager:
             event="resume",
             detail={"checkpoint": self._rel(path), "verify": level.value},
         )
+
+
+def _recorded_committed(rows: list[LedgerRow]) -> set[str]:
+    """Checkpoints (as the ledger names them) whose newest row is their commit (not a tombstone or a move)."""
+    newest: dict[str, bool] = {}
+    for row in rows:
+        if row.is_commit:
+            newest[row.checkpoint] = True
+        elif row.event == "tombstone":
+            newest[row.checkpoint] = False
+        elif row.event == "quarantine":
+            newest[str(tombstone_detail(row).get("checkpoint") or "")] = False
+    return {name for name, committed in newest.items() if committed}
 
 
 def _finish_store_move(path: ObjectPath, target: ObjectPath) -> None:

@@ -72,7 +72,10 @@ from shardline.checkpoint.integrity.manifest import (
     render_sums,
 )
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveKind, SaveRequest, capture
-from shardline.checkpoint.lifecycle.claim import (
+from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
+from shardline.checkpoint.lifecycle.summary import human_bytes
+from shardline.checkpoint.provenance.statement import STATEMENT_FILE, build_statement
+from shardline.checkpoint.storage.claims import (
     claim,
     claim_path,
     finished,
@@ -82,9 +85,6 @@ from shardline.checkpoint.lifecycle.claim import (
     release,
     taken_message,
 )
-from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
-from shardline.checkpoint.lifecycle.summary import human_bytes
-from shardline.checkpoint.provenance.statement import STATEMENT_FILE, build_statement
 from shardline.checkpoint.storage.fsutil import (
     fsync_dir,
     fsync_new_dirs,

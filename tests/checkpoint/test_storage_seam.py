@@ -1,0 +1,156 @@
+"""The storage seam: one ``CheckpointStore`` protocol, answered the same way by the local and the object store.
+
+Each operation of the protocol is run against both implementations (a local directory, and a
+prefix on a real S3 server) and checked for the same outcome and the crash points the protocol
+documents.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shardline.checkpoint.faults import crashpoints
+from shardline.checkpoint.faults.observer import NO_OBSERVER
+from shardline.checkpoint.provenance.retention import signature_path_for
+from shardline.checkpoint.storage.local import LocalStore
+from shardline.checkpoint.storage.object_store import ObjectStore
+from shardline.checkpoint.storage.protocol import COMMIT_RECORD, CommitRecord, Location
+from shardline.checkpoint.storage.stores import locate, store_for
+from shardline.errors import CheckpointExistsError
+from tests.checkpoint.conftest import S3_BUCKET
+
+# What each store passes through, in order, for one save (docs/checkpoint-protocol.md, "Crash points").
+SAVE_POINTS = {
+    "local": ["save.tmp_created", "save.manifest_written", "save.sums_written", "save.renamed", "save.committed"],
+    "object_store": [
+        "save.store_claimed",
+        "save.store_uploaded",
+        "save.sums_written",
+        "save.committed",
+        "save.store_claim_released",
+    ],
+}
+MOVE_POINTS = {
+    "local": ["quarantine.moved"],
+    "object_store": ["quarantine.store_copied", "quarantine.store_manifest_deleted", "quarantine.store_removed"],
+}
+REMOVE_POINTS = {
+    "local": ["retention.renamed", "retention.signature_removed", "retention.removed"],
+    "object_store": ["retention.store_manifest_deleted", "retention.store_removed"],
+}
+
+
+@pytest.fixture(params=["local", "object_store"])
+def directory(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    """An empty directory of checkpoints: a local one, or a fresh prefix on the test's S3 server."""
+    if request.param == "local":
+        return locate(tmp_path / "checkpoints")
+    request.getfixturevalue("s3_env")
+    return locate(f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}")
+
+
+def _kind(directory: Location) -> str:
+    return "local" if isinstance(store_for(directory), LocalStore) else "object_store"
+
+
+def _save(directory: Location, name: str, payload: bytes) -> Location:
+    """One save through the protocol alone: prepare, write a data file, commit; returns the checkpoint."""
+    store = store_for(directory)
+    if _kind(directory) == "local":
+        Path(str(directory)).mkdir(parents=True, exist_ok=True)
+    final = directory / name
+    staging_name, _ = store.prepare(final, run=lambda: "the seam test")
+    staging = final.with_name(staging_name)
+    store.check_staging(staging, prepared_here=True)
+    files = store.staging_files(staging)
+    data = str(files.join(files.root, "__0_0.distcp"))
+    with files.open_write(data) as f:
+        f.write(payload)
+    files.written(data)
+    committed: list[bool] = []
+    store.commit(
+        staging,
+        final,
+        records=[
+            CommitRecord(COMMIT_RECORD, b'{"step":1}', written="save.manifest_written"),
+            CommitRecord("SHA256SUMS", b"sums"),
+        ],
+        flush=[],
+        observer=NO_OBSERVER,
+        wait_synced=lambda: None,
+        on_commit=lambda: committed.append(True),
+    )
+    store.end_save(staging)
+    assert committed == [True]
+    return final
+
+
+def _traced(action) -> list[str]:
+    crashpoints.trace()
+    try:
+        action()
+        return crashpoints.traced()
+    finally:
+        crashpoints.disarm()
+
+
+def test_store_for_answers_from_text_alone() -> None:
+    assert isinstance(store_for("s3://bucket/run"), ObjectStore)  # no client made: nothing to connect to
+    assert isinstance(store_for("/tmp/run"), LocalStore)
+    assert isinstance(store_for(Path("run")), LocalStore)
+
+
+def test_a_save_commits_and_leaves_nothing_but_the_checkpoint(directory: Location) -> None:
+    store = store_for(directory)
+    final: list[Location] = []
+    points = _traced(lambda: final.append(_save(directory, "step-1", b"payload")))
+    assert points == SAVE_POINTS[_kind(directory)]
+    step1 = final[0]
+    assert store.names(directory) == {"step-1"}  # no staging directory, lock or claim left
+    assert (step1 / "__0_0.distcp").read_bytes() == b"payload"
+    assert (step1 / COMMIT_RECORD).read_bytes() == b'{"step":1}'
+    assert store.still_there(step1)
+    assert store.holder(step1) is None
+    with pytest.raises(CheckpointExistsError, match="already exists"):
+        store.prepare(step1)
+    assert store.names(directory) == {"step-1"}  # the refused save reserved nothing
+
+
+def test_a_failed_save_is_discarded_whole(directory: Location) -> None:
+    store = store_for(directory)
+    _save(directory, "step-1", b"one")
+    final = directory / "step-2"
+    staging = final.with_name(store.prepare(final)[0])
+    files = store.staging_files(staging)
+    with files.open_write(str(files.join(files.root, "__0_0.distcp"))) as f:
+        f.write(b"half")
+    store.discard(staging)
+    store.end_save(staging)
+    assert store.names(directory) == {"step-1"}
+    assert not store.still_there(final)
+
+
+def test_latest_names_the_newest_either_way(directory: Location) -> None:
+    store = store_for(directory)
+    step1 = _save(directory, "step-1", b"one")
+    store.write_latest(directory, step1)
+    assert store.read_latest(directory, newest=lambda: step1) == step1
+
+
+def test_move_aside_then_remove_through_the_store(directory: Location) -> None:
+    store = store_for(directory)
+    step1 = _save(directory, "step-1", b"one")
+    store.put(signature_path_for(step1), b"signature")
+    target = directory / "step-1.damaged-20250101T000000Z"
+    assert _traced(lambda: store.move_aside(step1, target)) == MOVE_POINTS[_kind(directory)]
+    store.move_file(signature_path_for(step1), signature_path_for(target))
+    assert store.names(directory) == {target.name, f"{target.name}.sig"}
+    assert (target / "__0_0.distcp").read_bytes() == b"one"
+    assert store.finish_move(step1, target)  # nothing left to move
+    points = _traced(lambda: store.remove(target, companions=[signature_path_for(target)]))
+    assert points == REMOVE_POINTS[_kind(directory)]
+    assert store.names(directory) == set()
+    assert store.half_removed(directory) == []
