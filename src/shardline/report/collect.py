@@ -30,7 +30,7 @@ from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageRep
 from shardline.checkpoint.provenance.lineage import audit, checkpoint_directories, find_ledger
 from shardline.checkpoint.provenance.retention import signature_path_for, tombstone_detail
 from shardline.checkpoint.provenance.statement import chain_statements
-from shardline.checkpoint.storage.objects import Location
+from shardline.checkpoint.storage.protocol import Location
 from shardline.errors import CheckpointNotFoundError, ShardlineError, StorageAccessError
 from shardline.train.records import (
     LOSS_PLOT_FILE,
