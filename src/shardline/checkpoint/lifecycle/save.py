@@ -62,7 +62,8 @@ from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.integrity.copy_check import check_written
-from shardline.checkpoint.integrity.hashing import FileDigest, HashingWriter
+from shardline.checkpoint.integrity.hashing import FileDigest
+from shardline.checkpoint.integrity.hashing_writer import HashingWriter
 from shardline.checkpoint.integrity.manifest import (
     MANIFEST,
     MANIFEST_HASH_FILE,
