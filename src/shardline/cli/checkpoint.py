@@ -23,7 +23,7 @@ __all__ = ["register"]
 def _cmd_verify(args: argparse.Namespace) -> int:
     from shardline.checkpoint.integrity.export_verify import is_export, verify_export
     from shardline.checkpoint.integrity.verify import verify_checkpoint
-    from shardline.checkpoint.provenance.store_signing import check_signature
+    from shardline.checkpoint.provenance.signing import verify_signature
 
     export = is_export(args.checkpoint)
     signed, sig_error = None, None
@@ -39,7 +39,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             )
         if args.public_key:
             try:
-                signed = check_signature(
+                signed = verify_signature(
                     args.checkpoint,
                     public_key=args.public_key,
                     signature=args.signature,

@@ -130,10 +130,10 @@ def _check_signature(facts: CheckpointFacts, public_key: Path | None) -> None:
     if public_key is None:
         facts.signature_status = "signed (signature file present; not checked: no public key was given to the report)"
         return
-    from shardline.checkpoint.provenance.store_signing import check_signature
+    from shardline.checkpoint.provenance.signing import verify_signature
 
     try:
-        check_signature(facts.path, public_key=public_key, signature=sig)
+        verify_signature(facts.path, public_key=public_key, signature=sig)
     except ShardlineError as e:
         facts.signature_ok = False
         facts.signature_status = f"signature does NOT verify: {e}"
