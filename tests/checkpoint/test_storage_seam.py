@@ -2,25 +2,35 @@
 
 Each operation of the protocol is run against both implementations (a local directory, and a
 prefix on a real S3 server) and checked for the same outcome and the crash points the protocol
-documents.
+documents; the manager's behaviour that goes through the seam (a quarantine takes the
+signature along) is checked on both. Outside ``checkpoint/storage/`` no module names a backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import uuid
 from pathlib import Path
 
 import pytest
 
+import shardline
+import shardline.checkpoint as ckpt
 from shardline.checkpoint.faults import crashpoints
 from shardline.checkpoint.faults.observer import NO_OBSERVER
+from shardline.checkpoint.lifecycle.resume import ResumeCandidates, find_candidates
 from shardline.checkpoint.provenance.retention import signature_path_for
 from shardline.checkpoint.storage.local import LocalStore
 from shardline.checkpoint.storage.object_store import ObjectStore
 from shardline.checkpoint.storage.protocol import COMMIT_RECORD, CommitRecord, Location
 from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointExistsError
+from tests.checkpoint import crash_scenarios as sc
 from tests.checkpoint.conftest import S3_BUCKET
+
+SRC = Path(shardline.__file__).parent
+CHECKPOINT = SRC / "checkpoint"
 
 # What each store passes through, in order, for one save (docs/checkpoint-protocol.md, "Crash points").
 SAVE_POINTS = {
@@ -97,6 +107,25 @@ def _traced(action) -> list[str]:
         crashpoints.disarm()
 
 
+def test_no_module_outside_storage_names_a_backend() -> None:
+    backend = re.compile(r"ObjectPath|is_url|in_object_store")
+    naming = sorted(
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if "checkpoint/storage/" not in p.as_posix() and backend.search(p.read_text())
+    )
+    assert naming == []
+
+
+def test_no_checkpoint_module_is_over_600_lines() -> None:
+    long = {
+        str(p.relative_to(CHECKPOINT)): n
+        for p in CHECKPOINT.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert long == {}
+
+
 def test_store_for_answers_from_text_alone() -> None:
     assert isinstance(store_for("s3://bucket/run"), ObjectStore)  # no client made: nothing to connect to
     assert isinstance(store_for("/tmp/run"), LocalStore)
@@ -154,3 +183,42 @@ def test_move_aside_then_remove_through_the_store(directory: Location) -> None:
     assert points == REMOVE_POINTS[_kind(directory)]
     assert store.names(directory) == set()
     assert store.half_removed(directory) == []
+
+
+def test_a_quarantine_takes_the_signature_along_on_either_store(directory: Location, tmp_path: Path) -> None:
+    ledger = tmp_path / "lineage.sqlite"
+    manager = ckpt.CheckpointManager(str(directory), ledger_path=ledger, files_per_rank=1)
+    model, opt = sc._model()
+    for step in (1, 2):
+        sc._save(manager, model, opt, step)
+    store = store_for(directory)
+    step2 = manager.path_for(2)
+    store.put(signature_path_for(step2), b"a signature of step-2")
+    shard = step2 / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    store.put(shard, bytes(data))
+
+    again = ckpt.CheckpointManager(str(directory), ledger_path=ledger, files_per_rank=1)
+    state = again.load("auto", model=model, optimizer=opt)
+    assert state is not None
+    assert state["step"] == 1
+    [moved] = again.moved_aside
+    names = store.names(directory)
+    assert moved.name.startswith("step-2.damaged-")
+    assert f"{moved.name}.sig" in names
+    assert "step-2.sig" not in names
+    assert again.latest() == manager.path_for(1)
+
+
+def test_resume_candidates_are_a_frozen_record(tmp_path: Path) -> None:
+    manager = ckpt.CheckpointManager(tmp_path / "checkpoints")
+    model, opt = sc._model()
+    sc._save(manager, model, opt, 1)
+    plan = find_candidates("auto", directory=manager.directory, ledger=manager.ledger)
+    assert isinstance(plan, ResumeCandidates)
+    assert [c.location for c in plan.committed] == [str(manager.path_for(1))]
+    assert plan.committed[0].manifest_hash == manager.ledger.rows()[-1].manifest_sha256
+    assert ResumeCandidates.from_json(plan.to_json()) == plan
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.committed = ()  # type: ignore[misc]
