@@ -77,7 +77,6 @@ from shardline.checkpoint.provenance.directory import checkpoint_name, has_manif
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import order
 from shardline.checkpoint.provenance.retention import RetentionPolicy, apply_retention
-from shardline.checkpoint.storage.claims import CLAIM_SUFFIX
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import local_path, locate, store_for
 from shardline.errors import (
@@ -287,7 +286,7 @@ class CheckpointManager:
             names = self.store.names(self.directory)
             for step in wanted:
                 path = self.path_for(step)
-                if path.name in names or path.name + CLAIM_SUFFIX in names:
+                if self.store.is_taken(names, path.name):
                     raise CheckpointExistsError(self._taken(path, step, has_prefix=path.name in names))
 
         coord.rank0_decides(check, self._group)

@@ -168,6 +168,9 @@ class LocalStore(CheckpointStore):
     def names(self, directory: Location) -> set[str]:
         return set(os.listdir(directory)) if _path(directory).is_dir() else set()
 
+    def is_taken(self, listing: set[str], name: str) -> bool:
+        return name in listing
+
     def may_hold_checkpoints(self, directory: Location) -> bool:
         return _path(directory).is_dir()
 

@@ -150,6 +150,9 @@ class ObjectStore(CheckpointStore):
     def names(self, directory: Location) -> set[str]:
         return {child.name for child in _objects(directory).snapshot().iterdir()}
 
+    def is_taken(self, listing: set[str], name: str) -> bool:
+        return name in listing or name + claims.CLAIM_SUFFIX in listing
+
     def may_hold_checkpoints(self, directory: Location) -> bool:
         return True
 

@@ -211,6 +211,12 @@ class CheckpointStore(ABC):
         """The names in ``directory`` (one listing; empty when it does not exist)."""
 
     @abstractmethod
+    def is_taken(self, listing: set[str], name: str) -> bool:
+        """Whether a listing of a directory (:meth:`names`) shows the checkpoint ``name`` taken: there already, or
+        reserved by a save in progress (a store's claim beside it; on disk a save reserves a hidden temporary
+        name, never the final one)."""
+
+    @abstractmethod
     def may_hold_checkpoints(self, directory: Location) -> bool:
         """Whether listing ``directory`` may find checkpoints: a local directory that exists; a bucket prefix
         always (listing an empty one costs one request, and :meth:`check_access` names an unreachable bucket)."""
