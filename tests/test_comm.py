@@ -126,6 +126,7 @@ def _gloo_via_all_reduce(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.compat
 def test_gloo_all_reduce_emulation_is_exact() -> None:
     for result in run_distributed(_gloo_via_all_reduce, 3):
         assert result == {"gather_bits": True, "scatter_bits": True}

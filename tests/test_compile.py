@@ -52,7 +52,7 @@ from tests.numerics import (
 
 # The grid compiles the block's graphs in each rank: about 45 s with inductor's cache warm, 90 s cold
 # on 2 busy CPU cores (the first test pays for it in its fixture).
-pytestmark = [pytest.mark.numerics, pytest.mark.slow, pytest.mark.timeout(360)]
+pytestmark = [pytest.mark.numerics, pytest.mark.slow, pytest.mark.compat, pytest.mark.timeout(360)]
 
 if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
     # Inductor writes its own vectorized C++ for the machine it finds, apart from ATen's kernel
@@ -278,13 +278,21 @@ def test_compiled_equals_eager(results: dict, case: Case) -> None:
     res = results[case.name]
     where = f"{case.name} (compiled vs eager, W={WORLD})"
     if case.bf16:  # computed in bf16: bf16's defaults at the tensor's scale (tests.numerics)
-        assert_trajectory(res["grad_scale"], f"{where}: first step's gradients (bf16 compute)")
+        # Before torch 2.13, inductor still rounds a bf16 chain unlike eager with emulate_precision_casts:
+        # plain torch (no shardline) compiling this model's checkpointed bf16 blocks differs from eager by
+        # 1.64x bf16's defaults in the first step's gradients under 2.11, 0.93x under 2.13 (2026-11-27).
+        # There the bound is 4x those defaults; a missing or doubled reduction is off by far more.
+        slack = 1.0 if torch.__version__ >= "2.13" else 4.0
         losses = {
             f"step {i}": close_ratio(a, b, torch.bfloat16)
             for i, (a, b) in enumerate(zip(res["losses"], res["eager_losses"], strict=True))
         }
-        assert_trajectory(losses, f"{where}: loss (bf16 compute)")
-        assert_trajectory(res["param_scale"], f"{where}: parameters after {STEPS} AdamW steps (bf16 compute)")
+        for ratios, what in [
+            (res["grad_scale"], "first step's gradients"),
+            (losses, "loss"),
+            (res["param_scale"], f"parameters after {STEPS} AdamW steps"),
+        ]:
+            assert_trajectory({k: v / slack for k, v in ratios.items()}, f"{where}: {what} (bf16 compute, /{slack})")
         return
     assert_reordered(res["grad_err"], GRADS, f"{where}: first step's gradients")
     assert_trajectories(res["losses"], res["eager_losses"], where)

@@ -13,6 +13,7 @@ SRC = Path(shardline.__file__).parent.parent
 # README: engine/ <- checkpoint/ <- train/, diagnostics/, report/, lightning/, hf/ <- cli/.
 LAYERS = {
     "_torch_compat": 0,
+    "_transformers_compat": 0,
     "_tree": 0,
     "_version": 0,
     "errors": 0,

@@ -110,7 +110,9 @@ def _with_faults(rank: int, world_size: int, micro: int, clip: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("world_size", "micro", "clip"), [(1, 1, False), (2, 2, True), (3, 1, True)])
+@pytest.mark.parametrize(
+    ("world_size", "micro", "clip"), [(1, 1, False), pytest.param(2, 2, True, marks=pytest.mark.compat), (3, 1, True)]
+)
 def test_shard_opt_matches_one_process(world_size: int, micro: int, clip: bool) -> None:
     raw = run_distributed(_with_faults, world_size, args=(micro, clip), timeout=100)
     numel = sum(p.numel() for p in ParityModel().parameters())

@@ -1,6 +1,18 @@
 """The one place where shardline touches torch internals or version-dependent APIs.
 
-A torch upgrade that moves any of these should only require edits in this file.
+A torch upgrade that moves any of these should only require edits in this file. When this
+module is first imported (by ``import shardline``) it checks the installed torch once: its
+version against :data:`SUPPORTED_TORCH` and every private API used here that ``import torch``
+has loaded (:func:`_check_installed`), raising one error that names each one missing, the
+installed version and the supported range. The few that live in modules torch loads on demand
+(dynamo, DCP) are not imported for the check; ``nox -s compat`` runs them on the releases listed
+in docs/testing.md.
+
+Note: why torch 2.11 is the floor. torch 2.6, the floor declared before, fails on its first
+gradient reduction on CPU (gloo has no ``ReduceOp.AVG`` there), and its DCP lacks what the
+checkpoint writer uses (``dcp.save(no_dist=)``, the writer's ``rank``); supporting it would mean
+emulating collectives and DCP internals in the engine and the checkpoint writer. 2.11 is the
+oldest release run since (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -14,8 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardline.errors import ConfigurationError
+
 __all__ = [
     "DCP_METADATA_CLASSES",
+    "SUPPORTED_TORCH",
     "all_gather_into",
     "compiled_autograd_active",
     "dtensor_with_local",
@@ -34,6 +49,10 @@ __all__ = [
     "typed_storage_dtype",
     "version_of",
 ]
+
+SUPPORTED_TORCH = ">=2.11"
+"""The torch releases shardline supports (pyproject.toml declares the same; those run are in docs/testing.md)."""
+_TORCH_FLOOR = "2.11"
 
 # torch 2.13 renamed the single-tensor collectives (``*_into_tensor`` -> ``*_single``) and
 # deprecated the old names; torch 2.6 only has the old ones.
@@ -266,3 +285,48 @@ def fsspec_storage(*, reader: bool) -> Any:
     from torch.distributed.checkpoint import _fsspec_filesystem
 
     return _fsspec_filesystem.FsspecReader if reader else _fsspec_filesystem.FsspecWriter
+
+
+def _private_api_problems() -> list[str]:
+    """The private torch APIs used above that this torch lacks (only those ``import torch`` loads)."""
+    from torch.distributed.tensor import DTensor
+
+    checks = {
+        "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
+        "torch.autograd.Variable._execution_engine.queue_callback": (
+            lambda: torch.autograd.Variable._execution_engine.queue_callback
+        ),
+        "torch.autograd.profiler._is_profiler_enabled": lambda: torch.autograd.profiler._is_profiler_enabled,
+        "torch.Tensor._version": lambda: torch.Tensor._version,
+        "torch.UntypedStorage._cdata": lambda: torch.UntypedStorage._cdata,
+        "DTensor._spec": lambda: DTensor._spec,
+    }
+    problems = []
+    for name, read in checks.items():
+        try:
+            read()
+        except (AttributeError, KeyError, TypeError, ValueError):
+            problems.append(f"{name} is missing")
+    return problems
+
+
+def _check_installed() -> None:
+    """The installed torch against :data:`SUPPORTED_TORCH` and the private APIs shardline uses.
+
+    Raises:
+        ConfigurationError: one message naming every problem, the installed torch and the supported range.
+    """
+    installed = torch.__version__
+    problems = (
+        [f"torch {installed} is older than {_TORCH_FLOOR}"] if installed < _TORCH_FLOOR else _private_api_problems()
+    )
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigurationError(
+            f"shardline does not support the installed torch {installed}:\n{listed}\n"
+            f"shardline supports torch {SUPPORTED_TORCH}: install a release in that range "
+            f"(pip install 'torch{SUPPORTED_TORCH}'), or a shardline release that supports torch {installed}."
+        )
+
+
+_check_installed()  # once, at the first import (import shardline)

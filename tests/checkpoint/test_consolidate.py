@@ -35,6 +35,7 @@ def _read_all(out: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@pytest.mark.compat
 def test_single_file_equals_full_state_dict(saved_run: Path, tmp_path: Path, capsys) -> None:
     step = saved_run / "step-4"
     out = tmp_path / "export"
@@ -57,6 +58,7 @@ def test_single_file_equals_full_state_dict(saved_run: Path, tmp_path: Path, cap
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.compat
 def test_sharded_bf16_with_index(saved_run: Path, tmp_path: Path) -> None:
     step = saved_run / "step-4"
     result = consolidate(step, tmp_path / "export", max_shard_size="600B", dtype="bf16")

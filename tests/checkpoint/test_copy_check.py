@@ -83,6 +83,7 @@ def test_real_copies_pass_and_every_tensor_is_compared(tmp_path: Path, monkeypat
     assert torch.equal(loaded[0].weight, before)
 
 
+@pytest.mark.compat
 def test_digest_staged_hashes_the_bytes_torch_save_writes() -> None:
     import hashlib
 
@@ -111,6 +112,7 @@ def test_a_digest_belongs_to_the_tensor_it_names_when_views_share_a_start() -> N
     assert entry.sha256 == hashlib.sha256(head.numpy().tobytes()).hexdigest(), "the digest of the bytes it names"
 
 
+@pytest.mark.compat
 def test_async_staging_holds_one_reused_host_copy_and_resumes_bit_identically(tmp_path: Path) -> None:
     from shardline.testing import run_distributed
     from tests.checkpoint import ranks

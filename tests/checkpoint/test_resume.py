@@ -8,7 +8,7 @@ from shardline.checkpoint import Ledger, read_manifest
 from shardline.testing import run_distributed
 from tests.checkpoint import ranks
 
-pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
+pytestmark = [pytest.mark.numerics, pytest.mark.compat]  # run again under another CPU kernel set by .ci/run
 
 
 def test_resume_is_bit_identical_and_chained(saved_run) -> None:

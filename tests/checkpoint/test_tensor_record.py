@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardline.checkpoint.format.tensor_record import decode_tensor
 
+pytestmark = pytest.mark.compat  # torch.save's pickle and zip layout, as the installed torch writes them
+
 
 def _saved(obj: object) -> bytes:
     buffer = io.BytesIO()

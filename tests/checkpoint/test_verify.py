@@ -22,6 +22,7 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.compat
 def test_verify_ok(saved_run: Path, capsys) -> None:
     assert cli.main(["verify", str(saved_run / "step-4")]) == 0
     assert "OK" in capsys.readouterr().out
@@ -70,6 +71,7 @@ def test_not_a_checkpoint(tmp_path: Path, capsys) -> None:
     assert "not a checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.compat
 def test_plain_torch_reads_the_checkpoint(saved_run: Path) -> None:
     """(b) readable by plain torch.distributed.checkpoint: load the model part into an unsharded model."""
     model = ParityModel()

@@ -86,6 +86,7 @@ def _check(measured: dict, est, where: str) -> None:
         assert error <= TOL, f"{where} {component}: predicted {predicted:,} vs measured {value:,} ({error:.1%})"
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("world_size", [2])
 def test_estimate_matches_measured_accounting(world_size: int) -> None:
     measured = run_distributed(_grid, world_size, timeout=110)[0]

@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "hf" / "trainer_script.py"
 CONFIG = ROOT / "examples" / "accelerate_cpu_2proc.yaml"
 
+pytestmark = pytest.mark.compat  # Trainer and TRL checkpoints and resume, on the installed transformers
+
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
@@ -63,7 +65,9 @@ def _parity(out: Path, mine: str, theirs: str) -> None:
     assert la["world_size"] == lb["world_size"] == 2
     assert len(la["loss"]) == 4, la
     assert_trajectories(la["loss"], lb["loss"], f"{mine} vs {theirs}")
-    assert_trajectories(la["grad_norm"], lb["grad_norm"], f"{mine} vs {theirs} grad norm")
+    assert len(la["grad_norm"]) == len(lb["grad_norm"]), (la["grad_norm"], lb["grad_norm"])
+    if la["grad_norm"]:  # transformers 4.x logs the norm only when it clips (max_grad_norm > 0)
+        assert_trajectories(la["grad_norm"], lb["grad_norm"], f"{mine} vs {theirs} grad norm")
     if lb["eval_loss"] is not None:  # trainer.evaluate() after training, on the same data
         assert_trajectories([la["eval_loss"]], [lb["eval_loss"]], f"{mine} vs {theirs} evaluate()")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,13 @@ pytest.importorskip("trl")
 import transformers
 from transformers import Trainer, TrainingArguments
 
-import shardline.hf.trainer
-from shardline import MixedPrecision
+from shardline import MixedPrecision, _transformers_compat
 from shardline.errors import ConfigurationError
 from shardline.hf import ShardlineTrainer, resolve_mixed_precision, resolve_wrap_policy, sharded
 from shardline.hf.options import refused_arguments
 from shardline.models.hf import tiny_llama
+
+pytestmark = pytest.mark.compat  # the Trainer overrides checked against the installed transformers
 
 
 class Plain(nn.Module):
@@ -113,7 +115,7 @@ def test_overrides_pass_on_the_transformers_4_46_call(monkeypatch: pytest.Monkey
 
 def test_moved_trainer_signatures_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Trainer whose overridden methods moved their parameters fails at import (and in sharded()), by name."""
-    range_ = "shardline supports transformers >=4.46,<6"
+    range_ = "shardline supports transformers >=4.56.2,<6"
 
     class Renamed(Trainer):
         def _load_optimizer_and_scheduler(self, path: str) -> None: ...
@@ -140,7 +142,7 @@ def test_moved_trainer_signatures_are_refused(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(Trainer, "_save_checkpoint", save_checkpoint)
     monkeypatch.delattr(Trainer, "train")
     with pytest.raises(ConfigurationError) as info:
-        runpy.run_path(shardline.hf.trainer.__file__, run_name="shardline_hf_trainer_at_import")
+        runpy.run_path(_transformers_compat.__file__, run_name="shardline_transformers_compat_at_import")
     message = str(info.value)
     assert message.startswith(
         "shardline's Trainer integration does not fit transformers.trainer.Trainer with the installed transformers "
@@ -149,3 +151,39 @@ def test_moved_trainer_signatures_are_refused(monkeypatch: pytest.MonkeyPatch) -
     ), message
     assert range_ in message
     assert "your own subclass" not in message
+
+
+@pytest.mark.parametrize("version", ["4.56.1", "4.46.3", "6.0.0", "6.0.0.dev0"])
+def test_transformers_outside_the_supported_range_is_refused_at_import(
+    monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    # transformers swaps its lazy module in sys.modules as it loads: patch the one an import finds now.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    with pytest.raises(ConfigurationError) as info:
+        runpy.run_path(_transformers_compat.__file__, run_name="shardline_transformers_compat_at_import")
+    assert str(info.value) == (
+        f"shardline's Trainer integration does not support the installed transformers {version}. shardline "
+        "supports transformers >=4.56.2,<6: install a release in that range (pip install 'transformers>=4.56.2,<6'), "
+        f"or a shardline release that supports {version}."
+    )
+
+
+def test_an_accelerate_whose_prepare_model_moved_is_refused_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    import accelerate
+
+    def prepare_model(self: object, model: nn.Module, evaluation_mode: bool = False) -> nn.Module: ...
+
+    monkeypatch.setattr(accelerate.Accelerator, "prepare_model", prepare_model)
+    with pytest.raises(ConfigurationError) as info:
+        runpy.run_path(_transformers_compat.__file__, run_name="shardline_transformers_compat_at_import")
+    assert str(info.value).startswith(
+        f"shardline's Trainer integration does not fit the installed accelerate {accelerate.__version__} (with "
+        f"transformers {transformers.__version__}): Accelerator.prepare_model(model, evaluation_mode), where "
+        "shardline calls prepare_model(model, device_placement, evaluation_mode)."
+    ), str(info.value)
+
+
+def test_the_installed_transformers_is_in_the_supported_range() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    assert transformers.__version__ in SpecifierSet(_transformers_compat.SUPPORTED_TRANSFORMERS, prereleases=True)

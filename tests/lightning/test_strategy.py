@@ -19,7 +19,7 @@ from tests.numerics import assert_caught, assert_trajectory, close_ratio, trajec
 from tests.train.test_cli import PYTHONPATH
 
 pytest.importorskip("lightning")
-pytestmark = pytest.mark.numerics  # run again under another CPU kernel set by .ci/run
+pytestmark = [pytest.mark.numerics, pytest.mark.compat]  # run again under another CPU kernel set by .ci/run
 
 
 @pytest.fixture(scope="module")

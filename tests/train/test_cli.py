@@ -53,6 +53,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.compat
 def test_default_experiment_trains_on_two_workers(tmp_path: Path) -> None:
     proc = shardline_train(*SMALL, *GPT_SMALL, run_root=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -142,6 +143,7 @@ def test_single_device_runs_in_process(tmp_path: Path) -> None:
     assert json.loads((only_run_dir(tmp_path) / "summary.json").read_text())["world_size"] == 1
 
 
+@pytest.mark.compat
 def test_hugging_face_llama_experiment(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     proc = shardline_train("experiment=hf_llama", *SMALL, run_root=tmp_path)
@@ -187,6 +189,7 @@ def _curve(run_dir: Path) -> list[tuple[str, ...]]:
     return [newest[step] for step in sorted(newest, key=int)]
 
 
+@pytest.mark.compat
 def test_resume_after_a_crash_continues_bit_identically(tmp_path: Path) -> None:
     common = [*SMALL, *GPT_SMALL, "checkpoint.every_n_steps=2", "~callbacks.tensorboard", "~callbacks.loss_plot"]
     straight = shardline_train(*common, "trainer.run_dir=" + str(tmp_path / "a"), run_root=tmp_path)

@@ -12,6 +12,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests.train.test_cli import read_metrics, shardline_train
 
+pytestmark = pytest.mark.compat  # PEFT's LoRA through shardline train, on the installed peft
+
 
 def _checkpoint_tensors(step: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """The named model tensors, read from the checkpoint with torch DCP alone (an independent reader)."""

@@ -38,9 +38,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
+from shardline._transformers_compat import PREFIX_CHECKPOINT_DIR, TRAINER_STATE_NAME
 from shardline.checkpoint.coordination.coord import rank0_decides
 from shardline.checkpoint.integrity.manifest import MANIFEST, read_manifest
 from shardline.checkpoint.provenance.directory import move_aside

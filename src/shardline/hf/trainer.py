@@ -21,12 +21,11 @@ optimizer does not exist yet at that point of ``train()``) and
 together).
 
 Note: one integration across transformers releases. Each override names only the leading
-parameters it reads and passes everything else on (``*args, **kwargs``): 4.46 calls
-``_save_checkpoint(model, trial, metrics=...)``, later releases ``(model, trial)``. Those
-leading parameters are checked against the installed transformers once, at import
-(:data:`_OVERRIDDEN`, :func:`_check_supported`), and against each class :func:`sharded` is
-given, so a release that renames, moves or drops one fails at once, naming the version and
-the supported range, instead of writing incomplete checkpoints.
+parameters it reads and passes everything else on (``*args, **kwargs``), so releases that add
+parameters keep working. Those leading parameters are checked against the installed
+transformers once, at import (:mod:`shardline._transformers_compat`), and against each class
+:func:`sharded` is given, so a release that renames, moves or drops one fails at once, naming
+the version and the supported range, instead of writing incomplete checkpoints.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from torch import nn
 from transformers import Trainer
 
 import shardline.checkpoint as ckpt
+from shardline._transformers_compat import SUPPORTED_TRANSFORMERS, check_trainer_class
 from shardline.distributed import init_distributed
 from shardline.engine import MixedPrecision, ShardedModule, ShardingStrategy, original_class, wrap
 from shardline.errors import ConfigurationError
@@ -56,20 +56,6 @@ from shardline.hf.options import WrapPolicyLike, refused_arguments, resolve_mixe
 from shardline.hf.resume import prepare_resume
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "ShardlineTrainer", "ShardlineTrainerMixin", "sharded"]
-
-SUPPORTED_TRANSFORMERS = ">=4.46,<6"
-"""The transformers releases whose Trainer this integration fits (tested: 4.46.3, 4.47.1, 5.24.0; under torch >= 2.6,
-4.46 cannot resume any Trainer checkpoint, its own RNG-state load being refused by torch)."""
-_OVERRIDDEN: dict[str, tuple[str, ...]] = {
-    "create_accelerator_and_postprocess": (),
-    "train": ("resume_from_checkpoint",),
-    "save_model": ("output_dir",),
-    "_save_checkpoint": ("model", "trial"),
-    "_save_optimizer_and_scheduler": ("output_dir",),
-    "_load_from_checkpoint": ("resume_from_checkpoint",),
-    "_load_optimizer_and_scheduler": ("checkpoint",),
-}
-"""Each Trainer method the integration overrides, with the leading parameters its override reads."""
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -266,7 +252,7 @@ def sharded(trainer_cls: type) -> type:
         return ShardlineTrainer
     cls = _CACHE.get(trainer_cls)
     if cls is None:
-        _check_supported(trainer_cls)
+        check_trainer_class(trainer_cls)
         cls = type(
             f"Sharded{trainer_cls.__name__}",
             (ShardlineTrainerMixin, trainer_cls),
@@ -274,67 +260,6 @@ def sharded(trainer_cls: type) -> type:
         )
         _CACHE[trainer_cls] = cls
     return cls
-
-
-def _fits(method: Any, expected: tuple[str, ...]) -> tuple[bool, str]:
-    """Whether ``method``'s positional parameters after ``self`` begin with ``expected`` (a ``*args`` takes the
-    rest); and how its parameters read, for a message."""
-    try:
-        params = list(inspect.signature(method).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return True, ""  # no signature to read (a builtin): nothing to compare
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    names = []
-    for p in params:
-        if p.kind == inspect.Parameter.VAR_POSITIONAL:
-            names.append(None)  # forwards any further positional parameter
-            break
-        if p.kind in positional:
-            names.append(p.name)
-    shown = ", ".join("*args" if n is None else n for n in names)
-    for i, name in enumerate(expected):
-        if i >= len(names) or names[i] not in (name, None):
-            return False, shown
-        if names[i] is None:
-            break
-    return True, shown
-
-
-def _check_supported(trainer_cls: type) -> None:
-    """Refuse ``trainer_cls`` if a method the integration overrides is missing or its leading parameters moved.
-
-    Raises:
-        ConfigurationError: naming each method, the parameters expected and found, the installed
-            transformers and :data:`SUPPORTED_TRANSFORMERS`.
-    """
-    problems = []
-    for name, expected in _OVERRIDDEN.items():
-        method = getattr(trainer_cls, name, None)
-        if not callable(method):
-            problems.append(f"{name} is missing")
-            continue
-        ok, found = _fits(method, expected)
-        if not ok:
-            problems.append(f"{name}({found}), where shardline overrides {name}({', '.join(expected)}, ...)")
-    if problems:
-        import transformers
-
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise ConfigurationError(
-            f"shardline's Trainer integration does not fit {trainer_cls.__module__}.{trainer_cls.__qualname__} "
-            f"with the installed transformers {transformers.__version__}; it overrides these methods and found:\n"
-            f"{listed}\nshardline supports transformers {SUPPORTED_TRANSFORMERS}: install a release in that range "
-            f"(pip install 'transformers{SUPPORTED_TRANSFORMERS}'), or a shardline release that supports "
-            f"{transformers.__version__}."
-            + (
-                ""
-                if trainer_cls is Trainer
-                else f" If {trainer_cls.__name__} is your own subclass, keep Trainer's leading parameters."
-            )
-        )
-
-
-_check_supported(Trainer)  # once, at import: the installed Trainer still has what the overrides expect
 
 
 class ShardlineTrainer(ShardlineTrainerMixin, Trainer):
