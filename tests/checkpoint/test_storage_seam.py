@@ -72,17 +72,17 @@ def _save(directory: Location, name: str, payload: bytes) -> Location:
     if _kind(directory) == "local":
         Path(str(directory)).mkdir(parents=True, exist_ok=True)
     final = directory / name
-    staging_name, _ = store.prepare(final, run=lambda: "the seam test")
-    staging = final.with_name(staging_name)
-    store.check_staging(staging, prepared_here=True)
-    files = store.staging_files(staging)
+    tmp_name, _ = store.prepare(final, run=lambda: "the seam test")
+    in_progress = final.with_name(tmp_name)
+    store.check_writable(in_progress, prepared_here=True)
+    files = store.save_files(in_progress)
     data = str(files.join(files.root, "__0_0.distcp"))
     with files.open_write(data) as f:
         f.write(payload)
     files.written(data)
     committed: list[bool] = []
     store.commit(
-        staging,
+        in_progress,
         final,
         records=[
             CommitRecord(COMMIT_RECORD, b'{"step":1}', written="save.manifest_written"),
@@ -93,7 +93,7 @@ def _save(directory: Location, name: str, payload: bytes) -> Location:
         wait_synced=lambda: None,
         on_commit=lambda: committed.append(True),
     )
-    store.end_save(staging)
+    store.end_save(in_progress)
     assert committed == [True]
     return final
 
@@ -138,7 +138,7 @@ def test_a_save_commits_and_leaves_nothing_but_the_checkpoint(directory: Locatio
     points = _traced(lambda: final.append(_save(directory, "step-1", b"payload")))
     assert points == SAVE_POINTS[_kind(directory)]
     step1 = final[0]
-    assert store.names(directory) == {"step-1"}  # no staging directory, lock or claim left
+    assert store.names(directory) == {"step-1"}  # no in-progress directory, lock or claim left
     assert (step1 / "__0_0.distcp").read_bytes() == b"payload"
     assert (step1 / COMMIT_RECORD).read_bytes() == b'{"step":1}'
     assert store.still_there(step1)
@@ -152,12 +152,12 @@ def test_a_failed_save_is_discarded_whole(directory: Location) -> None:
     store = store_for(directory)
     _save(directory, "step-1", b"one")
     final = directory / "step-2"
-    staging = final.with_name(store.prepare(final)[0])
-    files = store.staging_files(staging)
+    in_progress = final.with_name(store.prepare(final)[0])
+    files = store.save_files(in_progress)
     with files.open_write(str(files.join(files.root, "__0_0.distcp"))) as f:
         f.write(b"half")
-    store.discard(staging)
-    store.end_save(staging)
+    store.discard(in_progress)
+    store.end_save(in_progress)
     assert store.names(directory) == {"step-1"}
     assert not store.still_there(final)
 

@@ -7,7 +7,7 @@ Note: how it plugs into torch.distributed.checkpoint (the writer itself is :mod:
   :class:`HashingFileSystem` whose write streams feed each buffer to a SHA-256 hasher on its way
   to the file, so no file is ever read back. DCP only writes sequentially (it asks ``tell()``
   for offsets, never seeks); a seek raises, since the digest would no longer describe the file.
-  The files themselves are the store's (:meth:`.CheckpointStore.staging_files`): local files,
+  The files themselves are the store's (:meth:`.CheckpointStore.save_files`): local files,
   or uploads to an object store.
 * DCP writes a rank's items into ``thread_count`` files, one writer thread each
   (:mod:`.parallelism` picks the count); each thread's stream hashes its own file. DCP's extra
@@ -36,7 +36,7 @@ from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver
 from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
 from shardline.checkpoint.storage.fsutil import fsync_pool, start_writeback
 from shardline.checkpoint.storage.local import LocalFiles
-from shardline.checkpoint.storage.protocol import Location, StagingFiles
+from shardline.checkpoint.storage.protocol import Location, SaveFiles
 from shardline.errors import CheckpointError
 
 __all__ = ["FileDigest", "HashingFileSystem", "hasher_pool", "sha256_file"]
@@ -262,12 +262,12 @@ class _HashingStream(io.RawIOBase):
 class HashingFileSystem(FileSystem):
     """DCP's ``FileSystem`` whose write streams record ``(bytes, sha256)`` of each file on close.
 
-    The files themselves are the store's (``files``, :meth:`.CheckpointStore.staging_files`: local
+    The files themselves are the store's (``files``, :meth:`.CheckpointStore.save_files`: local
     files by default). Every write is announced to ``observer.before_write`` first (a test may make
     it fail the way a full disk does); ``rank`` names the writing rank to it.
     """
 
-    def __init__(self, observer: SaveObserver = NO_OBSERVER, *, files: StagingFiles | None = None) -> None:
+    def __init__(self, observer: SaveObserver = NO_OBSERVER, *, files: SaveFiles | None = None) -> None:
         super().__init__()
         self._files = files if files is not None else LocalFiles()
         self._lock = threading.Lock()

@@ -126,7 +126,7 @@ class HashingWriter(FileSystemWriter):
         # The store says how the files are written: local files fsynced as they close; in an object store,
         # uploads DCP addresses by bucket-relative key, durable once the store acknowledges them (no descriptor).
         location = locate(path)
-        files = store_for(location).staging_files(location)
+        files = store_for(location).save_files(location)
         # DCP's own fsyncs are off: our streams flush each file as they close it (after starting its hash).
         super().__init__(files.root, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False)
         self._durable = files.fsync

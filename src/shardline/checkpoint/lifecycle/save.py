@@ -122,7 +122,7 @@ def preflight(
     """Step 1 of the protocol (a collective): rank 0 reserves the target through its store, every rank checks it
     can write there.
 
-    Returns the staging location on every rank (on disk the temporary directory; in an object
+    Returns the in-progress location on every rank (on disk the temporary directory; in an object
     store the final prefix, claimed). ``run``: the run an object-store claim names (a callable is
     asked on rank 0 only, when a claim is made).
 
@@ -145,19 +145,19 @@ def _preflight(
     store = store_for(final)
     asked = run if callable(run) or run is None else (lambda: run)
     name, found = coord.rank0_decides(lambda: store.prepare(final, run=asked), process_group)
-    staging = final.with_name(name)
+    in_progress = final.with_name(name)
     rank = coord.group_rank(process_group)
     try:
         coord.all_agree(
-            lambda: store.check_staging(staging, prepared_here=rank == 0),
+            lambda: store.check_writable(in_progress, prepared_here=rank == 0),
             process_group,
             what="write the checkpoint directory",
         )
     except Exception:  # a rank that cannot write there: the save stops on every rank
         if rank == 0:
-            store.discard(staging)
+            store.discard(in_progress)
         raise
-    return staging, (final.with_name(found.rsplit("/", 1)[-1]) if found else None)
+    return in_progress, (final.with_name(found.rsplit("/", 1)[-1]) if found else None)
 
 
 def capture_agreed(
@@ -172,7 +172,7 @@ def capture_agreed(
 ) -> CapturedCheckpoint:
     """Step 2 (a collective): :func:`~.capture.capture` on every rank, then agree that all succeeded.
 
-    ``copy`` and ``buffers`` are passed to :func:`~.capture.capture` (an async save's host staging).
+    ``copy`` and ``buffers`` are passed to :func:`~.capture.capture` (an async save's host copy).
 
     A rank whose capture fails (e.g. trainer state that cannot be saved safely) would otherwise
     leave its peers waiting in the write; instead every rank raises the same error and the temp
@@ -253,7 +253,7 @@ def write_and_commit(
     last_good: Location | None = None,
     files_per_rank: int = AUTO,
 ) -> CheckpointInfo:
-    """Steps 3-7 of the protocol (a collective): write ``captured`` into ``tmp`` (the staging location
+    """Steps 3-7 of the protocol (a collective): write ``captured`` into ``tmp`` (the in-progress location
     :func:`preflight` returned) and commit it.
 
     Each rank writes ``files_per_rank`` files (0: automatic, :mod:`.parallelism`).

@@ -44,7 +44,7 @@ from shardline.checkpoint.storage.protocol import (
     Cleared,
     CommitRecord,
     Location,
-    StagingFiles,
+    SaveFiles,
 )
 from shardline.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 
@@ -84,7 +84,7 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
-class LocalFiles(StagingFiles):
+class LocalFiles(SaveFiles):
     """A save's files on a local file system, as DCP's own ``FileSystem`` addresses them (``Path`` objects)."""
 
     fsync = True
@@ -279,20 +279,20 @@ class LocalStore(CheckpointStore):
         crash_point("save.tmp_created")
         return tmp.name, None
 
-    def check_staging(self, staging: Location, *, prepared_here: bool) -> None:
-        tmp = _path(staging)
+    def check_writable(self, in_progress: Location, *, prepared_here: bool) -> None:
+        tmp = _path(in_progress)
         if not (tmp.is_dir() and os.access(tmp, os.W_OK | os.X_OK)):
             raise CheckpointError(
                 f"cannot see or write {tmp}, which rank 0 created: the checkpoint directory must be on a file system "
                 "shared by all ranks (or writable by every rank's user). Nothing was written."
             )
 
-    def staging_files(self, staging: Location) -> StagingFiles:
-        return LocalFiles(_path(staging))
+    def save_files(self, in_progress: Location) -> SaveFiles:
+        return LocalFiles(_path(in_progress))
 
     def commit(
         self,
-        staging: Location,
+        in_progress: Location,
         final: Location,
         *,
         records: Sequence[CommitRecord],
@@ -301,7 +301,7 @@ class LocalStore(CheckpointStore):
         wait_synced: Callable[[], None],
         on_commit: Callable[[], None],
     ) -> None:
-        tmp, final = _path(staging), _path(final)
+        tmp, final = _path(in_progress), _path(final)
         # Nothing in tmp counts until the rename, so the records are written first and flushed together with
         # the files written unflushed and tmp's entries, before it: one journal commit rather than six.
         written = []
@@ -324,12 +324,12 @@ class LocalStore(CheckpointStore):
         crash_point("save.committed")
         observer.on_phase(SavePhase.AFTER_RENAME, 0)
 
-    def discard(self, staging: Location) -> None:
-        shutil.rmtree(_path(staging), ignore_errors=True)
-        release_tmp(_path(staging))
+    def discard(self, in_progress: Location) -> None:
+        shutil.rmtree(_path(in_progress), ignore_errors=True)
+        release_tmp(_path(in_progress))
 
-    def end_save(self, staging: Location) -> None:
-        release_tmp(_path(staging))  # renamed or removed by now (a no-op where this process holds no lock)
+    def end_save(self, in_progress: Location) -> None:
+        release_tmp(_path(in_progress))  # renamed or removed by now (a no-op where this process holds no lock)
 
     def refusal(self, final: Location, error: BaseException, *, previous: str) -> str | None:
         return None  # a refused write on disk (EACCES, EROFS) is named by its own error

@@ -39,7 +39,7 @@ from shardline.checkpoint.storage.protocol import (
     Cleared,
     CommitRecord,
     Location,
-    StagingFiles,
+    SaveFiles,
     is_checkpoint_name,
 )
 from shardline.errors import (
@@ -55,7 +55,7 @@ __all__ = ["ObjectFiles", "ObjectStore"]
 log = logging.getLogger(__name__)
 
 
-class ObjectFiles(StagingFiles):
+class ObjectFiles(SaveFiles):
     """A save's files uploaded through fsspec: DCP addresses them by bucket-relative key ("bucket/prefix/name")."""
 
     fsync = False
@@ -224,17 +224,17 @@ class ObjectStore(CheckpointStore):
             ) from e
         return final.name, claims.newest_committed(parent, final)
 
-    def check_staging(self, staging: Location, *, prepared_here: bool) -> None:
+    def check_writable(self, in_progress: Location, *, prepared_here: bool) -> None:
         if not prepared_here:  # rank 0 has reached it already; the others check their own access
-            check_access(staging)
+            check_access(in_progress)
 
-    def staging_files(self, staging: Location) -> StagingFiles:
-        objects = _objects(staging)
+    def save_files(self, in_progress: Location) -> SaveFiles:
+        objects = _objects(in_progress)
         return ObjectFiles(objects.fs, objects.key)
 
     def commit(
         self,
-        staging: Location,
+        in_progress: Location,
         final: Location,
         *,
         records: Sequence[CommitRecord],
@@ -287,18 +287,19 @@ class ObjectStore(CheckpointStore):
             log.warning("checkpoint %s committed; removing its claim failed (%s), the next open removes it", final, e)
         crash_point("save.store_claim_released")
 
-    def discard(self, staging: Location) -> None:
-        staging = _objects(staging)
+    def discard(self, in_progress: Location) -> None:
+        in_progress = _objects(in_progress)
         # The store may be what failed; without a manifest the prefix is never a checkpoint anyway, and a claim
         # left behind is cleared as stale by the next manager on the directory (claims.judge).
         with contextlib.suppress(Exception):
-            if claims.holds(staging):  # never another run's objects: a save whose claim was cleared has nothing here
-                staging.remove_tree()
-                claims.release(staging)
-        claims.finished(staging)
+            # never another run's objects: a save whose claim was cleared has nothing here
+            if claims.holds(in_progress):
+                in_progress.remove_tree()
+                claims.release(in_progress)
+        claims.finished(in_progress)
 
-    def end_save(self, staging: Location) -> None:
-        claims.finished(_objects(staging))  # committed or discarded by now: a claim left is no longer live
+    def end_save(self, in_progress: Location) -> None:
+        claims.finished(_objects(in_progress))  # committed or discarded by now: a claim left is no longer live
 
     def refusal(self, final: Location, error: BaseException, *, previous: str) -> str | None:
         refused = next((e for e in error_chain(error) if isinstance(e, PermissionError)), None)

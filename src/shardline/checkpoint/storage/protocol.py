@@ -46,7 +46,7 @@ __all__ = [
     "Cleared",
     "CommitRecord",
     "Location",
-    "StagingFiles",
+    "SaveFiles",
     "is_checkpoint_name",
 ]
 
@@ -91,7 +91,7 @@ class Cleared:
     reason: str
 
 
-class StagingFiles(ABC):
+class SaveFiles(ABC):
     """The files of a save in progress as DCP's writer addresses them (the ``FileSystem`` the hashing writer wraps).
 
     Paths are what DCP passes: ``root`` joined with names by :meth:`join`.
@@ -275,7 +275,7 @@ class CheckpointStore(ABC):
     @abstractmethod
     def prepare(self, final: Location, *, run: Callable[[], str | None] | None = None) -> tuple[str, str | None]:
         """Rank 0, first step of a save: refuse a taken ``final`` and reserve it; returns the name (beside
-        ``final``) of the staging location the ranks write into, and the newest committed checkpoint beside
+        ``final``) of the in-progress location the ranks write into, and the newest committed checkpoint beside
         ``final`` when the preparation found it (for failure messages), else None.
 
         On disk: a new hidden ``.step-N.tmp-<hex>`` directory, locked by this process until the save ends
@@ -288,16 +288,16 @@ class CheckpointStore(ABC):
         """
 
     @abstractmethod
-    def check_staging(self, staging: Location, *, prepared_here: bool) -> None:
-        """Every rank, after :meth:`prepare`: this rank can write ``staging``.
+    def check_writable(self, in_progress: Location, *, prepared_here: bool) -> None:
+        """Every rank, after :meth:`prepare`: this rank can write ``in_progress``.
 
         Raises:
             CheckpointError: it cannot (unshared or unwritable directory; an unreachable bucket).
         """
 
     @abstractmethod
-    def staging_files(self, staging: Location) -> StagingFiles:
-        """How DCP's writer (through the hashing writer) writes the files of a save into ``staging``.
+    def save_files(self, in_progress: Location) -> SaveFiles:
+        """How DCP's writer (through the hashing writer) writes the files of a save into ``in_progress``.
 
         Crash points (a store): ``save.store_uploaded`` per object, ``save.store_metadata_copied``.
         """
@@ -305,7 +305,7 @@ class CheckpointStore(ABC):
     @abstractmethod
     def commit(
         self,
-        staging: Location,
+        in_progress: Location,
         final: Location,
         *,
         records: Sequence[CommitRecord],
@@ -317,9 +317,9 @@ class CheckpointStore(ABC):
         """Rank 0: write the commit ``records`` (the one named :data:`COMMIT_RECORD` last) and commit: from the
         moment ``on_commit`` is called, ``final`` is a complete checkpoint that survives a crash.
 
-        ``flush`` names files of ``staging`` written without an fsync (DCP's ``.metadata``), ``wait_synced``
+        ``flush`` names files of ``in_progress`` written without an fsync (DCP's ``.metadata``), ``wait_synced``
         waits for the data files' background flushes. On disk: every record fsynced together with them, then
-        ``rename(staging, final)`` and the parent fsynced (crash points ``save.<record>_written``,
+        ``rename(in_progress, final)`` and the parent fsynced (crash points ``save.<record>_written``,
         ``save.sums_written``, ``save.renamed``, ``save.committed``). In a store: the other records uploaded,
         then the manifest by a conditional PUT while this save still holds its claim, then the claim released
         (``save.sums_written``, ``save.committed``, ``save.store_claim_released``). Observer phases
@@ -331,12 +331,12 @@ class CheckpointStore(ABC):
         """
 
     @abstractmethod
-    def discard(self, staging: Location) -> None:
-        """Rank 0, after a save failed before its commit: remove what it wrote into ``staging`` and give up what it
+    def discard(self, in_progress: Location) -> None:
+        """Rank 0, after a save failed before its commit: remove what it wrote into ``in_progress`` and give up what it
         held (the temporary directory and its lock; the objects and the claim -- never another run's)."""
 
     @abstractmethod
-    def end_save(self, staging: Location) -> None:
+    def end_save(self, in_progress: Location) -> None:
         """Every rank, when a save ends however it ends: drop what this process holds for it (the lock)."""
 
     @abstractmethod
