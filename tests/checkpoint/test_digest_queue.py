@@ -126,7 +126,7 @@ def test_a_dcp_save_queues_every_tensor_without_copying_it(tmp_path: Path, monke
     """Through DCP and torch.save: every large buffer is a retained tensor's memory, and each digest is exact."""
     import torch.distributed.checkpoint as dcp
 
-    from shardline.checkpoint.integrity.hashing import HashingWriter
+    from shardline.checkpoint.integrity.hashing_writer import HashingWriter
 
     paths: dict[str, int] = {"later": 0, "now": 0}
     later, now = OrderedDigest.later, OrderedDigest.now

@@ -20,8 +20,8 @@ import shardline.checkpoint as ckpt
 from shardline import cli
 from shardline.checkpoint.faults.crashpoints import CRASH_EXIT_CODE
 from shardline.checkpoint.format.canonical import canonical_json
-from shardline.checkpoint.lifecycle import claim as claim_module
-from shardline.checkpoint.lifecycle.claim import MAX_CLAIM_AGE, Claim, judge
+from shardline.checkpoint.storage import claims as claim_module
+from shardline.checkpoint.storage.claims import MAX_CLAIM_AGE, Claim, judge
 from shardline.errors import CheckpointExistsError
 from tests.checkpoint import crash_scenarios as sc
 from tests.checkpoint import object_crashes

@@ -122,8 +122,8 @@ class SlowCheckpointFiles:
     def __init__(self, seconds: float = 1.0) -> None:
         import importlib
 
-        module = importlib.import_module("shardline.checkpoint.lifecycle.save")  # the package's `save` is the function
-        real = module._write  # each record file of the commit (statement, manifest, hash files)
+        module = importlib.import_module("shardline.checkpoint.storage.local")
+        real = module._write  # each record file of a local commit (statement, manifest, hash files)
 
         def slow(path: Any, data: bytes) -> Any:
             time.sleep(seconds)

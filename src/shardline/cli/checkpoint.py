@@ -23,7 +23,7 @@ __all__ = ["register"]
 def _cmd_verify(args: argparse.Namespace) -> int:
     from shardline.checkpoint.integrity.export_verify import is_export, verify_export
     from shardline.checkpoint.integrity.verify import verify_checkpoint
-    from shardline.checkpoint.provenance.store_signing import check_signature
+    from shardline.checkpoint.provenance.signing import verify_signature
 
     export = is_export(args.checkpoint)
     signed, sig_error = None, None
@@ -39,7 +39,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             )
         if args.public_key:
             try:
-                signed = check_signature(
+                signed = verify_signature(
                     args.checkpoint,
                     public_key=args.public_key,
                     signature=args.signature,
@@ -155,10 +155,10 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     )
     from shardline.checkpoint.provenance.retention import record_deletions
     from shardline.checkpoint.provenance.statement import chain_statements
-    from shardline.checkpoint.storage.objects import is_url
+    from shardline.checkpoint.storage.stores import local_path
     from shardline.train.records import recorded_checkpoint_dirs, recorded_storage_options
 
-    if is_url(args.run_dir) and args.ledger is None:
+    if local_path(args.run_dir) is None and args.ledger is None:
         print(
             f"error: {args.run_dir} is an object-store prefix; the ledger of its checkpoints stays in the run "
             f"directory: pass it, `shardline lineage {args.run_dir} --ledger RUN_DIR/lineage.sqlite`, or check the "
@@ -217,7 +217,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
                 ""
                 if args.no_check_checkpoints
                 else ", every checkpoint on disk"
-                + (" and in the object store" if any(is_url(d) for d in dirs) else "")
+                + "".join(sorted({f" and {p}" for p in _places(dirs)} - {" and on disk"}))
                 + " matches its recorded manifest hash, and every committed checkpoint in "
                 + " and ".join(_checked(d)["where"] for d in dirs)
                 + " is in the chain"
@@ -238,20 +238,21 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
 
 def _checked(directory: Any) -> dict[str, Any]:
     """A place ``lineage`` listed for committed checkpoints, for its messages and ``--json`` (``checked``)."""
-    from shardline.checkpoint.storage.objects import ObjectPath
+    from shardline.checkpoint.storage.stores import local_path, store_for
 
-    if isinstance(directory, ObjectPath):
-        return {
-            "where": f"the bucket prefix {directory}/ (endpoint {directory.endpoint})",
-            "location": str(directory),
-            "store": True,
-        }
-    return {"where": str(directory), "location": str(directory), "store": False}
+    where = store_for(directory).describe_directory(directory)
+    return {"where": where, "location": str(directory), "store": local_path(directory) is None}
+
+
+def _places(locations: Any) -> set[str]:
+    """Where ``locations`` are, as messages say it (``on disk``, ``in the object store``)."""
+    from shardline.checkpoint.storage.stores import store_for
+
+    return {store_for(where).place for where in locations}
 
 
 def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
     from shardline.checkpoint.provenance.lineage import start_new_chain
-    from shardline.checkpoint.storage.objects import is_url
 
     if report.ok:
         print(f"error: the ledger {ledger.path} verifies; there is no break to record", file=sys.stderr)
@@ -263,7 +264,7 @@ def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
     print(
         f"Kept the broken ledger as {aside}; started a new chain in {ledger.path}: its first row "
         f"({rows[0].row_sha256[:12]}) records the break, then {len(rows) - 1} committed checkpoint(s) "
-        + ("on disk and in the object store" if any(is_url(r.checkpoint) for r in rows) else "on disk")
+        + " and ".join(["on disk", *sorted(_places(r.checkpoint for r in rows) - {"on disk"})])
         + " are recorded again (marked recovered). Training can append to it."
     )
     return 0

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from shardline.checkpoint.storage.objects import is_url
+from shardline.checkpoint.storage.stores import store_for
 from shardline.cli.common import add_storage_options, sha256_arg, storage_options
 from shardline.errors import ShardlineError, StorageAccessError
 
@@ -25,10 +25,10 @@ def _password(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_sign(args: argparse.Namespace) -> int:
-    from shardline.checkpoint.provenance.store_signing import sign_checkpoint
+    from shardline.checkpoint.provenance.signing import sign
 
     try:
-        result = sign_checkpoint(
+        result = sign(
             args.path,
             private_key=args.private_key,
             signature=args.signature,
@@ -49,12 +49,13 @@ def _cmd_sign(args: argparse.Namespace) -> int:
         return 0
     pinned = f"; it pins manifest hash {result.manifest_sha256}" if result.manifest_sha256 else ""
     print(f"Signed {result.path} ({len(result.files)} files, verified first) -> {result.signature}{pinned}.")
-    if is_url(result.path):
-        name = result.path.rstrip("/").rsplit("/", 1)[-1]
+    name = result.path.rstrip("/").rsplit("/", 1)[-1]
+    copy = store_for(result.path).copy_command(result.path, name, recursive=True)
+    if copy is not None:  # in an object store: the standard tools check a copy
+        copy_sig = store_for(result.signature).copy_command(result.signature, f"{name}.sig", recursive=False)
         print(
             f"Check it with `shardline verify {result.path} --public-key PUB.pem`, or without shardline (pip install "
-            f"model-signing pyOpenSSL) on a copy:\n  aws s3 cp --recursive {result.path} {name} && "
-            f"aws s3 cp {result.signature} {name}.sig\n"
+            f"model-signing pyOpenSSL) on a copy:\n  {copy} && {copy_sig or f'cp {result.signature} {name}.sig'}\n"
             f"  model_signing verify key --signature {name}.sig --public_key PUB.pem {name}"
         )
         return 0

@@ -30,7 +30,7 @@ from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageRep
 from shardline.checkpoint.provenance.lineage import audit, checkpoint_directories, find_ledger
 from shardline.checkpoint.provenance.retention import signature_path_for, tombstone_detail
 from shardline.checkpoint.provenance.statement import chain_statements
-from shardline.checkpoint.storage.objects import Location
+from shardline.checkpoint.storage.protocol import Location
 from shardline.errors import CheckpointNotFoundError, ShardlineError, StorageAccessError
 from shardline.train.records import (
     LOSS_PLOT_FILE,
@@ -130,10 +130,10 @@ def _check_signature(facts: CheckpointFacts, public_key: Path | None) -> None:
     if public_key is None:
         facts.signature_status = "signed (signature file present; not checked: no public key was given to the report)"
         return
-    from shardline.checkpoint.provenance.store_signing import check_signature
+    from shardline.checkpoint.provenance.signing import verify_signature
 
     try:
-        check_signature(facts.path, public_key=public_key, signature=sig)
+        verify_signature(facts.path, public_key=public_key, signature=sig)
     except ShardlineError as e:
         facts.signature_ok = False
         facts.signature_status = f"signature does NOT verify: {e}"

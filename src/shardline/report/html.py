@@ -27,7 +27,8 @@ from typing import Any
 from shardline._version import __version__
 from shardline.checkpoint.lifecycle.summary import human_bytes
 from shardline.checkpoint.provenance.lineage import describe_event
-from shardline.checkpoint.storage.objects import ObjectPath
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import store_for
 from shardline.report.collect import CheckpointFacts, RunFacts, Status, collect_run
 from shardline.report.svg import STATUS_COLORS, lineage_svg, loss_svg
 
@@ -57,7 +58,7 @@ svg text.status{font-size:11px;font-weight:700}
 """
 
 
-def _q(path: Path | ObjectPath | str) -> str:
+def _q(path: Location | str) -> str:
     return shlex.quote(str(path))
 
 
@@ -181,16 +182,14 @@ def _commands(c: CheckpointFacts, public_key: Path | None) -> str:
     key = _q(public_key) if public_key else "PUB.pem"
     where, signature = _q(c.path), _q(c.signature) if c.signature is not None else None
     lines = []
-    if isinstance(c.path, ObjectPath):
-        # In a bucket: check it there with shardline, or copy it (and its signature) down for the coreutils check.
+    copy = store_for(c.path).copy_command(c.path, c.path.name, recursive=True, note=True)
+    if copy is not None:
+        # Not local (a bucket): check it there with shardline, or copy it (and its signature) down for coreutils.
         where = c.path.name
-        lines += [
-            f"shardline verify {_q(c.path)} --expect {c.row.manifest_sha256}",
-            f"aws s3 cp --recursive {_q(c.path)} {where}   # with AWS_ENDPOINT_URL={c.path.endpoint}",
-        ]
+        lines += [f"shardline verify {_q(c.path)} --expect {c.row.manifest_sha256}", copy]
         if c.signature is not None:
             lines += [
-                f"aws s3 cp {_q(c.signature)} {where}.sig",
+                f"{store_for(c.signature).copy_command(c.signature, f'{where}.sig', recursive=False)}",
                 f"model_signing verify key --signature {where}.sig --public_key {key} {where}",
             ]
             signature = None  # checked above, before changing into the copy

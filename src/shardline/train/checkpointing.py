@@ -30,7 +30,7 @@ from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_sta
 from shardline.checkpoint.lifecycle.manager import ON_EXCEPTION, is_auto_resume
 from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, step_of
 from shardline.checkpoint.provenance.ledger import RESTART, Ledger
-from shardline.checkpoint.storage.objects import is_url
+from shardline.checkpoint.storage.stores import local_path
 from shardline.errors import CheckpointNotFoundError
 from shardline.train.preemption import PREEMPTED
 from shardline.train.records import CHECKPOINTS_DIR, LEDGER_NAME, METRICS_FILE, checkpoint_location
@@ -65,7 +65,7 @@ def find_resumable_run(run_root: Path, experiment: str, *, checkpoint_dir: str =
         return None
     prefix = str(checkpoint_dir).rstrip("/") + "/"
     for run in sorted((p for p in base.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
-        if is_url(checkpoint_dir):
+        if checkpoint_dir and local_path(checkpoint_dir) is None:  # the runs share a prefix: their ledgers say
             ledger = Ledger(run / LEDGER_NAME)
             if ledger.path.is_file() and any(r.is_commit and r.checkpoint.startswith(prefix) for r in ledger.rows()):
                 return run
@@ -171,7 +171,7 @@ class TrainingCheckpoints:
         before = self.resumed_world_size
         after = int(trainer.info.world_size)
         detail: dict[str, Any] = {
-            "checkpoint": str(path) if is_url(path) else os.path.relpath(path, self.manager.ledger.path.parent),
+            "checkpoint": self.manager.ledger.name_of(path),
             "world_size_before": before,
             "world_size_after": after,
             "cause": restart_cause(

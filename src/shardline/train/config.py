@@ -29,7 +29,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from shardline.checkpoint.lifecycle.manager import is_auto_resume
 from shardline.checkpoint.provenance.retention import RetentionPolicy
-from shardline.checkpoint.storage.objects import is_url
+from shardline.checkpoint.storage.stores import local_path
 from shardline.engine import ShardingStrategy, hybrid_degrees
 from shardline.errors import ConfigurationError, error_chain
 from shardline.train.config_layers import (
@@ -363,7 +363,8 @@ def validate(cfg: TrainConfig, *, launched: bool | None = None) -> None:
         )
     RetentionPolicy(keep_last_n=cfg.checkpoint.keep_last_n)  # a negative count is an error before any worker starts
     resume = cfg.trainer.resume
-    if resume is not None and not is_auto_resume(resume) and not is_url(resume) and not os.path.isdir(str(resume)):
+    local = local_path(str(resume)) if resume is not None and not is_auto_resume(resume) else None
+    if local is not None and not local.is_dir():  # a URL is checked with the run's credentials, by the launcher
         raise ConfigurationError(
             f"trainer.resume={resume}: no such checkpoint directory; pass auto, the path of a committed "
             "checkpoint (RUN_DIR/checkpoints/step-N), or its URL (s3://BUCKET/PREFIX/step-N)"

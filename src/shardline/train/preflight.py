@@ -33,7 +33,8 @@ from shardline.checkpoint.lifecycle.manager import is_auto_resume, no_resume
 from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.lineage import order
-from shardline.checkpoint.storage.objects import Location, as_location, check_access
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointError, ConfigurationError
 from shardline.train.build import build_model
 from shardline.train.data import load_corpus, make_batches
@@ -167,7 +168,8 @@ def check_storage(cfg: TrainConfig) -> None:
         StorageAccessError: one line naming the bucket, the endpoint and how to fix it.
         ConfigurationError: a URL naming no bucket, or an unknown protocol.
     """
-    check_access(checkpoint_location(cfg.checkpoint, "."))
+    where = checkpoint_location(cfg.checkpoint, ".")
+    store_for(where).check_access(where)
 
 
 def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
@@ -210,10 +212,10 @@ def check_resume(cfg: TrainConfig, run_dir: Path | None) -> None:
             return  # damaged: the workers verify it, move it aside and fall back to an older one
     else:
         # A URL is read with the run's checkpoint.storage_options (its endpoint and credentials).
-        path = as_location(str(resume), storage_options=dict(cfg.checkpoint.storage_options or {}))
+        path = locate(str(resume), storage_options=dict(cfg.checkpoint.storage_options or {}))
         what = f"trainer.resume={resume}"
         try:
-            check_access(path)
+            store_for(path).check_access(path)
             stored = _stored_state(path, level)
         except CheckpointError as e:
             raise ConfigurationError(f"{what}: {e}") from None

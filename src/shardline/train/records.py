@@ -28,7 +28,8 @@ from typing import Any
 
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
-from shardline.checkpoint.storage.objects import Location, as_location
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import locate
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -64,7 +65,7 @@ def checkpoint_location(checkpoint: Any, run_dir: str | Path) -> Location:
     where = str(getattr(checkpoint, "dir", "") or "")
     if not where:
         return Path(run_dir) / CHECKPOINTS_DIR
-    return as_location(where, storage_options=dict(getattr(checkpoint, "storage_options", None) or {}))
+    return locate(where, storage_options=dict(getattr(checkpoint, "storage_options", None) or {}))
 
 
 def recorded_checkpoint_dirs(run_dir: str | Path) -> list[str]:

@@ -27,7 +27,7 @@ __all__ = ["CRASH_EXIT_CODE", "CRASH_POINTS", "arm", "crash_point", "disarm", "t
 CRASH_EXIT_CODE = 86
 
 CRASH_POINTS: tuple[str, ...] = (
-    # save.py: the write and the commit
+    # save.py and the local store: the write and the commit
     "save.tmp_created",  # the hidden temp directory exists, empty
     "save.shards_written",  # DCP wrote .metadata and every .distcp into it
     "save.statement_written",  # provenance.intoto.json written and fsynced
@@ -36,12 +36,12 @@ CRASH_POINTS: tuple[str, ...] = (
     "save.sums_written",  # SHA256SUMS written and fsynced, directory fsynced
     "save.renamed",  # rename(tmp, step-N): the commit point, parent not yet fsynced
     "save.committed",  # the parent directory fsynced (object store: the manifest uploaded, the commit)
-    # save.py and hashing.py, object store only: the claim, the uploads, its release
+    # storage/object_store.py and claims.py, object store only: the claim, the uploads, its release
     "save.store_claimed",  # step-N.shardline-claim created (conditional PUT), nothing under the prefix yet
     "save.store_uploaded",  # one object (a shard, .metadata.tmp) uploaded; reached once per object
     "save.store_metadata_copied",  # DCP's .metadata.tmp copied to .metadata, not yet deleted
     "save.store_claim_released",  # the claim deleted after the manifest
-    # leftovers.py: a manager's open clearing a bucket save that died before its manifest
+    # storage/object_leftovers.py: a manager's open clearing a bucket save that died before its manifest
     "recovery.store_cleared",  # the uploads aborted and the prefix's objects deleted; its claim still there
     "recovery.store_claim_removed",  # its claim deleted
     # fsutil.atomic_write_bytes, for `latest` and the ledger's head record
@@ -54,14 +54,14 @@ CRASH_POINTS: tuple[str, ...] = (
     "ledger.created",  # the ledger (its table, no row) linked to its name, the directory fsynced
     "ledger.genesis_head",  # a new ledger's genesis head record written, no row yet
     "ledger.row_committed",  # a row is committed; the head record still names the row before it
-    # retention.py
+    # retention.py and the stores' remove
     "retention.tombstone",  # the tombstone row is appended; the checkpoint is still on disk
     "retention.renamed",  # the checkpoint renamed to .step-N.deleting-*
     "retention.signature_removed",  # step-N.sig removed
     "retention.removed",  # the renamed directory removed
     "retention.store_manifest_deleted",  # object store: the manifest (commit record) deleted, the rest still there
     "retention.store_removed",  # object store: every object under the prefix deleted
-    # manager.py: quarantine (moving a checkpoint that fails verification aside)
+    # lifecycle/quarantine.py and the stores: quarantine (moving a checkpoint that fails verification aside)
     "quarantine.recorded",  # the quarantine row names where it will go; nothing moved yet
     "quarantine.moved",  # step-N renamed to step-N.damaged-*
     "quarantine.signature_moved",  # step-N.sig renamed beside it

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from shardline.checkpoint.integrity.hashing import hasher_pool
-from shardline.checkpoint.storage.objects import Location
+from shardline.checkpoint.storage.protocol import Location
 
 __all__ = ["StagedDigester", "StagedTensor", "check_written", "digest_staged", "tensor_key"]
 

@@ -1,35 +1,26 @@
-"""A DCP ``StorageWriter`` that SHA-256-hashes every file in the same pass that writes it.
+"""Streams and a DCP ``FileSystem`` that SHA-256-hash every file in the same pass that writes it.
 
-Note: how it plugs into torch.distributed.checkpoint.
+Note: how it plugs into torch.distributed.checkpoint (the writer itself is :mod:`.hashing_writer`).
 
 * ``FileSystemWriter`` opens every file it writes -- each rank's ``__{rank}_{n}.distcp`` and the
   coordinator's ``.metadata`` -- through its ``FileSystem``'s ``create_stream``. We give it a
   :class:`HashingFileSystem` whose write streams feed each buffer to a SHA-256 hasher on its way
   to the file, so no file is ever read back. DCP only writes sequentially (it asks ``tell()``
   for offsets, never seeks); a seek raises, since the digest would no longer describe the file.
+  The files themselves are the store's (:meth:`.CheckpointStore.save_files`): local files,
+  or uploads to an object store.
 * DCP writes a rank's items into ``thread_count`` files, one writer thread each
   (:mod:`.parallelism` picks the count); each thread's stream hashes its own file. DCP's extra
-  threads end silently on an error, so the streams keep every ``OSError`` they raise and
-  ``write_data`` raises the first one (and checks that every planned item was written): a full
-  disk is named as such even where torch.save's C++ writer would report only "unexpected pos".
-* ``write_data`` returns DCP's ``WriteResult`` list, which DCP already gathers to the
-  coordinator for ``finish``. We append one extra ``WriteResult`` per file written, whose
-  index is ``__shardline_file_digest__/<file name>`` and whose ``storage_data`` is a plain dict
-  ``{path, rank, bytes, sha256}``: the digests ride to rank 0 in that gather, with no extra
-  collective.
-* ``finish`` (coordinator only) takes the digest records out again before handing the
-  results to DCP's own ``finish``, so ``.metadata`` holds exactly what plain torch writes and
-  stays loadable without shardline. ``.metadata`` itself is written through the hashing
-  file system, so its digest is known too.
+  threads end silently on an error, so the streams keep every ``OSError`` they raise and the
+  writer raises the first one: a full disk is named as such even where torch.save's C++ writer
+  would report only "unexpected pos".
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import math
 import os
-import posixpath
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,32 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future as TorchFuture
 
-from shardline import _torch_compat
-from shardline.checkpoint.coordination.parallelism import (
-    AUTO,
-    available_cores,
-    cores_per_rank,
-    files_for_share,
-    resolve_files_per_rank,
-)
-from shardline.checkpoint.faults.crashpoints import crash_point
-from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.coordination.parallelism import available_cores
+from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver
 from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
 from shardline.checkpoint.storage.fsutil import fsync_pool, start_writeback
-from shardline.checkpoint.storage.objects import ObjectPath, delete_object
-from shardline.errors import CheckpointError, IntegrityError
+from shardline.checkpoint.storage.local import LocalFiles
+from shardline.checkpoint.storage.protocol import Location, SaveFiles
+from shardline.errors import CheckpointError
 
-__all__ = ["DIGEST_INDEX_PREFIX", "FileDigest", "HashingFileSystem", "HashingWriter", "hasher_pool", "sha256_file"]
+__all__ = ["FileDigest", "HashingFileSystem", "hasher_pool", "sha256_file"]
 
-DIGEST_INDEX_PREFIX = "__shardline_file_digest__/"
 _READ_CHUNK = 8 << 20
 
 
@@ -80,11 +57,11 @@ class FileDigest:
         return {"path": self.path, "rank": self.rank, "bytes": self.bytes, "sha256": self.sha256}
 
 
-def sha256_file(path: Path | ObjectPath) -> tuple[int, str]:
+def sha256_file(path: Location) -> tuple[int, str]:
     """``(size, hex sha256)`` of a file or object, read in chunks (for verification, never during a save)."""
     h = hashlib.sha256()
     size = 0
-    with path.open("rb") if isinstance(path, ObjectPath) else open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_READ_CHUNK):
             h.update(chunk)
             size += len(chunk)
@@ -283,15 +260,16 @@ class _HashingStream(io.RawIOBase):
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local ``FileSystem`` whose write streams record ``(bytes, sha256)`` of each file on close.
+    """DCP's ``FileSystem`` whose write streams record ``(bytes, sha256)`` of each file on close.
 
-    Every write is announced to ``observer.before_write`` first (a test may make it fail the way a
-    full disk does); ``rank`` names the writing rank to it.
+    The files themselves are the store's (``files``, :meth:`.CheckpointStore.save_files`: local
+    files by default). Every write is announced to ``observer.before_write`` first (a test may make
+    it fail the way a full disk does); ``rank`` names the writing rank to it.
     """
 
-    def __init__(self, observer: SaveObserver = NO_OBSERVER, *, objects: Any = None) -> None:
+    def __init__(self, observer: SaveObserver = NO_OBSERVER, *, files: SaveFiles | None = None) -> None:
         super().__init__()
-        self._objects = objects  # an fsspec file system: write objects to it instead of local files
+        self._files = files if files is not None else LocalFiles()
         self._lock = threading.Lock()
         self._digests: dict[str, tuple[int, str]] = {}
         self._errors: list[OSError] = []
@@ -304,7 +282,7 @@ class HashingFileSystem(FileSystem):
         # Hash each file as it is written (True) or from its fsync on (False): see digest_queue.py. An upload
         # waits on the network; local writer threads take a core each, so only fewer writers than cores
         # leave one free for hashing during the writes.
-        self.hash_eagerly = objects is not None
+        self.hash_eagerly = self._files.uploads
         # Local files are fsynced as each stream closes; with sync_later, in the background (see HashingWriter).
         self.sync_later = False
         self._syncs: list[Future[None]] = []
@@ -372,10 +350,7 @@ class HashingFileSystem(FileSystem):
             self._active += 1
         try:
             try:
-                if self._objects is not None:  # an upload; close() completes it
-                    raw = self._objects.open(key, "wb")
-                else:
-                    raw = open(key, "wb")  # noqa: SIM115 -- closed by the stream, whose close may itself fail
+                raw = self._files.open_write(key)  # closed by the stream, whose close may itself fail
             except OSError as e:
                 failed(e)
                 raise
@@ -387,7 +362,7 @@ class HashingFileSystem(FileSystem):
                 failed,
                 self.retained,
                 eager=self.hash_eagerly,
-                sync=self._sync_file(failed) if self._objects is None else None,
+                sync=self._sync_file(failed) if self._files.fsync else None,
             )
             try:
                 yield stream
@@ -396,17 +371,16 @@ class HashingFileSystem(FileSystem):
                     stream.close()
                 finally:
                     raw.close()  # a no-op once the stream closed it; after a failed flush it frees the descriptor
-            if self._objects is not None:
-                crash_point("save.store_uploaded")
+            self._files.written(key)
         finally:
             with self._open:
                 self._active -= 1
                 self._open.notify_all()
 
     @property
-    def is_object_store(self) -> bool:
-        """True when files are uploaded through fsspec rather than written locally."""
-        return self._objects is not None
+    def uploads(self) -> bool:
+        """True when files are uploaded (writes wait on a network) rather than written locally."""
+        return self._files.uploads
 
     def start(self) -> None:
         """Before a write: accept new files again, forget earlier errors and digests."""
@@ -426,35 +400,24 @@ class HashingFileSystem(FileSystem):
             self._abandoned = True
             self._open.wait_for(lambda: self._active == 0, timeout=timeout)
 
-    # Path operations DCP's writer asks for: on an object store, keys ("bucket/prefix/name") through fsspec.
+    # Path operations DCP's writer asks for, answered by the store's files (keys "bucket/prefix/name" in a store).
     def concat_path(self, path: str | os.PathLike, suffix: str) -> Any:
-        if self._objects is None:
-            return super().concat_path(path, suffix)
-        return posixpath.join(str(path), suffix)
+        return self._files.join(path, suffix)
 
     def mkdir(self, path: str | os.PathLike) -> None:
-        if self._objects is None:
-            super().mkdir(path)  # an object store has no directories to make
+        self._files.mkdir(path)
 
     def exists(self, path: str | os.PathLike) -> bool:
-        return bool(self._objects.exists(str(path))) if self._objects is not None else super().exists(path)
+        return self._files.exists(path)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        if self._objects is not None:  # DCP's .metadata: a server-side copy, then a delete
-            self._objects.copy(str(path), str(new_path))
-            crash_point("save.store_metadata_copied")
-            delete_object(self._objects, str(path))
-        else:
-            super().rename(path, new_path)
+        self._files.rename(path, new_path)
         with self._lock:
             if str(Path(path)) in self._digests:
                 self._digests[str(Path(new_path))] = self._digests.pop(str(Path(path)))
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        if self._objects is not None:
-            delete_object(self._objects, str(path))
-        else:
-            super().rm_file(path)
+        self._files.remove(path)
         with self._lock:
             self._digests.pop(str(Path(path)), None)
 
@@ -469,197 +432,3 @@ class HashingFileSystem(FileSystem):
         with self._lock:
             out, self._errors = self._errors, []
         return out
-
-
-class _RetainingPlanner:
-    """The save planner, seen by DCP's writer threads through this: every CPU tensor it resolves is retained.
-
-    Note: so a file's hash may trail its write (:mod:`.digest_queue`). torch.save writes a
-    tensor's storage straight from its memory; holding the tensor until every file is hashed
-    makes that memory safe to hash after ``write`` returned. A tensor that does not own its whole
-    storage is cloned here, as DCP's own loader would clone it (torch.save writes whole
-    storages), so DCP writes the retained clone rather than one of its own.
-    """
-
-    def __init__(self, planner: SavePlanner, retained: RetainedMemory) -> None:
-        self._planner = planner
-        self._retained = retained
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        data = self._planner.resolve_data(write_item)
-        if isinstance(data, torch.Tensor) and data.device.type == "cpu":
-            data = data.detach()
-            if data.untyped_storage().nbytes() != data.nbytes:
-                data = data.clone()
-            self._retained.keep(data)
-        return data
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._planner, name)
-
-
-def _nbytes(item: WriteItem) -> int:
-    """The bytes of a tensor item (a bytes item, the trainer state or the config, counts as none)."""
-    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return 0
-    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-
-
-def _is_digest(result: WriteResult) -> bool:
-    return result.index.fqn.startswith(DIGEST_INDEX_PREFIX)
-
-
-class HashingWriter(FileSystemWriter):
-    """``FileSystemWriter`` (``files_per_rank`` files per rank, fsynced) that reports each file's SHA-256 to rank 0.
-
-    Each of a rank's files (``__{rank}_{n}.distcp``) is written by its own DCP writer thread,
-    which hashes it on the way (:mod:`.parallelism`).
-
-    After ``torch.distributed.checkpoint.save`` returns, :attr:`file_digests` holds, on the
-    coordinator only, every file of the checkpoint (``.metadata`` included), sorted by path.
-
-    Args:
-        path: The directory to write (the temporary directory of a save).
-        final_path: Where the directory will be renamed to; recorded as the checkpoint id in
-            ``.metadata``'s storage metadata instead of the temporary path.
-        observer: Told of every write and of the ``after_shards`` phase (tests inject faults here).
-        check_written: Called on each rank after its files are written, with (directory, plan, planner,
-            write results); returns problems, and any fails the save. An async save passes the check
-            that the bytes written are the bytes staged (:mod:`.copy_check`).
-        files_per_rank: Files each rank writes (0: automatic, from the cores each rank has and the
-            size of its share); never more than the rank has items.
-        sync_later: False: every file is fsynced before ``torch.distributed.checkpoint.save`` returns,
-            as DCP does. True, for a caller that fsyncs its own commit records (the save's
-            ``_finalize``): the coordinator's data files are fsynced in the background from their
-            close on, so the flush overlaps the gather, ``.metadata`` and the records; ``.metadata``
-            is not fsynced. The caller must then call :meth:`wait_synced` and fsync ``.metadata``
-            before it commits. Other ranks still flush before their ``write_data`` returns: the
-            coordinator cannot wait for another process's flush.
-
-    Raises:
-        ConfigurationError: ``files_per_rank`` is not a count.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike | ObjectPath,
-        *,
-        final_path: str | os.PathLike | ObjectPath | None = None,
-        observer: SaveObserver = NO_OBSERVER,
-        check_written: Callable[[Path | ObjectPath, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
-        files_per_rank: int = AUTO,
-        sync_later: bool = False,
-    ) -> None:
-        resolve_files_per_rank(files_per_rank)
-        self.files_per_rank = files_per_rank
-        # An object store: DCP works on the bucket-relative key, our file system uploads through fsspec, and
-        # nothing is fsynced (an upload is durable once the store acknowledges it; there is no descriptor).
-        objects = path.fs if isinstance(path, ObjectPath) else None
-        target = path.key if isinstance(path, ObjectPath) else path
-        # DCP's own fsyncs are off: our streams flush each file as they close it (after starting its hash).
-        super().__init__(target, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False)
-        self._durable = objects is None
-        self._hfs = HashingFileSystem(observer, objects=objects)
-        self._observer = observer
-        _torch_compat.set_writer_filesystem(self, self._hfs)
-        self._final_path = final_path
-        self._check_written = check_written
-        self._location: Path | ObjectPath = path if isinstance(path, ObjectPath) else Path(path)
-        self._sync_later = sync_later
-        self._is_coordinator = True
-        self.file_digests: list[FileDigest] | None = None
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=str(self._final_path or self.path), save_id=self.save_id)
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self._hfs.rank = self.rank or 0
-        self._is_coordinator = is_coordinator
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        self._hfs.start()
-        rank = self.rank or 0
-        # One file per writer thread (DCP's thread_count), as parallelism.py decides for this rank's share.
-        share = sum(_nbytes(item) for item in plan.items)
-        self.thread_count = files_for_share(self.files_per_rank, share_bytes=share, items=len(plan.items))
-        self._hfs.hash_eagerly = self._hfs.is_object_store or self.thread_count < cores_per_rank()
-        self._hfs.sync_later = self._sync_later and self._is_coordinator
-        try:
-            results = list(super().write_data(plan, _RetainingPlanner(planner, self._hfs.retained)).wait())
-        except Exception:
-            self._hfs.abandon()
-            errors = self._hfs.take_errors()
-            if errors:  # the OS error behind DCP's (or torch.save's) own, e.g. "unexpected pos ..." for a full disk
-                raise errors[0] from None
-            raise
-        finally:
-            self._hfs.retained.release()  # every stream is closed, so every file is hashed
-        errors = self._hfs.take_errors()
-        if errors:  # DCP's extra writer threads end silently on an error: their files are incomplete
-            raise errors[0]
-        missing = {item.index for item in plan.items} - {r.index for r in results}
-        if missing:
-            first = min(missing, key=lambda index: index.fqn).fqn
-            raise CheckpointError(
-                f"rank {rank} wrote {len(plan.items) - len(missing)} of its {len(plan.items)} checkpoint items "
-                f"({first!r} among those missing): a writer thread failed, so this checkpoint is not committed"
-            )
-        written = self._hfs.take()
-        if self._check_written is not None:
-            problems = self._check_written(self._location, plan, planner, results)
-            if problems:
-                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise IntegrityError(
-                    f"rank {rank} wrote bytes that differ from what it staged -- {problems[0]}{more}; the "
-                    "staged copy changed before it was written (a torn write), so this checkpoint is not committed"
-                )
-        self._observer.on_phase(SavePhase.AFTER_SHARDS, rank)
-        for full, (size, digest) in sorted(written.items()):
-            name = os.path.relpath(full, self.path)
-            record = FileDigest(path=name, rank=rank, bytes=size, sha256=digest)
-            results.append(
-                WriteResult(
-                    index=MetadataIndex(DIGEST_INDEX_PREFIX + name), size_in_bytes=size, storage_data=record.to_json()
-                )
-            )
-        fut: TorchFuture[list[WriteResult]] = TorchFuture()
-        fut.set_result(results)
-        return fut
-
-    def wait_synced(self) -> None:
-        """With ``sync_later``: wait until this rank's background fsyncs are done; raise the first that failed."""
-        self._hfs.wait_synced()
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        digests: dict[str, FileDigest] = {}
-        clean: list[list[WriteResult]] = []
-        for rank_results in results:
-            clean.append([r for r in rank_results if not _is_digest(r)])
-            for r in rank_results:
-                if _is_digest(r):
-                    record = FileDigest(**r.storage_data)
-                    if record.path in digests:
-                        raise CheckpointError(
-                            f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "
-                            f"{record.path!r}; checkpoint file names must be unique per rank"
-                        )
-                    digests[record.path] = record
-        self._hfs.take()
-        self.sync_files = self._durable and not self._sync_later  # DCP's fsync of .metadata
-        try:
-            super().finish(metadata, clean)
-        finally:
-            self.sync_files = False
-        for full, (size, digest) in self._hfs.take().items():
-            name = os.path.relpath(full, self.path)
-            digests[name] = FileDigest(path=name, rank=self.rank or 0, bytes=size, sha256=digest)
-        # Every file .metadata points into must be one we hashed.
-        referenced = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-        unhashed = sorted(p for p in referenced if p is not None and p not in digests)
-        if unhashed or ".metadata" not in digests:
-            raise CheckpointError(
-                f"internal error: files written without a digest: {unhashed or ['.metadata']}; "
-                "the torch version may have changed how FileSystemWriter opens files"
-            )
-        self.file_digests = sorted(digests.values())

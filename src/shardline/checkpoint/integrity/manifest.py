@@ -18,9 +18,9 @@ import dataclasses
 import datetime
 import errno as errno_codes
 import json
+import os
 import platform
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ from torch import nn
 from shardline._version import __version__
 from shardline.checkpoint.format.canonical import HASH_ALGORITHM, canonical_json, manifest_hash, sha256_hex
 from shardline.checkpoint.integrity.hashing import FileDigest
-from shardline.checkpoint.storage.objects import as_location, is_url
+from shardline.checkpoint.storage.protocol import COMMIT_RECORD, Location
+from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.engine import subtree_units
 from shardline.errors import CheckpointNotFoundError, CheckpointReadError, IntegrityError
 
@@ -53,7 +54,7 @@ __all__ = [
 
 FORMAT = "shardline.checkpoint"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = COMMIT_RECORD  # "manifest.json": the commit record of the storage protocol
 MANIFEST_HASH_FILE = "manifest.sha256"
 SUMS_FILE = "SHA256SUMS"
 DCP_METADATA = ".metadata"
@@ -176,7 +177,7 @@ def manifest_files(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
     return files
 
 
-def read_manifest(path: str | Path) -> tuple[dict[str, Any], str]:
+def read_manifest(path: str | os.PathLike | Location) -> tuple[dict[str, Any], str]:
     """``(manifest, manifest hash)`` of the checkpoint at ``path``, checked against ``manifest.sha256``.
 
     Raises:
@@ -186,9 +187,9 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], str]:
         CheckpointReadError: a file exists but cannot be read (``EIO``, ``ESTALE``, ``EACCES``...):
             not damage, so callers must not treat the checkpoint as damaged.
     """
-    path = as_location(path)
+    path = locate(path)
     if not path.is_dir():
-        what = "no object under that prefix" if is_url(path) else "no such directory"
+        what = store_for(path).absent
         raise CheckpointNotFoundError(f"{path} is not a checkpoint: {what}")
     file = path / MANIFEST
     if not file.is_file():
@@ -223,7 +224,7 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], str]:
     return manifest, digest
 
 
-def read_checkpoint_file(file: Path) -> bytes:
+def read_checkpoint_file(file: Location) -> bytes:
     """The bytes of ``file``.
 
     Raises:
@@ -239,7 +240,7 @@ def read_checkpoint_file(file: Path) -> bytes:
         raise read_error(file, e) from e
 
 
-def read_error(file: Path, error: OSError) -> CheckpointReadError:
+def read_error(file: Location, error: OSError) -> CheckpointReadError:
     """The error for a checkpoint file that exists but cannot be read: named, with its errno, and not damage."""
     code = errno_codes.errorcode.get(error.errno or -1)
     return CheckpointReadError(
@@ -249,7 +250,7 @@ def read_error(file: Path, error: OSError) -> CheckpointReadError:
     )
 
 
-def _recorded_manifest_hash(path: Path) -> str | None:
+def _recorded_manifest_hash(path: Location) -> str | None:
     try:
         text = read_checkpoint_file(path / MANIFEST_HASH_FILE).decode("ascii")
     except (FileNotFoundError, UnicodeDecodeError):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -48,7 +47,8 @@ from shardline.checkpoint.integrity.verify import (
     derived_and_unexpected,
 )
 from shardline.checkpoint.storage.fsutil import is_tmp_name
-from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointNotFoundError, IntegrityError
 
 __all__ = [
@@ -94,7 +94,7 @@ class CheckedManifest:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CheckedManifest:
         return cls(
-            as_location(data["path"]),
+            locate(data["path"]),
             data["manifest"],
             data["manifest_hash"],
             data["anchor"],
@@ -102,7 +102,7 @@ class CheckedManifest:
         )
 
 
-def integrity_error(path: Path, problems: list[FileProblem], *, what: str = "it was not loaded") -> IntegrityError:
+def integrity_error(path: Location, problems: list[FileProblem], *, what: str = "it was not loaded") -> IntegrityError:
     """One error naming the first files that do not match (file first, then what is wrong)."""
     listing = "; ".join(f"{p.path}: {p.kind} ({p.detail})" for p in problems[:_SHOW])
     more = f"; and {len(problems) - _SHOW} more" if len(problems) > _SHOW else ""
@@ -112,11 +112,11 @@ def integrity_error(path: Path, problems: list[FileProblem], *, what: str = "it 
     )
 
 
-def _contents(path: Path) -> str:
+def _contents(path: Location) -> str:
     return ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "empty"
 
 
-def _anchor(path: Path, expected: str | None) -> tuple[dict[str, Any], str, str]:
+def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, str]:
     file = path / MANIFEST
     raw = read_checkpoint_file(file)
     digest = sha256_hex(raw)
@@ -166,9 +166,8 @@ def check_manifest(
     """
     level = VerifyLevel.parse(level)
     expected = check_expected_hash(expected_manifest_hash)
-    path = as_location(path)
-    if isinstance(path, ObjectPath):
-        path = path.snapshot()  # one LIST answers every "present? what size?" below (see objects.py)
+    path = locate(path)
+    path = store_for(path).snapshot(path)  # in a store, one LIST answers every "present? what size?" below
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a checkpoint: no such directory")
     if is_tmp_name(path.name):
@@ -240,9 +239,10 @@ class OpenedCheckpoint:
 
     def reader(self) -> MetadataReader:
         """A DCP storage reader over the (already checked) files, serving the checked metadata."""
-        if isinstance(self.path, ObjectPath):  # DCP's own FileSystemReader reads local paths only
+        local = store_for(self.path).local_file(self.path)
+        if local is None:  # DCP's own FileSystemReader reads local paths only
             return VerifyingReader(self.path, self.metadata, to_hash=())
-        return MetadataReader(self.path, self.metadata)
+        return MetadataReader(local, self.metadata)
 
 
 def open_checkpoint(

@@ -48,7 +48,7 @@ from shardline.checkpoint.format.tensor_record import decode_tensor
 from shardline.checkpoint.integrity.hashing import hasher_pool
 from shardline.checkpoint.integrity.manifest import read_error, read_manifest
 from shardline.checkpoint.integrity.verify import FileProblem
-from shardline.checkpoint.storage.objects import ObjectPath
+from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointError, CheckpointReadError, IntegrityError
 
 __all__ = ["ASSIGNMENT_KEY", "VerifyingReader", "assign_hashing"]
@@ -105,7 +105,9 @@ class VerifyingReader(MetadataReader):
     def __init__(self, path: str | os.PathLike, metadata: Metadata, *, to_hash: Sequence[Mapping[str, Any]]) -> None:
         super().__init__(str(path), metadata)
         # On an object store, one listing gives every file's size (no HEAD request per file; objects.py).
-        self._root = path.snapshot() if isinstance(path, ObjectPath) else Path(path)
+        location = locate(path)
+        self._store = store_for(location)
+        self._root = self._store.snapshot(location)
         self.path = self._root  # DCP's reader keeps a Path; an object-store URL must not become one
         self._to_hash = {str(e["path"]): e for e in to_hash}
         self.hashed: dict[str, str] = {}
@@ -185,8 +187,7 @@ class VerifyingReader(MetadataReader):
 
     def _open(self, name: str) -> Any:
         """``name`` opened for unbuffered reading (a local file) or ranged streaming reads (an object)."""
-        file = self._root / name
-        return file.open("rb") if isinstance(file, ObjectPath) else open(file, "rb", buffering=0)
+        return self._store.open_read(self._root / name)
 
     def _groups(self, items: list[ReadItem]) -> list[tuple[int, int, list[ReadItem]]]:
         """Items by byte range, in file order (DCP never writes overlapping ranges)."""
@@ -239,7 +240,8 @@ class VerifyingReader(MetadataReader):
             problems.append(FileProblem(name, "unexpected", "read by DCP but not listed in the manifest"))
             return
         file = self._root / name
-        mapping = None if isinstance(file, ObjectPath) else self._map(file)
+        local = self._store.local_file(file)
+        mapping = None if local is None else self._map(local)
         if mapping is None:  # an object, or a file system that cannot map files (some FUSE and network mounts)
             actual, size, unreadable = self._stream_hashing(name, items, planner, problems)
         else:

@@ -34,7 +34,7 @@ from shardline.checkpoint.integrity.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
-from shardline.checkpoint.storage.objects import ObjectPath, as_location, check_access
+from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import ConfigurationError
 
 __all__ = [
@@ -273,10 +273,10 @@ def verify_checkpoint(
     if level is VerifyLevel.NONE:
         raise ConfigurationError("verify_checkpoint checks files: use level 'full' (default) or 'sizes'")
     expected_manifest_hash = check_expected_hash(expected_manifest_hash)
-    root = as_location(path, storage_options=storage_options)
-    check_access(root)
-    if isinstance(root, ObjectPath):
-        root = root.snapshot()  # one LIST answers every "present? what size?" below (see objects.py)
+    root = locate(path, storage_options=storage_options)
+    store = store_for(root)
+    store.check_access(root)
+    root = store.snapshot(root)  # in a store, one LIST answers every "present? what size?" below
     base = {"path": str(root), "level": level.value}
     if not root.is_dir():
         return VerifyReport(**base, manifest_hash=None, step=None, files_checked=0, bytes_checked=0,

@@ -1,6 +1,7 @@
 """The lifecycle of a checkpoint, on top of everything else: what a save captures (``capture``,
 ``host_buffers``), ``save`` and its commit protocol, verified ``load``, the ``CheckpointManager``
-(resume, async saves, retention), and the read-only views: ``summary`` (``inspect``) and
+and what it wires (``recovery`` on open, ``resume`` selection, ``quarantine``, the
+``async_writer``, ledger ``rows``), and the read-only views: ``summary`` (``inspect``) and
 ``consolidate`` (safetensors export).
 
 Nothing is re-exported here: the public names are :mod:`shardline.checkpoint`'s.

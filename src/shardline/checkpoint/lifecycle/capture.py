@@ -32,7 +32,8 @@ from shardline.checkpoint.integrity.manifest import describe_units
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.state.optim_state import optimizer_state_dict
-from shardline.checkpoint.storage.objects import Location, as_location
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import locate
 from shardline.engine import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
@@ -232,7 +233,7 @@ def _config_text(config: Mapping[str, Any]) -> str:
 def capture(
     request: SaveRequest,
     *,
-    path: str | os.PathLike,
+    path: str | os.PathLike | Location,
     parent_manifest_hash: str | None = None,
     copy: bool = False,
     buffers: HostBuffers | None = None,
@@ -274,7 +275,7 @@ def capture(
         buffers.finish()
         source_device = buffers.source_device
     return CapturedCheckpoint(
-        final=as_location(path),
+        final=locate(path),
         step=request.step,
         tag=request.tag,
         kind=kind,

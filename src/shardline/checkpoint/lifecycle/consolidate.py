@@ -43,7 +43,8 @@ from shardline.checkpoint.format.safetensors_io import SafetensorsWriter, Tensor
 from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.storage.fsutil import fsync_dir
-from shardline.checkpoint.storage.objects import ObjectPath, as_location, check_access, is_url
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import local_path, locate, store_for
 from shardline.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -160,7 +161,7 @@ def _read_batch(
 
 
 def consolidate(
-    checkpoint: str | os.PathLike | ObjectPath,
+    checkpoint: str | os.PathLike | Location,
     out: str | os.PathLike,
     *,
     max_shard_size: str | int | None = None,
@@ -203,15 +204,16 @@ def consolidate(
         ConfigurationError: ``adapters`` for a checkpoint without a PEFT adapter shardline exports.
         StorageAccessError: ``out`` is an object-store URL, or the source's bucket cannot be used.
     """
-    if is_url(out):
+    dst = local_path(out)
+    if dst is None:
         # Path("s3://b/x") would be a local directory named "s3:"; the export is written locally, then uploaded.
         raise StorageAccessError(
             f"consolidate writes a local file or directory, and {out} is an object-store URL: write it to a local "
             f"path, then upload it (e.g. `aws s3 cp --recursive OUT {out}`); the source checkpoint may be a URL"
         )
-    src = as_location(checkpoint, storage_options=storage_options)  # a local directory or an object-store URL
-    check_access(src)
-    dst = Path(out).absolute()
+    src = locate(checkpoint, storage_options=storage_options)  # a local directory or an object-store URL
+    store_for(src).check_access(src)
+    dst = dst.absolute()
     max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     cast = parse_dtype(dtype) if dtype is not None else None
     single_file = dst.suffix == ".safetensors" and max_bytes is None

@@ -68,7 +68,8 @@ from shardline.checkpoint.integrity.reading import VerifyingReader
 from shardline.checkpoint.integrity.verify import VerifyLevel, check_files
 from shardline.checkpoint.state.model_state import param_index
 from shardline.checkpoint.state.optim_state import load_optimizer_state_dict, optimizer_params
-from shardline.checkpoint.storage.objects import Location, as_location
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import locate
 from shardline.engine import key_problems, registered_state_dict, release_all
 from shardline.errors import (
     CheckpointError,
@@ -129,7 +130,7 @@ def check_checkpoint(
         CheckpointNotFoundError, IntegrityError: on every rank.
     """
     level = VerifyLevel.parse(verify)
-    checked = _checked(as_location(path, storage_options=storage_options), level, expected_manifest_hash, process_group)
+    checked = _checked(locate(path, storage_options=storage_options), level, expected_manifest_hash, process_group)
     if level is VerifyLevel.FULL:
         rank, world = coord.group_rank(process_group), coord.group_size(process_group)
 
@@ -296,7 +297,7 @@ def load(
         IntegrityError: a file missing, unexpected, or not matching the manifest (named); nothing loaded.
         CheckpointMismatchError: keys or shapes that do not fit; nothing is loaded then.
     """
-    path = as_location(path, storage_options=storage_options)
+    path = locate(path, storage_options=storage_options)
     level = VerifyLevel.parse(verify)
     checked = _checked(path, level, expected_manifest_hash, process_group)
     rank = coord.group_rank(process_group)

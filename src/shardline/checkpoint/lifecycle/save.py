@@ -5,21 +5,23 @@ Note: the commit protocol (a collective over ``process_group``). Every go/no-go 
 the same exception class with the same message.
 
 1. **Preflight** (rank 0 decides): the final directory must not exist and its parent must be
-   creatable and writable; rank 0 creates a hidden temporary directory beside it
-   (``.step-100.tmp-<hex>``). Every rank then checks it can see and write that directory
-   (all agree), so an unwritable or unshared path fails on every rank before any data is written.
-   In an object store there is no temporary directory: rank 0 claims the final prefix with a
-   conditional PUT (:func:`.claim.claim`), and the manifest, uploaded last and conditionally, commits;
-   the claim is deleted after it. A save that dies before its manifest leaves a prefix the next
-   manager clears on open (:mod:`.leftovers`).
+   creatable and writable; rank 0 reserves it through its store (:meth:`.CheckpointStore.prepare`):
+   on disk a hidden temporary directory beside it (``.step-100.tmp-<hex>``). Every rank then
+   checks it can see and write that directory (all agree), so an unwritable or unshared path
+   fails on every rank before any data is written. In an object store there is no temporary
+   directory: rank 0 claims the final prefix with a conditional PUT (``storage/claims.py``), and
+   the manifest, uploaded last and conditionally, commits; the claim is deleted after it. A save
+   that dies before its manifest leaves a prefix the next manager clears on open
+   (``storage/object_leftovers.py``).
 2. **Capture** (all agree): each rank builds its state dict (:mod:`.capture`).
-3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing.HashingWriter`:
+3. **Write**: ``torch.distributed.checkpoint.save`` with :class:`~.hashing_writer.HashingWriter`:
    each rank writes and fsyncs its ``.distcp`` files (one per writer thread), hashing each in the same pass; digests
    reach rank 0 inside the write results DCP gathers; rank 0 writes ``.metadata``.
 4. **Manifest** (rank 0): ``manifest.json`` (canonical JSON, so its file hash is the manifest
    hash), ``manifest.sha256`` and ``SHA256SUMS``, each fsynced, then the directory is fsynced.
-5. **Commit** (rank 0): ``rename(tmp, final)`` -- atomic on POSIX file systems -- and fsync the
-   parent. This is the commit point: a directory with a final name is always complete.
+5. **Commit** (rank 0, :meth:`.CheckpointStore.commit`): ``rename(tmp, final)`` -- atomic on POSIX
+   file systems -- and fsync the parent (in an object store: ``manifest.json`` uploaded last). This
+   is the commit point: a directory with a final name is always complete.
 6. **Publish** (rank 0, optional callback): the manager updates ``latest`` and the ledger.
 7. Rank 0 tells every rank the outcome; every rank returns the same :class:`CheckpointInfo` or raises.
    A failure after the rename (the parent's fsync, or the publish) is :class:`~shardline.errors.PublishError`
@@ -36,18 +38,15 @@ else, so the previous checkpoints stay as they were.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
 import functools
 import logging
 import os
-import shutil
 import sqlite3
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,8 +61,10 @@ from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.integrity.copy_check import check_written
-from shardline.checkpoint.integrity.hashing import FileDigest, HashingWriter
+from shardline.checkpoint.integrity.hashing import FileDigest
+from shardline.checkpoint.integrity.hashing_writer import HashingWriter
 from shardline.checkpoint.integrity.manifest import (
+    DCP_METADATA,
     MANIFEST,
     MANIFEST_HASH_FILE,
     SUMS_FILE,
@@ -72,28 +73,11 @@ from shardline.checkpoint.integrity.manifest import (
     render_sums,
 )
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveKind, SaveRequest, capture
-from shardline.checkpoint.lifecycle.claim import (
-    claim,
-    claim_path,
-    finished,
-    holds,
-    newest_committed,
-    refused_message,
-    release,
-    taken_message,
-)
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.lifecycle.summary import human_bytes
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, build_statement
-from shardline.checkpoint.storage.fsutil import (
-    fsync_dir,
-    fsync_new_dirs,
-    fsync_together,
-    lock_tmp,
-    release_tmp,
-    tmp_dir_for,
-)
-from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, describe, is_url
+from shardline.checkpoint.storage.protocol import CommitRecord, Location
+from shardline.checkpoint.storage.stores import describe, locate, store_for
 from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, PublishError, error_chain
 
 __all__ = [
@@ -102,7 +86,6 @@ __all__ = [
     "commit",
     "disk_full_cause",
     "preflight",
-    "preflight_objects",
     "save",
     "write_and_commit",
 ]
@@ -129,153 +112,59 @@ class CheckpointInfo:
     """SHA-256 of the checkpoint's provenance statement (``provenance.intoto.json``)."""
 
 
-def _prepare(final: Path) -> Path:
-    if final.exists() or final.is_symlink():
-        raise CheckpointExistsError(
-            f"checkpoint directory {final} already exists; shardline never overwrites a checkpoint. Save under a new "
-            "step or path, or move the old one away first."
-        )
-    parent = final.parent
-    existed = parent
-    while not existed.exists() and existed.parent != existed:
-        existed = existed.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        if existed != parent:  # new directories: their names must survive a crash like the checkpoint's
-            fsync_new_dirs(parent, existed=existed)
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot create the checkpoint parent directory {parent}: {e.strerror or e}. Choose a writable location."
-        ) from None
-    if not parent.is_dir():
-        raise CheckpointError(f"cannot save into {parent}: it is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(
-            f"cannot save a checkpoint into {parent}: no write permission for this user (uid {os.getuid()}). "
-            "Choose a writable directory or fix its permissions."
-        )
-    tmp = tmp_dir_for(final)
-    try:
-        lock_tmp(tmp)  # held until the save ends, so no other process takes the directory for a leftover
-        tmp.mkdir()
-    except OSError as e:
-        release_tmp(tmp)
-        raise CheckpointError(f"cannot create {tmp}: {e.strerror or e}. Choose a writable location.") from None
-    crash_point("save.tmp_created")
-    return tmp
-
-
-def _prepare_objects(final: ObjectPath, run: str | None) -> str | None:
-    """Rank 0: check and claim ``final``; returns the newest committed checkpoint beside it (its URL), if any."""
-    # One LIST of the parent both proves access and shows whether the checkpoint's prefix is taken; only
-    # when it fails is the bucket itself checked, for an error that names what is wrong.
-    try:
-        parent = final.parent.snapshot()
-    except Exception:
-        check_access(final)
-        raise
-    if not parent.exists():  # an empty or new prefix, or no such bucket: which one, check_access says
-        check_access(final)
-    if (parent / final.name).exists():
-        if (final / MANIFEST).is_file():
-            raise CheckpointExistsError(
-                f"checkpoint {final} already exists (committed: it has a manifest.json); shardline never "
-                "overwrites a checkpoint. Save under a new step or prefix, or resume from it."
-            )
-        if (parent / claim_path(final).name).exists():
-            raise CheckpointExistsError(taken_message(final))
-        raise CheckpointExistsError(
-            f"{final} holds objects of a save that never committed (no manifest.json), so nothing can be resumed "
-            f"from it; shardline never writes into a prefix that is not empty. A CheckpointManager on "
-            f"{final.parent} clears such a prefix when it opens, unless a live save holds its claim "
-            f"({claim_path(final).name}); or delete the objects under {final}/."
-        )
-    try:
-        claim(final, run=run)
-    except CheckpointError:
-        raise
-    except Exception as e:  # the store failing (5xx, SlowDown past the client's retries, a lost connection)
-        last = None
-        with contextlib.suppress(Exception):
-            last = newest_committed(parent, final)
-        previous = f"the last good checkpoint is {last}" if last else "no earlier checkpoint is known here"
-        raise CheckpointError(
-            f"claiming checkpoint {describe(final)} failed ({_first_line(e)}); no checkpoint was written; {previous}"
-        ) from e
-    return newest_committed(parent, final)
-
-
 def preflight(
-    path: str | os.PathLike | ObjectPath,
+    path: str | os.PathLike | Location,
     *,
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
-    run: str | None = None,
+    run: Callable[[], str | None] | str | None = None,
 ) -> Location:
-    """Step 1 of the protocol (a collective): check the target on rank 0 and create the temp directory.
+    """Step 1 of the protocol (a collective): rank 0 reserves the target through its store, every rank checks it
+    can write there.
 
-    Returns the temporary directory on every rank. ``run``: the run an object-store claim names
-    (:func:`.claim.claim`; rank 0's is used).
+    Returns the in-progress location on every rank (on disk the temporary directory; in an object
+    store the final prefix, claimed). ``run``: the run an object-store claim names (a callable is
+    asked on rank 0 only, when a claim is made).
 
     Raises:
         CheckpointExistsError: the final directory exists (on every rank, nothing written).
         CheckpointError: the path is not writable or not visible from every rank.
     """
-    if is_url(path):
-        return preflight_objects(path, process_group=process_group, storage_options=storage_options, run=run)[0]
-    final = Path(path).absolute()
-    tmp = Path(coord.rank0_decides(lambda: str(_prepare(final)), process_group))
-
-    def can_write() -> None:
-        if not (tmp.is_dir() and os.access(tmp, os.W_OK | os.X_OK)):
-            raise CheckpointError(
-                f"cannot see or write {tmp}, which rank 0 created: the checkpoint directory must be on a file system "
-                "shared by all ranks (or writable by every rank's user). Nothing was written."
-            )
-
-    try:
-        coord.all_agree(can_write, process_group, what="write the checkpoint directory")
-    except CheckpointError:
-        if coord.group_rank(process_group) == 0:
-            _discard(tmp)
-        raise
-    return tmp
+    return _preflight(path, process_group=process_group, storage_options=storage_options, run=run)[0]
 
 
-def preflight_objects(
-    path: str | ObjectPath,
+def _preflight(
+    path: str | os.PathLike | Location,
     *,
-    process_group: dist.ProcessGroup | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    run: str | None = None,
-) -> tuple[ObjectPath, str | None]:
-    """:func:`preflight` for an object-store URL: ``(the location, the newest committed checkpoint beside it)``.
-
-    No temporary prefix (nothing renames it): rank 0 claims the final one, and the manifest written last commits.
-    """
-    target = as_location(path, storage_options=storage_options)
-    assert isinstance(target, ObjectPath)  # a URL
-    last_good = coord.rank0_decides(lambda: _prepare_objects(target, run), process_group)
-    if coord.group_size(process_group) > 1:  # rank 0 has reached it already; the others check their own access
-
-        def reach() -> None:
-            if coord.group_rank(process_group) != 0:
-                check_access(target)
-
-        try:
-            coord.all_agree(reach, process_group, what="reach the checkpoint bucket")
-        except Exception:  # a rank that cannot reach the bucket: the save stops on every rank
-            if coord.group_rank(process_group) == 0:
-                _discard(target)  # only the claim is there: the prefix is free again
-            raise
-    return target, last_good
+    process_group: dist.ProcessGroup | None,
+    storage_options: Mapping[str, Any] | None,
+    run: Callable[[], str | None] | str | None,
+) -> tuple[Location, Location | None]:
+    """:func:`preflight`, and the newest committed checkpoint beside the target when the store found it."""
+    final = locate(path, storage_options=storage_options).absolute()
+    store = store_for(final)
+    asked = run if callable(run) or run is None else (lambda: run)
+    name, found = coord.rank0_decides(lambda: store.prepare(final, run=asked), process_group)
+    in_progress = final.with_name(name)
+    rank = coord.group_rank(process_group)
+    try:
+        coord.all_agree(
+            lambda: store.check_writable(in_progress, prepared_here=rank == 0),
+            process_group,
+            what="write the checkpoint directory",
+        )
+    except Exception:  # a rank that cannot write there: the save stops on every rank
+        if rank == 0:
+            store.discard(in_progress)
+        raise
+    return in_progress, (final.with_name(found.rsplit("/", 1)[-1]) if found else None)
 
 
 def capture_agreed(
     request: SaveRequest,
     *,
-    path: str | os.PathLike,
-    tmp: Path,
+    path: str | os.PathLike | Location,
+    tmp: Location,
     parent_manifest_hash: str | None = None,
     copy: bool = False,
     buffers: HostBuffers | None = None,
@@ -283,7 +172,7 @@ def capture_agreed(
 ) -> CapturedCheckpoint:
     """Step 2 (a collective): :func:`~.capture.capture` on every rank, then agree that all succeeded.
 
-    ``copy`` and ``buffers`` are passed to :func:`~.capture.capture` (an async save's host staging).
+    ``copy`` and ``buffers`` are passed to :func:`~.capture.capture` (an async save's host copy).
 
     A rank whose capture fails (e.g. trainer state that cannot be saved safely) would otherwise
     leave its peers waiting in the write; instead every rank raises the same error and the temp
@@ -307,26 +196,10 @@ def capture_agreed(
         sizes = coord.all_agree(capture_here, process_group, what=f"stage its part of checkpoint {path}")
     except Exception:
         if coord.group_rank(process_group) == 0:
-            _discard(tmp)
+            store_for(tmp).discard(tmp)
         raise
     assert captured is not None  # all_agree returned, so this rank's step succeeded
     return replace(captured, total_bytes=sum(sizes))
-
-
-def _discard(tmp: Location) -> None:
-    """Rank 0, after a failed save: remove the temporary directory, then its lock (on a store: the objects written,
-    then the claim)."""
-    if isinstance(tmp, ObjectPath):
-        # The store may be what failed; without a manifest the prefix is never a checkpoint anyway, and a claim
-        # left behind is cleared as stale by the next manager on the directory (claim.judge).
-        with contextlib.suppress(Exception):
-            if holds(tmp):  # never another run's objects: a save whose claim was cleared has nothing here
-                tmp.remove_tree()
-                release(tmp)
-        finished(tmp)
-        return
-    shutil.rmtree(tmp, ignore_errors=True)
-    release_tmp(tmp)
 
 
 def disk_full_cause(error: BaseException) -> BaseException | None:
@@ -353,18 +226,15 @@ def _failure_message(
 ) -> str:
     """Rank 0, after a failed write: one line naming the cause (for a full disk: bytes needed vs free)."""
     previous = f"the last good checkpoint is {last_good}" if last_good else "no earlier checkpoint is known here"
-    if isinstance(final, ObjectPath):
-        refused = next((e for e in error_chain(error) if isinstance(e, PermissionError)), None)
-        if refused is not None:
-            return refused_message(final, refused, previous)
-        return f"writing checkpoint {describe(final)} failed ({_first_line(error)}); nothing was committed; {previous}"
+    store = store_for(final)
+    refused = store.refusal(final, error, previous=previous)
+    if refused is not None:
+        return refused
     full = disk_full_cause(error)
     if full is None:
-        return f"writing checkpoint {final} failed ({_first_line(error)}); nothing was committed; {previous}"
-    try:
-        free = human_bytes(shutil.disk_usage(final.parent).free)
-    except OSError:
-        free = "unknown"
+        return f"writing checkpoint {describe(final)} failed ({_first_line(error)}); nothing was committed; {previous}"
+    free_bytes = store.free_bytes(final.parent)
+    free = human_bytes(free_bytes) if free_bytes is not None else "unknown"
     where = getattr(full, "filename", None) or final
     return (
         f"disk full: writing checkpoint {final} needs about {human_bytes(captured.total_bytes)}, {free} free on "
@@ -375,7 +245,7 @@ def _failure_message(
 
 def write_and_commit(
     captured: CapturedCheckpoint,
-    tmp: Path,
+    tmp: Location,
     *,
     process_group: dist.ProcessGroup | None = None,
     observer: SaveObserver = NO_OBSERVER,
@@ -383,7 +253,8 @@ def write_and_commit(
     last_good: Location | None = None,
     files_per_rank: int = AUTO,
 ) -> CheckpointInfo:
-    """Steps 3-7 of the protocol (a collective): write ``captured`` into ``tmp`` and commit it.
+    """Steps 3-7 of the protocol (a collective): write ``captured`` into ``tmp`` (the in-progress location
+    :func:`preflight` returned) and commit it.
 
     Each rank writes ``files_per_rank`` files (0: automatic, :mod:`.parallelism`).
 
@@ -392,14 +263,17 @@ def write_and_commit(
             free, and ``last_good``); nothing was committed.
         PublishError: the checkpoint committed, but making the rename durable or
             ``after_commit`` failed; its ``info`` is the committed checkpoint.
+        CheckpointExistsError: another run took the checkpoint while this save wrote it (nothing of
+            the other run was deleted).
         CheckpointError: any other failure, named in the first line of the message.
     """
     final = captured.final.absolute()
+    store = store_for(final)
     check = None
     if captured.staged_digests is not None:
         check = functools.partial(check_written, staged=captured.staged_digests)
-    # Rank 0's data files flush in the background while .metadata and the commit records are written; _finalize
-    # flushes .metadata with the records and waits for all of them before the rename.
+    # Rank 0's data files flush in the background while .metadata and the commit records are written; the store's
+    # commit flushes .metadata with the records and waits for all of them before the commit point.
     writer = HashingWriter(
         tmp,
         final_path=final,
@@ -423,32 +297,27 @@ def write_and_commit(
     if failure is not None:
 
         def clean_up() -> None:
-            _discard(tmp)
+            store.discard(tmp)
             error = DiskFullError if disk_full_cause(failure) is not None else CheckpointError
             raise error(_failure_message(final, captured, failure, last_good))
 
         coord.rank0_decides(clean_up, process_group)
 
     def finalize() -> dict[str, Any]:
-        done: dict[str, Any] = {}  # _finalize fills it once the rename happened
+        done: dict[str, Any] = {}  # _finalize fills it once the checkpoint is committed
         try:
             digests = writer.file_digests or []
-            if isinstance(final, ObjectPath):
-                manifest_digest, files, statement_digest = _finalize_objects(captured, final, digests, observer, done)
-            else:
-                manifest_digest, files, statement_digest = _finalize(
-                    captured, tmp, final, digests, observer, done, wait_synced=writer.wait_synced
-                )
+            manifest_digest, files, statement_digest = _finalize(
+                captured, tmp, final, digests, observer, done, wait_synced=writer.wait_synced
+            )
         except Exception as e:
-            if isinstance(e, CheckpointExistsError) and isinstance(final, ObjectPath):
-                with contextlib.suppress(Exception):
-                    release(final)
-                raise  # lost the commit to another run: the objects under the prefix may be its, nothing is deleted
             if not done:
-                _discard(tmp)
+                store.discard(tmp)  # what this save wrote and holds: never another run's files (see the store)
+                if isinstance(e, CheckpointExistsError):
+                    raise  # the target was taken meanwhile: the store's message names it
                 message = _failure_message(final, captured, e, last_good)
                 raise (DiskFullError if disk_full_cause(e) is not None else CheckpointError)(message) from e
-            # renamed, but the parent's fsync failed: the name may not survive a power loss, yet it is there now
+            # committed, but making it durable failed (the parent's fsync): the name may not survive a power loss
             manifest_digest, files, statement_digest = done["hash"], done["files"], done["provenance"]
             info = _info(captured, final, manifest_digest, files, statement_digest)
             return _outcome(info, f"making the commit durable failed ({_first_line(e)})")
@@ -464,7 +333,7 @@ def write_and_commit(
     try:
         outcome = coord.rank0_decides(finalize, process_group)
     finally:
-        release_tmp(tmp)  # renamed or removed by now (a no-op on ranks other than 0)
+        store.end_save(tmp)  # renamed, committed or removed by now
     info = CheckpointInfo(
         path=final,
         step=captured.step,
@@ -499,7 +368,7 @@ def _outcome(info: CheckpointInfo, problem: str | None) -> dict[str, Any]:
 
 
 def _info(
-    captured: CapturedCheckpoint, final: Path, digest: str, files: list[FileDigest], statement_digest: str
+    captured: CapturedCheckpoint, final: Location, digest: str, files: list[FileDigest], statement_digest: str
 ) -> CheckpointInfo:
     return CheckpointInfo(
         path=final,
@@ -515,114 +384,45 @@ def _info(
     )
 
 
-def _write(path: Path, data: bytes) -> Path:
-    with open(path, "wb") as f:
-        f.write(data)
-    return path
-
-
 def _finalize(
     captured: CapturedCheckpoint,
-    tmp: Path,
-    final: Path,
+    tmp: Location,
+    final: Location,
     digests: list[FileDigest],
     observer: SaveObserver,
     done: dict[str, Any],
     *,
     wait_synced: Callable[[], None] = lambda: None,
 ) -> tuple[str, list[FileDigest], str]:
-    """Rank 0: provenance statement, manifest, hash files, fsync, rename.
+    """Rank 0: provenance statement, manifest and hash files, then the commit through the store.
 
     ``wait_synced`` waits for the flushes of rank 0's data files, which run in the background
     from the moment each was closed (``HashingWriter(sync_later=True)``); the other ranks'
     files were flushed before their part of the write returned.
 
-    Returns (manifest hash, every listed file, the statement's sha256). Once the rename is done,
-    ``done`` holds the same under ``hash``, ``files``, ``provenance``, so a caller that sees an
-    error after it knows the checkpoint is committed.
+    Returns (manifest hash, every listed file, the statement's sha256). Once the checkpoint is
+    committed, ``done`` holds the same under ``hash``, ``files``, ``provenance``, so a caller that
+    sees an error after it knows the checkpoint is committed.
     """
     crash_point("save.shards_written")
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
     _check_listing(tmp, digests)
     statement, statement_digest, files, data, digest = _records(captured, digests)
-    # Nothing in tmp counts until the rename, so the four records are written first and flushed together
-    # with DCP's .metadata (written unflushed) and tmp's entries, before it: one journal commit rather than six.
-    written = [_write(tmp / STATEMENT_FILE, statement)]
-    crash_point("save.statement_written")
-    written.append(_write(tmp / MANIFEST, data))
-    crash_point("save.manifest_written")
-    written.append(_write(tmp / MANIFEST_HASH_FILE, render_manifest_hash_file(digest)))
-    crash_point("save.hash_file_written")
-    written.append(_write(tmp / SUMS_FILE, render_sums(digest, [d.to_json() for d in files])))
-    fsync_together(files=[tmp / ".metadata", *written], directories=[tmp])
-    wait_synced()
-    crash_point("save.sums_written")
-    observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
-    if final.exists() or final.is_symlink():
-        raise CheckpointExistsError(f"{final} appeared while the checkpoint was being written; it was left untouched")
-    os.rename(tmp, final)
-    done.update(hash=digest, files=files, provenance=statement_digest)
-    crash_point("save.renamed")
-    fsync_dir(final.parent)
-    crash_point("save.committed")
-    observer.on_phase(SavePhase.AFTER_RENAME, 0)
-    return digest, files, statement_digest
-
-
-def _finalize_objects(
-    captured: CapturedCheckpoint,
-    final: ObjectPath,
-    digests: list[FileDigest],
-    observer: SaveObserver,
-    done: dict[str, Any],
-) -> tuple[str, list[FileDigest], str]:
-    """Rank 0, on an object store: provenance statement, hash files, then ``manifest.json`` -- the commit record.
-
-    Note: an object store has no rename, so the data objects were written under their final
-    prefix; what makes them a checkpoint is ``manifest.json``, uploaded last, once every object it
-    lists (and the two files derived from it) is acknowledged. Until then the prefix is not a
-    checkpoint to anything that lists, loads or resumes (``directory.scan``, ``open_checkpoint``).
-    A PUT is atomic: readers see the whole manifest or none. The manifest goes up only while this
-    save still holds its claim, and the claim is deleted after it (see :func:`.claim.claim`).
-    """
-    crash_point("save.shards_written")
-    observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
-    _check_listing(final, digests)
-    statement, statement_digest, files, data, digest = _records(captured, digests)
-    # The three files the manifest implies go up at once (concurrent PUTs); the manifest only after all three.
-    final.fs.pipe(
-        {
-            (final / STATEMENT_FILE).key: statement,
-            (final / MANIFEST_HASH_FILE).key: render_manifest_hash_file(digest),
-            (final / SUMS_FILE).key: render_sums(digest, [d.to_json() for d in files]),
-        }
+    records = [
+        CommitRecord(STATEMENT_FILE, statement, written="save.statement_written"),
+        CommitRecord(MANIFEST, data, written="save.manifest_written"),  # the commit record: last in a store
+        CommitRecord(MANIFEST_HASH_FILE, render_manifest_hash_file(digest), written="save.hash_file_written"),
+        CommitRecord(SUMS_FILE, render_sums(digest, [d.to_json() for d in files])),
+    ]
+    store_for(final).commit(
+        tmp,
+        final,
+        records=records,
+        flush=[DCP_METADATA],  # DCP wrote it unflushed: flushed with the records
+        observer=observer,
+        wait_synced=wait_synced,
+        on_commit=lambda: done.update(hash=digest, files=files, provenance=statement_digest),
     )
-    crash_point("save.sums_written")
-    observer.on_phase(SavePhase.AFTER_MANIFEST, 0)
-    if not holds(final):
-        finished(final)
-        raise CheckpointExistsError(
-            f"checkpoint {final} was not committed: this save's claim on it ({claim_path(final)}) is gone or no "
-            "longer this process's -- another run's CheckpointManager judged it stale and cleared the prefix, or "
-            "another run saves there. Nothing of the other run was deleted. Give each run its own checkpoint.dir."
-        )
-    try:
-        (final / MANIFEST).write_new(data)  # conditional: never over another run's commit (see .claim)
-    except FileExistsError:
-        raise CheckpointExistsError(
-            f"checkpoint {final} was committed by another run while this one was writing it (its manifest appeared "
-            "first); this save was not committed and nothing of the other was deleted. Give each run its own "
-            "checkpoint.dir."
-        ) from None
-    done.update(hash=digest, files=files, provenance=statement_digest)
-    crash_point("save.committed")
-    observer.on_phase(SavePhase.AFTER_RENAME, 0)
-    finished(final)
-    try:  # committed: the manifest, not the claim, now guards the prefix (the claim was ours just before it)
-        claim_path(final).unlink()
-    except Exception as e:  # a claim beside a committed prefix is removed by the next manager on the directory
-        log.warning("checkpoint %s committed; removing its claim failed (%s), the next open removes it", final, e)
-    crash_point("save.store_claim_released")
     return digest, files, statement_digest
 
 
@@ -678,7 +478,7 @@ def _records(
 
 
 def commit(
-    path: str | os.PathLike | ObjectPath,
+    path: str | os.PathLike | Location,
     request: SaveRequest,
     *,
     parent_manifest_hash: str | None = None,
@@ -689,16 +489,12 @@ def commit(
 ) -> CheckpointInfo:
     """Save ``request`` into the new directory ``path`` and commit it atomically (a collective; see :func:`save`)."""
     resolve_files_per_rank(files_per_rank)  # a bad count fails before anything is created
-    last_good: Location | None = None
-    if is_url(path):
-        # Written in place; the capture records this location (with its storage options). The preflight's listing
-        # also finds the newest committed checkpoint beside it, which a failure message names.
-        tmp, found = preflight_objects(path, process_group=process_group, storage_options=storage_options)
-        path, last_good = tmp, (tmp.with_name(found.rsplit("/", 1)[-1]) if found else None)
-    else:
-        tmp = preflight(path, process_group=process_group, storage_options=storage_options)
+    # The capture records the final location (with its storage options); the preflight may also find the newest
+    # committed checkpoint beside it, which a failure message names.
+    final = locate(path, storage_options=storage_options).absolute()
+    tmp, last_good = _preflight(final, process_group=process_group, storage_options=storage_options, run=None)
     captured = capture_agreed(
-        request, path=path, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
+        request, path=final, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
     )
     return write_and_commit(
         captured,
@@ -711,7 +507,7 @@ def commit(
 
 
 def save(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Location,
     *,
     model: nn.Module,
     step: int,

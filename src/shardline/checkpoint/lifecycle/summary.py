@@ -8,7 +8,8 @@ from typing import Any
 
 from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE
-from shardline.checkpoint.storage.objects import ObjectPath, as_location, check_access, is_url
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import local_path, locate, store_for
 
 __all__ = ["human_bytes", "render_summary", "summarize"]
 
@@ -31,7 +32,7 @@ def _count(n: int) -> str:
 
 
 def summarize(
-    path: str | os.PathLike | ObjectPath, *, storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike | Location, *, storage_options: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """A JSON-able summary of the checkpoint at ``path`` from its manifest (files are not re-hashed).
 
@@ -41,8 +42,8 @@ def summarize(
         CheckpointNotFoundError, IntegrityError: as :func:`~shardline.checkpoint.integrity.manifest.read_manifest`.
         StorageAccessError: a URL whose bucket, credentials or endpoint cannot be used.
     """
-    root = as_location(path, storage_options=storage_options)  # a local directory or an object-store URL
-    check_access(root)
+    root = locate(path, storage_options=storage_options)  # a local directory or an object-store URL
+    store_for(root).check_access(root)
     manifest, digest = read_manifest(root)
     listed = manifest_files(manifest)
     files = [f for f in listed if f["path"] != STATEMENT_FILE]
@@ -113,7 +114,7 @@ def render_summary(s: dict[str, Any]) -> str:
         f"The manifest hash {s['manifest_sha256']} is a fingerprint of the complete checkpoint: it covers the "
         "SHA-256 of every file, so changing any byte of any file changes it. To check the files, run "
         f"`shardline verify {s['path']}`, or `sha256sum -c SHA256SUMS` inside the directory"
-        + (" (a copy of it: the files are in an object store)" if is_url(s["path"]) else "")
+        + (" (a copy of it: the files are in an object store)" if local_path(s["path"]) is None else "")
         + " (see docs/verification.md)."
     )
     return "\n".join(lines)

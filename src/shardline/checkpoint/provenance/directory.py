@@ -6,7 +6,8 @@ Layout::
     step-250-on_exception/               a checkpoint saved when training raised (tag "on_exception")
     step-300.damaged-20250101T120000Z/   a checkpoint that failed verification on resume, moved aside
     .step-300.tmp-<hex>/                 a save in progress (or one that crashed): never resumed from
-    latest                               text file naming the newest regular checkpoint ("step-200")
+    latest                               text file naming the newest regular checkpoint ("step-200"; on disk
+                                         only: in an object store the store derives it, see storage/)
 
 Only ``step-N`` / ``step-N-TAG`` directories with a ``manifest.json`` count as committed.
 Which one is newest is the ledger's to say (:func:`shardline.checkpoint.provenance.lineage.order`), not
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.checkpoint.integrity.manifest import MANIFEST, read_manifest
-from shardline.checkpoint.storage.fsutil import atomic_write_bytes, fsync_dir
+from shardline.checkpoint.storage.fsutil import fsync_dir
+from shardline.checkpoint.storage.local import LATEST_FILE, clear_latest, read_latest, write_latest
+from shardline.checkpoint.storage.protocol import CHECKPOINT_NAME, Location, is_checkpoint_name
 from shardline.errors import CheckpointNotFoundError, IntegrityError
 
 __all__ = [
@@ -41,17 +43,16 @@ __all__ = [
     "write_latest",
 ]
 
-LATEST_FILE = "latest"
 CHECKPOINTS_DIR = "checkpoints"
 """The folder of a run directory that holds its checkpoints (``shardline train`` writes ``RUN_DIR/checkpoints``)."""
-_NAME = re.compile(r"^step-(?P<step>\d+)(?:-(?P<tag>[a-z0-9_]+))?$")
+_NAME = CHECKPOINT_NAME
 
 
 @dataclass(frozen=True)
 class CommittedCheckpoint:
     """A committed checkpoint found in a directory (its manifest read and checked against ``manifest.sha256``)."""
 
-    path: Path
+    path: Location
     step: int
     tag: str | None
     manifest_hash: str
@@ -64,7 +65,7 @@ class CommittedCheckpoint:
 class DamagedCheckpoint:
     """A ``step-N`` directory with a manifest that does not verify (``reason`` says how)."""
 
-    path: Path
+    path: Location
     step: int
     reason: str
 
@@ -80,12 +81,7 @@ def step_of(name: str) -> int | None:
     return int(match["step"]) if match else None
 
 
-def is_checkpoint_name(name: str) -> bool:
-    """Whether ``name`` is a checkpoint directory name (``step-N`` or ``step-N-TAG``)."""
-    return _NAME.match(name) is not None
-
-
-def scan(directory: Path) -> tuple[list[CommittedCheckpoint], list[DamagedCheckpoint]]:
+def scan(directory: Location) -> tuple[list[CommittedCheckpoint], list[DamagedCheckpoint]]:
     """Committed checkpoints (by step, then name: the ledger orders them, see the module note) and ``step-N``
     directories whose manifest is damaged. Directories without a manifest are neither.
 
@@ -122,27 +118,7 @@ def scan(directory: Path) -> tuple[list[CommittedCheckpoint], list[DamagedCheckp
     return sorted(found, key=lambda c: (c.step, c.path.name)), sorted(damaged, key=lambda d: d.step)
 
 
-def read_latest(directory: Path) -> Path | None:
-    """The checkpoint the ``latest`` pointer names, or None."""
-    try:
-        name = (directory / LATEST_FILE).read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    return directory / name if name and _NAME.match(name) else None
-
-
-def write_latest(directory: Path, checkpoint: Path) -> None:
-    """Point ``latest`` at ``checkpoint`` (atomically)."""
-    atomic_write_bytes(directory / LATEST_FILE, f"{checkpoint.name}\n".encode(), crash_name="latest")
-
-
-def clear_latest(directory: Path) -> None:
-    """Remove ``latest`` (no regular checkpoint is left for it to name)."""
-    (directory / LATEST_FILE).unlink(missing_ok=True)
-    fsync_dir(directory)
-
-
-def aside_path(path: Path) -> Path:
+def aside_path(path: Location) -> Location:
     """A free ``<name>.damaged-<UTC time>`` beside ``path``: where a checkpoint that fails verification goes.
 
     The name is not a checkpoint name, so nothing resumes from it and a later save of the same
@@ -158,13 +134,17 @@ def aside_path(path: Path) -> Path:
 
 
 def move_aside(path: Path, target: Path | None = None) -> Path:
-    """Rename a damaged checkpoint to ``target`` (default :func:`aside_path`) beside it; return the new path."""
+    """Rename a local directory to ``target`` (default :func:`aside_path`) beside it; return the new path.
+
+    A manager moves a checkpoint aside through its store (:meth:`.CheckpointStore.move_aside`); this is for
+    callers that move local folders of their own (a Trainer's run folder).
+    """
     target = target or aside_path(path)
     os.rename(path, target)
     fsync_dir(path.parent)
     return target
 
 
-def has_manifest(path: Path) -> bool:
+def has_manifest(path: Location) -> bool:
     """Whether ``path`` holds a ``manifest.json`` (a shardline checkpoint, committed or damaged)."""
     return (path / MANIFEST).is_file()

@@ -61,7 +61,8 @@ from typing import Any
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.storage.fsutil import atomic_write_bytes, fsync_dir, fsync_file
-from shardline.checkpoint.storage.objects import Location, as_location, is_url
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import ledger_name, locate
 from shardline.errors import LineageError
 
 __all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "TOMBSTONE", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
@@ -184,9 +185,11 @@ class Ledger:
 
     def locate(self, checkpoint: str) -> Location:
         """Where a row's ``checkpoint`` lives: a URL in its object store, else a path relative to the ledger."""
-        if is_url(checkpoint):
-            return as_location(checkpoint, storage_options=self.storage_options)
-        return self.path.parent / checkpoint
+        return locate(checkpoint, storage_options=self.storage_options, relative_to=self.path.parent)
+
+    def name_of(self, checkpoint: Location) -> str:
+        """How a row names ``checkpoint``: its path relative to the ledger's directory, or its URL."""
+        return ledger_name(checkpoint, relative_to=self.path.parent)
 
     @property
     def head_path(self) -> Path:
@@ -351,11 +354,11 @@ class Ledger:
             return set()
         return {r.manifest_sha256 for r in self.rows() if r.is_commit}
 
-    def recorded_hash(self, checkpoint: Path) -> str | None:
-        """The manifest hash the newest commit row records for the directory ``checkpoint`` (None if none)."""
+    def recorded_hash(self, checkpoint: Location) -> str | None:
+        """The manifest hash the newest commit row records for the checkpoint ``checkpoint`` (None if none)."""
         if not self.path.is_file():
             return None
-        rel = os.path.relpath(checkpoint, self.path.parent)
+        rel = self.name_of(checkpoint)
         found = [r.manifest_sha256 for r in self.rows() if r.is_commit and r.checkpoint == rel]
         return found[-1] if found else None
 

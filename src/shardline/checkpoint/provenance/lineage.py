@@ -34,7 +34,8 @@ from typing import Any
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, CommittedCheckpoint, scan
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, read_statement
-from shardline.checkpoint.storage.objects import Location, ObjectPath, as_location, check_access, is_url
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import check_reachable, locate, sorted_locations, store_for
 from shardline.errors import IntegrityError, LineageError
 
 __all__ = [
@@ -68,7 +69,7 @@ def find_ledger(run_dir: str | os.PathLike) -> Path:
     raise LineageError(f"no lineage ledger found: looked for {', '.join(str(c) for c in candidates)}")
 
 
-def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike | ObjectPath] = ()) -> list[Location]:
+def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike | Location] = ()) -> list[Location]:
     """Where a ledger's checkpoints live: the directories its rows name, the ledger's own, ``checkpoints/``, and
     ``also`` (e.g. the run's recorded ``checkpoint.dir``); for rows naming a URL, the bucket prefix holding them.
 
@@ -76,23 +77,14 @@ def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike |
     empty finds nothing, and :func:`audit` checks that its bucket can be reached).
     """
     base = ledger.path.parent
-    found: set[Path] = {base, base / CHECKPOINTS_DIR}
-    prefixes: set[ObjectPath] = set()
+    found: set[Location] = {base, base / CHECKPOINTS_DIR}
     if ledger.path.is_file():
         for row in ledger.rows():
-            if not row.is_commit or not row.checkpoint:
-                continue
-            if is_url(row.checkpoint):
-                prefixes.add(ledger.locate(row.checkpoint).parent)  # type: ignore[arg-type]
-            else:
-                found.add((base / row.checkpoint).parent)
+            if row.is_commit and row.checkpoint:
+                found.add(ledger.locate(row.checkpoint).parent)
     for where in also:
-        location = as_location(where, storage_options=ledger.storage_options)
-        if isinstance(location, ObjectPath):
-            prefixes.add(location)
-        else:
-            found.add(location if location.is_absolute() else base / location)
-    return [*sorted(p for p in found if p.is_dir()), *sorted(prefixes)]
+        found.add(locate(where, storage_options=ledger.storage_options, relative_to=base))
+    return sorted_locations(d for d in found if store_for(d).may_hold_checkpoints(d))
 
 
 def check_stores(directories: Iterable[Location]) -> None:
@@ -101,13 +93,12 @@ def check_stores(directories: Iterable[Location]) -> None:
     Raises:
         StorageAccessError: naming the endpoint and bucket, and how to fix it.
     """
-    for bucket in {(d.protocol, d.bucket): d for d in directories if isinstance(d, ObjectPath)}.values():
-        check_access(bucket)
+    check_reachable(directories)
 
 
 def place(checkpoint: CommittedCheckpoint) -> str:
     """How a message names a checkpoint: its directory name on disk, its whole URL in an object store."""
-    return str(checkpoint.path) if isinstance(checkpoint.path, ObjectPath) else checkpoint.path.name
+    return store_for(checkpoint.path).short_name(checkpoint.path)
 
 
 def chain_order(committed: Iterable[CommittedCheckpoint]) -> list[CommittedCheckpoint]:
@@ -217,7 +208,7 @@ def audit(
                 "(marked recovered)"
             )
         else:
-            store = "in the object store" if isinstance(c.path, ObjectPath) else "on disk"
+            store = store_for(c.path).place
             problems.append(
                 f"{place(c)} (step {c.step}, manifest {c.manifest_hash[:12]}) is committed {store} but missing from "
                 f"the ledger, whose newest checkpoint is {where}"
@@ -255,9 +246,7 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
         {
             "step": c.step,
             "tag": c.tag,
-            "checkpoint": str(c.path)
-            if isinstance(c.path, ObjectPath)
-            else os.path.relpath(c.path, ledger.path.parent),
+            "checkpoint": ledger.name_of(c.path),
             "manifest_sha256": c.manifest_hash,
             "parent_manifest_sha256": c.parent_manifest_hash,
             "world_size": c.world_size,

@@ -22,7 +22,7 @@ In an object store (``s3://...``) there is no rename, so step 3 is: delete the c
 -- then its signature object, then every other object under its prefix. A crash before the
 manifest's deletion leaves a tombstoned checkpoint still committed (the next pass deletes it, no
 second row); a crash after it leaves a prefix without a manifest that the tombstone names: the
-next pass finds it in the listing and removes it (:func:`_finish_store_deletions`), again without
+next pass finds it in the listing and removes it (:func:`_finish_deletions`), again without
 a row. Such a prefix is never mistaken for a checkpoint in between, and a save of the same step
 in the meantime finds its prefix taken and says so. The chain itself never changes: the commit row stays,
 the tombstone follows it, and ``shardline lineage`` accepts a recorded checkpoint that is gone
@@ -44,20 +44,18 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint.faults.crashpoints import crash_point
-from shardline.checkpoint.integrity.manifest import MANIFEST, manifest_files, read_manifest
-from shardline.checkpoint.provenance.directory import CommittedCheckpoint, scan, step_of
+from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
+from shardline.checkpoint.provenance.directory import CommittedCheckpoint, scan
 from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import live_branch, order
 from shardline.checkpoint.provenance.statement import read_statement
-from shardline.checkpoint.storage.fsutil import fsync_dir, trash_dir_for
-from shardline.checkpoint.storage.objects import Location, ObjectPath, is_url
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointError, ConfigurationError, IntegrityError
 
 __all__ = [
@@ -125,56 +123,31 @@ def _what_it_held(ckpt: CommittedCheckpoint) -> dict[str, Any]:
     return held
 
 
-def _remove(ckpt: CommittedCheckpoint) -> None:
-    if isinstance(ckpt.path, ObjectPath):
-        _remove_objects(ckpt.path)
-        return
-    trash = trash_dir_for(ckpt.path)
-    os.rename(ckpt.path, trash)
-    fsync_dir(ckpt.path.parent)
-    crash_point("retention.renamed")
-    sig = signature_path_for(ckpt.path)
-    if sig.is_file():
-        sig.unlink()
-        crash_point("retention.signature_removed")
-    shutil.rmtree(trash)
-    crash_point("retention.removed")
+def _remove(path: Location) -> None:
+    """Delete a checkpoint and its signature through its store (see :meth:`.CheckpointStore.remove`)."""
+    store_for(path).remove(path, companions=[signature_path_for(path)])
 
 
-def _remove_objects(path: ObjectPath) -> None:
-    """Object store: the manifest (the commit record) first, then the signature, then the rest of the prefix."""
-    manifest = path / MANIFEST
-    if manifest.is_file():
-        manifest.unlink()  # in a bucket that keeps versions, every version (see ObjectPath.remove_tree)
-    crash_point("retention.store_manifest_deleted")
-    sig = signature_path_for(path)
-    if sig.is_file():
-        sig.unlink()
-    path.remove_tree()
-    crash_point("retention.store_removed")
-
-
-def _finish_store_deletions(
-    directory: ObjectPath, committed: list[CommittedCheckpoint], rows: list[LedgerRow], rel: Callable[[Location], str]
+def _finish_deletions(
+    directory: Location, committed: list[CommittedCheckpoint], rows: list[LedgerRow], rel: Callable[[Location], str]
 ) -> None:
-    """Object store: remove the prefixes a tombstone names whose manifest is already gone (a crash interrupted the
-    deletion after the commit record went); one listing of ``directory``."""
+    """Remove what a tombstone names and a crash left half deleted under its own name, without its commit record
+    (an object store, where the manifest goes first; one listing of ``directory``). Nothing on disk, where a
+    deletion renames first and the manager removes the hidden name on open."""
     buried = tombstones(rows)
     if not buried:
         return
     live = {c.path for c in committed}
-    for child in directory.snapshot().iterdir():
-        if step_of(child.name) is None or child in live or not child.is_dir():
+    store = store_for(directory)
+    for child in store.half_removed(directory):
+        if child in live:
             continue
         name = rel(child)
         tomb = buried.get(name)
         if tomb is None or any(r.seq > tomb.seq and r.is_commit and r.checkpoint == name for r in rows):
             continue  # not tombstoned, or saved again since (an uncommitted save of its own, not a leftover)
         log.info("retention: finishing the deletion of %s (tombstone row %d), interrupted by a crash", child, tomb.seq)
-        child.remove_tree()
-        sig = signature_path_for(child)
-        if sig.is_file():
-            sig.unlink()
+        _remove(child)
 
 
 def apply_retention(
@@ -196,8 +169,7 @@ def apply_retention(
     recorded = {r.manifest_sha256 for r in rows if r.is_commit}
     buried = tombstones(rows)
     committed = order(scan(directory)[0], rows)
-    if isinstance(directory, ObjectPath):
-        _finish_store_deletions(directory, committed, rows, rel)
+    _finish_deletions(directory, committed, rows, rel)
     newest_ckpt = next((c for c in committed if c.path == just_committed), None)
     if newest_ckpt is None:
         return []  # not on disk as a committed checkpoint: nothing to measure the branch from
@@ -234,7 +206,7 @@ def apply_retention(
             )
             crash_point("retention.tombstone")
         try:
-            _remove(ckpt)
+            _remove(ckpt.path)
         except OSError as e:  # recorded already; the next pass retries, training goes on
             log.warning("retention: could not delete %s (%s); the next save retries", ckpt.path, e)
             continue
@@ -244,7 +216,7 @@ def apply_retention(
     return appended
 
 
-def retire(path: Path, *, ledger: Ledger, reason: str) -> LedgerRow | None:
+def retire(path: str | os.PathLike | Location, *, ledger: Ledger, reason: str) -> LedgerRow | None:
     """Delete one committed checkpoint on purpose, the way retention does: its tombstone row first (what it
     held, its statement), then the rename to a hidden name, its signature, the removal.
 
@@ -255,13 +227,13 @@ def retire(path: Path, *, ledger: Ledger, reason: str) -> LedgerRow | None:
     Raises:
         CheckpointError: ``path`` is not a committed checkpoint the ledger records (named, with the fix).
     """
-    path = Path(path).absolute()
+    path = locate(path, storage_options=ledger.storage_options).absolute()
     try:
         manifest, digest = read_manifest(path)
     except CheckpointError as e:
         raise CheckpointError(f"cannot delete {path} as a checkpoint: {e}") from e
     rows = ledger.rows() if ledger.path.is_file() else []
-    name = os.path.relpath(path, ledger.path.parent)
+    name = ledger.name_of(path)
     if digest not in {r.manifest_sha256 for r in rows if r.is_commit}:
         raise CheckpointError(
             f"refusing to delete {path}: the ledger {ledger.path} does not record its manifest {digest[:12]}, so "
@@ -291,7 +263,7 @@ def retire(path: Path, *, ledger: Ledger, reason: str) -> LedgerRow | None:
             detail={"checkpoint": name, "reason": reason, **_what_it_held(ckpt)},
         )
         crash_point("retention.tombstone")
-    _remove(ckpt)
+    _remove(ckpt.path)
     return row
 
 
@@ -320,13 +292,10 @@ def record_deletions(ledger: Ledger, *, reason: str = _AFTER_THE_FACT) -> list[L
             continue
         if buried.get((row.checkpoint, row.manifest_sha256), 0) > row.seq:
             continue
-        # A row naming a URL (a checkpoint in an object store) is looked for in the store, not beside the
-        # ledger, by its commit record: a store may keep listing a prefix whose objects are all gone.
-        if is_url(row.checkpoint):
-            present = (ledger.locate(row.checkpoint) / "manifest.json").exists()
-        else:
-            present = (ledger.path.parent / row.checkpoint).exists()
-        if present:
+        # Looked for where the row says (a URL in its store, a path beside the ledger), as its store counts
+        # presence: an object store by the commit record, since it may keep listing a prefix whose objects went.
+        where = ledger.locate(row.checkpoint)
+        if store_for(where).still_there(where):
             continue
         appended.append(
             ledger.append(

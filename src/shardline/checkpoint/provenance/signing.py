@@ -31,8 +31,9 @@ import contextlib
 import io
 import json
 import os
-import uuid
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +41,18 @@ from shardline.checkpoint.integrity.export_verify import is_export, verify_expor
 from shardline.checkpoint.integrity.hashing import sha256_file
 from shardline.checkpoint.integrity.manifest import MANIFEST
 from shardline.checkpoint.integrity.verify import VerifyLevel, VerifyReport, verify_checkpoint
-from shardline.checkpoint.storage.objects import is_url
-from shardline.errors import SignatureError, StorageAccessError
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import describe, locate, store_for
+from shardline.errors import SignatureError
 
 __all__ = [
     "INSTALL_HINT",
     "SignatureResult",
     "check_private_key",
+    "check_signature",
     "default_signature_path",
     "sign",
+    "sign_checkpoint",
     "signed_files",
     "verify_signature",
 ]
@@ -84,10 +88,11 @@ class SignatureResult:
         }
 
 
-def default_signature_path(path: str | os.PathLike) -> Path:
-    """``CKPT.sig`` beside the checkpoint directory (or ``FILE.sig`` beside a single file)."""
-    p = Path(path).absolute()
-    return p.with_name(p.name + ".sig")
+def default_signature_path(path: str | os.PathLike | Location) -> Location:
+    """``CKPT.sig`` beside the checkpoint directory (or ``FILE.sig`` beside a single file); beside the prefix, in
+    its bucket, for a checkpoint in an object store."""
+    location = locate(path).absolute()
+    return location.with_name(location.name + ".sig")
 
 
 def _model_signing() -> Any:
@@ -129,11 +134,12 @@ def _report_problem(report: VerifyReport) -> str:
     return f"{report.path} does not verify -- {first}"
 
 
-def _check_signature_place(path: Path, signature: Path) -> None:
-    if path.is_dir() and signature.absolute().is_relative_to(path.absolute()):
+def _check_signature_place(location: Location, signature: Location) -> None:
+    inside = str(signature.absolute()).startswith(str(location.absolute()).rstrip("/") + "/")
+    if inside:
         raise SignatureError(
-            f"the signature {signature} would be inside {path}, which would change what is signed; put it beside the "
-            f"directory (the default is {default_signature_path(path)})"
+            f"the signature {signature} would be inside {location}, which would change what is signed; put it beside "
+            f"the directory (the default is {default_signature_path(location)})"
         )
 
 
@@ -206,96 +212,144 @@ def _result(path: Path, signature: Path, kind: str) -> SignatureResult:
 
 
 def sign(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Location,
     *,
     private_key: str | os.PathLike,
-    signature: str | os.PathLike | None = None,
+    signature: str | os.PathLike | Location | None = None,
     password: str | None = None,
     expected_manifest_hash: str | None = None,
     overwrite: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SignatureResult:
     """Sign the checkpoint, export directory or file at ``path`` with an elliptic-curve private key (offline).
 
-    The content is verified first (a checkpoint against its manifest -- and against
-    ``expected_manifest_hash`` when given -- an export against ``consolidation.json``). The
-    signature is written atomically to ``signature`` (default :func:`default_signature_path`).
+    ``path`` may be an object-store URL (``s3://bucket/prefix/step-N``); ``storage_options`` then go to
+    its fsspec file system (default: the standard AWS environment). The content is verified first (a
+    checkpoint against its manifest -- and against ``expected_manifest_hash`` when given -- an export
+    against ``consolidation.json``). The signature is written whole to ``signature`` (default
+    :func:`default_signature_path`: beside the directory, or beside the prefix in its bucket).
+
+    Note: a checkpoint in a bucket is signed from a copy. The OpenSSF model-signing library hashes
+    the files of a local directory; it has no reader for an object store. So the store copies every
+    object under the prefix into a private temporary directory of the same name
+    (:meth:`.CheckpointStore.local_copy`; a local checkpoint is used where it is), the copy is
+    verified before the key is touched -- the same refusal as on disk --, signed, and the signature
+    stored where ``shardline verify`` and ``shardline report`` look for it. The copy needs free
+    space for one checkpoint in ``TMPDIR``, and is removed afterwards.
 
     Raises:
         SignatureError: the extra is missing, the key is unusable, the content does not verify,
             the signature would land inside the directory, or it exists and ``overwrite`` is False.
-        StorageAccessError: ``path`` is an object-store URL (this signs local files;
-            :func:`shardline.checkpoint.provenance.store_signing.sign_checkpoint` signs a URL).
+        StorageAccessError: the bucket cannot be reached, listed or written.
     """
-    if is_url(path):
-        raise StorageAccessError(
-            f"sign() reads and writes local files, and {path} is an object-store URL: sign it with "
-            f"`shardline sign {path} --private-key KEY.pem`, or "
-            "shardline.checkpoint.provenance.store_signing.sign_checkpoint, which copy it down, verify, sign and "
-            "upload the signature beside it"
+    location = locate(path, storage_options=storage_options)
+    store = store_for(location)
+    store.check_access(location)
+    target = (
+        locate(signature, storage_options=storage_options)
+        if signature is not None
+        else default_signature_path(location)
+    )
+    _check_signature_place(location, target)
+    if target.exists() and not overwrite:
+        raise SignatureError(
+            f"{target} already exists; pass --force to replace it (or choose another --signature path)"
         )
-    root = Path(path)
-    kind = _kind(root)
-    sig = Path(signature) if signature is not None else default_signature_path(root)
-    _check_signature_place(root, sig)
-    if sig.exists() and not overwrite:
-        raise SignatureError(f"{sig} already exists; pass --force to replace it (or choose another --signature path)")
     key = Path(private_key)
-    check_private_key(key, password)
-    report = _content_report(root, kind, expected_manifest_hash)
-    if report is not None and not report.ok:
-        raise SignatureError(f"refusing to sign: {_report_problem(report)}. Run `shardline verify {root}`.")
-    ms = _model_signing()
-    tmp = sig.with_name(f".{sig.name}.tmp-{uuid.uuid4().hex[:12]}")
-    try:
-        config = ms.signing.Config().use_elliptic_key_signer(
-            private_key=key,
-            password=password.encode() if password is not None else None,  # cryptography takes bytes
-        )
-        config.sign(root, tmp)
-        os.replace(tmp, sig)
-    except SignatureError:
-        raise
-    except Exception as e:
-        raise SignatureError(f"signing {root} failed: {type(e).__name__}: {e}") from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    return _result(root, sig, kind)
+    check_private_key(key, password)  # before a checkpoint is copied down for nothing
+    with store.local_copy(location) as root, _named(root, location):
+        kind = _kind(root)
+        report = _content_report(root, kind, expected_manifest_hash)
+        if report is not None and not report.ok:
+            raise SignatureError(f"refusing to sign: {_report_problem(report)}. Run `shardline verify {root}`.")
+        ms = _model_signing()
+        with tempfile.TemporaryDirectory(prefix="shardline-sign-") as tmp:
+            made = Path(tmp) / target.name
+            try:
+                config = ms.signing.Config().use_elliptic_key_signer(
+                    private_key=key,
+                    password=password.encode() if password is not None else None,  # cryptography takes bytes
+                )
+                config.sign(root, made)
+            except Exception as e:
+                raise SignatureError(f"signing {root} failed: {type(e).__name__}: {e}") from None
+            result = _result(root, made, kind)
+            data = made.read_bytes()
+    store_for(target).put(target, data)
+    return replace(result, path=str(location), signature=str(target))
 
 
 def verify_signature(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Location,
     *,
     public_key: str | os.PathLike,
-    signature: str | os.PathLike | None = None,
+    signature: str | os.PathLike | Location | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SignatureResult:
     """Check a model-signing signature of ``path`` with ``public_key``: the same check as
     ``model_signing verify key``, done by that library (every file re-hashed and compared).
 
+    ``path`` and ``signature`` may be object-store URLs (``storage_options`` go to their file
+    system): the objects and the signature are copied down and the library verifies the copy (see
+    :func:`sign`), so an object altered, missing or added in the bucket fails as it would on disk.
+
     Raises:
         SignatureError: the extra is missing, or the signature does not verify (the message says why:
             another key, an altered, missing or extra file).
+        StorageAccessError: the bucket cannot be reached, listed or read.
     """
-    root = Path(path)
-    kind = _kind(root)
-    sig = Path(signature) if signature is not None else default_signature_path(root)
-    signed_files(sig)  # a clear error for a missing or malformed signature file
-    pub = Path(public_key)
-    if not pub.is_file():
-        raise SignatureError(f"no public key at {pub}")
-    ms = _model_signing()
-    noise = io.StringIO()
+    location = locate(path, storage_options=storage_options)
+    store = store_for(location)
+    store.check_access(location)
+    where = (
+        locate(signature, storage_options=storage_options)
+        if signature is not None
+        else default_signature_path(location)
+    )
+    if not where.is_file():
+        raise SignatureError(f"no signature at {describe(where)}; sign with `shardline sign` or pass --signature PATH")
+    with (
+        store_for(where).local_copy(where) as sig,
+        _named(sig, where),
+        store.local_copy(location) as root,
+        _named(root, location),
+    ):
+        kind = _kind(root)
+        signed_files(sig)  # a clear error for a malformed signature file
+        pub = Path(public_key)
+        if not pub.is_file():
+            raise SignatureError(f"no public key at {pub}")
+        ms = _model_signing()
+        noise = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(noise):
+                ms.verifying.Config().use_elliptic_key_verifier(public_key=pub).verify(root, sig)
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if type(e).__name__ == "InvalidSignature":
+                reason = "the signature was not made with the private key of this public key"
+            elif reason.startswith("Signature mismatch"):
+                reason = "the files differ from the signed ones -- " + "; ".join(_differences(root, sig))
+            raise SignatureError(f"signature {sig} does not verify for {root}: {reason}") from None
+        result = _result(root, sig, kind)
+    return replace(result, path=str(location), signature=str(where))
+
+
+sign_checkpoint = sign
+"""Deprecated name of :func:`sign` (which takes a URL too)."""
+check_signature = verify_signature
+"""Deprecated name of :func:`verify_signature` (which takes a URL too)."""
+
+
+@contextlib.contextmanager
+def _named(copy: Path, location: Location) -> Iterator[None]:
+    """Errors raised inside name ``location`` where they name its local ``copy``."""
     try:
-        with contextlib.redirect_stdout(noise):
-            ms.verifying.Config().use_elliptic_key_verifier(public_key=pub).verify(root, sig)
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if type(e).__name__ == "InvalidSignature":
-            reason = "the signature was not made with the private key of this public key"
-        elif reason.startswith("Signature mismatch"):
-            reason = "the files differ from the signed ones -- " + "; ".join(_differences(root, sig))
-        raise SignatureError(f"signature {sig} does not verify for {root}: {reason}") from None
-    return _result(root, sig, kind)
+        yield
+    except SignatureError as e:
+        if str(copy) == str(location):
+            raise
+        raise SignatureError(str(e).replace(str(copy), str(location))) from None
 
 
 def _differences(root: Path, sig: Path) -> list[str]:

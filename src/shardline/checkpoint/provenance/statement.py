@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import re
 import shutil
@@ -41,7 +42,8 @@ import torch
 
 from shardline._version import __version__
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex, tag_floats
-from shardline.checkpoint.storage.objects import ObjectPath, as_location, is_url
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import locate
 from shardline.errors import IntegrityError
 
 __all__ = [
@@ -201,13 +203,13 @@ def build_statement(
     }
 
 
-def read_statement(path: str | Path | ObjectPath) -> tuple[dict[str, Any], str] | None:
+def read_statement(path: str | os.PathLike | Location) -> tuple[dict[str, Any], str] | None:
     """``(statement, its sha256)`` from the checkpoint directory ``path``; None when it has none (older saves).
 
     Raises:
         IntegrityError: the file is not the canonical JSON of an in-toto statement of this predicate type.
     """
-    file = as_location(path) / STATEMENT_FILE  # a local directory, or a prefix in an object store
+    file = locate(path) / STATEMENT_FILE  # a local directory, or a prefix in an object store
     if not file.is_file():
         return None
     raw = file.read_bytes()
@@ -277,11 +279,7 @@ def chain_statements(
         recorded = (json.loads(row.detail).get("provenance") or {}).get("sha256") if row.detail else None
         entry: dict[str, Any] = {"statement": None, "sha256": None, "source": None, "matches_ledger": None}
         copy = kept.get((row.checkpoint, row.manifest_sha256))
-        where = (
-            as_location(row.checkpoint, storage_options=storage_options)
-            if is_url(row.checkpoint)
-            else base / row.checkpoint
-        )
+        where = locate(row.checkpoint, storage_options=storage_options, relative_to=base)
         if copy is not None:
             entry.update(statement=copy["provenance"], sha256=sha256_hex(canonical_json(copy["provenance"])))
             entry["source"] = "tombstone"

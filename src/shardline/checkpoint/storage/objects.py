@@ -201,6 +201,8 @@ class ObjectPath:
         except FileNotFoundError:
             entries = []
         for e in entries:
+            if str(e["name"]).strip("/") == self.key:
+                continue  # an empty prefix a store with directories keeps lists itself
             name = posixpath.basename(str(e["name"]).rstrip("/"))
             if name:
                 listing[name] = (str(e.get("type") or "file"), int(e.get("size") or 0))
@@ -271,6 +273,8 @@ class ObjectPath:
                 yield self / name
             return
         for entry in self._fs.ls(self.key, detail=False):
+            if str(entry).strip("/") == self.key:
+                continue  # an empty prefix a store with directories keeps lists itself
             name = posixpath.basename(str(entry).rstrip("/"))
             if name:
                 yield self / name

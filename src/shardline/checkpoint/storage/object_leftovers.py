@@ -6,7 +6,7 @@ preemption deadline, SIGKILL, a lost node -- leaves ``step-N/`` with some object
 ``.metadata``, multipart uploads in progress, and its claim ``step-N.shardline-claim`` beside it.
 Nothing lists, loads or resumes such a prefix, but it blocks every later save of step N (a save
 never writes into a prefix that is not empty). So on open, rank 0 clears each such prefix whose
-claim no live save holds (:func:`.claim.judge`): the multipart uploads under it are aborted, its
+claim no live save holds (:func:`.claims.judge`): the multipart uploads under it are aborted, its
 objects deleted, then its claim -- last, so a crash while clearing leaves a claimed prefix the next
 open clears again -- and one warning line says what was cleared and why, as the local protocol
 logs each temporary directory it removes.
@@ -25,55 +25,28 @@ of the directory on every open, plus one LIST per prefix the ledger does not rec
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from shardline.checkpoint.faults.crashpoints import crash_point
-from shardline.checkpoint.integrity.manifest import MANIFEST
-from shardline.checkpoint.lifecycle.claim import CLAIM_SUFFIX, LEGACY_CLAIM, judge, read_claim
-from shardline.checkpoint.provenance.directory import is_checkpoint_name
-from shardline.checkpoint.provenance.ledger import LedgerRow
-from shardline.checkpoint.provenance.retention import tombstone_detail
+from shardline.checkpoint.storage.claims import CLAIM_SUFFIX, LEGACY_CLAIM, judge, read_claim
 from shardline.checkpoint.storage.objects import ObjectPath
+from shardline.checkpoint.storage.protocol import COMMIT_RECORD, Cleared, is_checkpoint_name
 
-__all__ = ["Cleared", "clear_store_leftovers"]
+__all__ = ["clear_store_leftovers"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Cleared:
-    """A prefix cleared on open: where, how many objects and multipart uploads went, and why it was stale."""
-
-    prefix: str
-    objects: int
-    uploads: int
-    reason: str
-
-
-def _recorded_committed(rows: list[LedgerRow]) -> set[str]:
-    """Checkpoints (as the ledger names them) whose newest row is their commit (not a tombstone or a move)."""
-    newest: dict[str, bool] = {}
-    for row in rows:
-        if row.is_commit:
-            newest[row.checkpoint] = True
-        elif row.event == "tombstone":
-            newest[row.checkpoint] = False
-        elif row.event == "quarantine":
-            newest[str(tombstone_detail(row).get("checkpoint") or "")] = False
-    return {name for name, committed in newest.items() if committed}
-
-
-def clear_store_leftovers(directory: ObjectPath, rows: list[LedgerRow], *, run: str | None) -> list[Cleared]:
+def clear_store_leftovers(directory: ObjectPath, *, recorded: set[str], run: str | None) -> list[Cleared]:
     """Rank 0, on open: clear the prefixes of saves that died before their manifest (see the module note).
 
-    ``rows`` are the ledger's rows, ``run`` this run as its claims name it. Returns what was cleared.
+    ``recorded`` holds the URLs of the checkpoints the ledger records as committed; ``run`` is this run as its
+    claims name it. Returns what was cleared.
     """
     listing = directory.snapshot()  # the first read: every claim, every prefix
     names = {child.name for child in listing.iterdir()}
     claimed = {name[: -len(CLAIM_SUFFIX)] for name in names if name.endswith(CLAIM_SUFFIX)}
     claimed = {name for name in claimed if is_checkpoint_name(name)}
     prefixes = {name for name in names if is_checkpoint_name(name) and (listing / name).is_dir()}
-    recorded = _recorded_committed(rows)
     cleared: list[Cleared] = []
     for name in sorted(prefixes | claimed):
         try:
@@ -94,12 +67,12 @@ def _clear(directory: ObjectPath, name: str, *, claimed: bool, recorded: set[str
     prefix = directory / name
     claim = directory / (name + CLAIM_SUFFIX)
     if str(prefix) in recorded:
-        if claimed and (prefix / MANIFEST).is_file():
+        if claimed and (prefix / COMMIT_RECORD).is_file():
             log.info("removing %s, the claim of a save that committed %s", claim, prefix)
             claim.unlink()
         return None
     inside = {child.name for child in prefix.snapshot().iterdir()}  # the second read
-    if MANIFEST in inside:
+    if COMMIT_RECORD in inside:
         if claimed:
             log.info("removing %s, the claim of a save that committed %s", claim, prefix)
             claim.unlink()

@@ -15,9 +15,8 @@ import socket
 from dataclasses import dataclass
 
 from shardline.checkpoint.faults.crashpoints import crash_point
-from shardline.checkpoint.format.canonical import canonical_json
-from shardline.checkpoint.integrity.manifest import MANIFEST
 from shardline.checkpoint.storage.objects import ObjectPath
+from shardline.checkpoint.storage.protocol import COMMIT_RECORD
 from shardline.errors import CheckpointError, CheckpointExistsError
 
 __all__ = [
@@ -95,6 +94,11 @@ class Claim:
         return self.host == socket.gethostname() and (self.pidns is None or self.pidns == _pid_namespace())
 
 
+def _json(fields: dict[str, object]) -> bytes:
+    """A claim's bytes: canonical JSON (sorted keys, no whitespace), as every shardline record is written."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
 def _pid_namespace() -> str | None:
     """This process's pid namespace (two containers on one host may share a host name, never a pid namespace)."""
     try:
@@ -117,7 +121,7 @@ def newest_committed(parent: ObjectPath, final: ObjectPath) -> str | None:
         reverse=True,
     )
     for _, child in steps[:3]:
-        if child != final and (child / MANIFEST).is_file():
+        if child != final and (child / COMMIT_RECORD).is_file():
             return str(child)
     return None
 
@@ -151,7 +155,7 @@ def claim(final: ObjectPath, *, run: str | None = None) -> None:
     it) gives two concurrent claims both success -- the claim is read back, which catches a writer
     that overwrote it before the read, not one after.
     """
-    token = canonical_json(
+    token = _json(
         {
             "host": socket.gethostname(),
             "pid": os.getpid(),

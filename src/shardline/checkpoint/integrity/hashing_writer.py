@@ -1,0 +1,236 @@
+"""A DCP ``StorageWriter`` that reports the SHA-256 of every file it wrote to rank 0, with no extra collective.
+
+Note: how the digests travel (the hashing itself is :mod:`.hashing`'s file system).
+
+* ``write_data`` writes a rank's items through the :class:`~.hashing.HashingFileSystem`, raises
+  the first ``OSError`` a writer thread kept (and checks that every planned item was written),
+  and returns DCP's ``WriteResult`` list, which DCP already gathers to the coordinator for
+  ``finish``. We append one extra ``WriteResult`` per file written, whose index is
+  ``__shardline_file_digest__/<file name>`` and whose ``storage_data`` is a plain dict
+  ``{path, rank, bytes, sha256}``: the digests ride to rank 0 in that gather.
+* ``finish`` (coordinator only) takes the digest records out again before handing the
+  results to DCP's own ``finish``, so ``.metadata`` holds exactly what plain torch writes and
+  stays loadable without shardline. ``.metadata`` itself is written through the hashing
+  file system, so its digest is known too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
+
+from shardline import _torch_compat
+from shardline.checkpoint.coordination.parallelism import AUTO, cores_per_rank, files_for_share, resolve_files_per_rank
+from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.integrity.digest_queue import RetainedMemory
+from shardline.checkpoint.integrity.hashing import FileDigest, HashingFileSystem
+from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.storage.stores import locate, store_for
+from shardline.errors import CheckpointError, IntegrityError
+
+__all__ = ["DIGEST_INDEX_PREFIX", "HashingWriter"]
+
+DIGEST_INDEX_PREFIX = "__shardline_file_digest__/"
+
+
+class _RetainingPlanner:
+    """The save planner, seen by DCP's writer threads through this: every CPU tensor it resolves is retained.
+
+    Note: so a file's hash may trail its write (:mod:`.digest_queue`). torch.save writes a
+    tensor's storage straight from its memory; holding the tensor until every file is hashed
+    makes that memory safe to hash after ``write`` returned. A tensor that does not own its whole
+    storage is cloned here, as DCP's own loader would clone it (torch.save writes whole
+    storages), so DCP writes the retained clone rather than one of its own.
+    """
+
+    def __init__(self, planner: SavePlanner, retained: RetainedMemory) -> None:
+        self._planner = planner
+        self._retained = retained
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = self._planner.resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and data.device.type == "cpu":
+            data = data.detach()
+            if data.untyped_storage().nbytes() != data.nbytes:
+                data = data.clone()
+            self._retained.keep(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
+def _nbytes(item: WriteItem) -> int:
+    """The bytes of a tensor item (a bytes item, the trainer state or the config, counts as none)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _is_digest(result: WriteResult) -> bool:
+    return result.index.fqn.startswith(DIGEST_INDEX_PREFIX)
+
+
+class HashingWriter(FileSystemWriter):
+    """``FileSystemWriter`` (``files_per_rank`` files per rank, fsynced) that reports each file's SHA-256 to rank 0.
+
+    Each of a rank's files (``__{rank}_{n}.distcp``) is written by its own DCP writer thread,
+    which hashes it on the way (:mod:`.parallelism`).
+
+    After ``torch.distributed.checkpoint.save`` returns, :attr:`file_digests` holds, on the
+    coordinator only, every file of the checkpoint (``.metadata`` included), sorted by path.
+
+    Args:
+        path: The directory to write (the temporary directory of a save).
+        final_path: Where the directory will be renamed to; recorded as the checkpoint id in
+            ``.metadata``'s storage metadata instead of the temporary path.
+        observer: Told of every write and of the ``after_shards`` phase (tests inject faults here).
+        check_written: Called on each rank after its files are written, with (directory, plan, planner,
+            write results); returns problems, and any fails the save. An async save passes the check
+            that the bytes written are the bytes staged (:mod:`.copy_check`).
+        files_per_rank: Files each rank writes (0: automatic, from the cores each rank has and the
+            size of its share); never more than the rank has items.
+        sync_later: False: every file is fsynced before ``torch.distributed.checkpoint.save`` returns,
+            as DCP does. True, for a caller that fsyncs its own commit records (the save's
+            ``_finalize``): the coordinator's data files are fsynced in the background from their
+            close on, so the flush overlaps the gather, ``.metadata`` and the records; ``.metadata``
+            is not fsynced. The caller must then call :meth:`wait_synced` and fsync ``.metadata``
+            before it commits. Other ranks still flush before their ``write_data`` returns: the
+            coordinator cannot wait for another process's flush.
+
+    Raises:
+        ConfigurationError: ``files_per_rank`` is not a count.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | Location,
+        *,
+        final_path: str | os.PathLike | Location | None = None,
+        observer: SaveObserver = NO_OBSERVER,
+        check_written: Callable[[Location, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
+        files_per_rank: int = AUTO,
+        sync_later: bool = False,
+    ) -> None:
+        resolve_files_per_rank(files_per_rank)
+        self.files_per_rank = files_per_rank
+        # The store says how the files are written: local files fsynced as they close; in an object store,
+        # uploads DCP addresses by bucket-relative key, durable once the store acknowledges them (no descriptor).
+        location = locate(path)
+        files = store_for(location).save_files(location)
+        # DCP's own fsyncs are off: our streams flush each file as they close it (after starting its hash).
+        super().__init__(files.root, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False)
+        self._durable = files.fsync
+        self._hfs = HashingFileSystem(observer, files=files)
+        self._observer = observer
+        _torch_compat.set_writer_filesystem(self, self._hfs)
+        self._final_path = final_path
+        self._check_written = check_written
+        self._location = location
+        self._sync_later = sync_later
+        self._is_coordinator = True
+        self.file_digests: list[FileDigest] | None = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self._final_path or self.path), save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._hfs.rank = self.rank or 0
+        self._is_coordinator = is_coordinator
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        self._hfs.start()
+        rank = self.rank or 0
+        # One file per writer thread (DCP's thread_count), as parallelism.py decides for this rank's share.
+        share = sum(_nbytes(item) for item in plan.items)
+        self.thread_count = files_for_share(self.files_per_rank, share_bytes=share, items=len(plan.items))
+        self._hfs.hash_eagerly = self._hfs.uploads or self.thread_count < cores_per_rank()
+        self._hfs.sync_later = self._sync_later and self._is_coordinator
+        try:
+            results = list(super().write_data(plan, _RetainingPlanner(planner, self._hfs.retained)).wait())
+        except Exception:
+            self._hfs.abandon()
+            errors = self._hfs.take_errors()
+            if errors:  # the OS error behind DCP's (or torch.save's) own, e.g. "unexpected pos ..." for a full disk
+                raise errors[0] from None
+            raise
+        finally:
+            self._hfs.retained.release()  # every stream is closed, so every file is hashed
+        errors = self._hfs.take_errors()
+        if errors:  # DCP's extra writer threads end silently on an error: their files are incomplete
+            raise errors[0]
+        missing = {item.index for item in plan.items} - {r.index for r in results}
+        if missing:
+            first = min(missing, key=lambda index: index.fqn).fqn
+            raise CheckpointError(
+                f"rank {rank} wrote {len(plan.items) - len(missing)} of its {len(plan.items)} checkpoint items "
+                f"({first!r} among those missing): a writer thread failed, so this checkpoint is not committed"
+            )
+        written = self._hfs.take()
+        if self._check_written is not None:
+            problems = self._check_written(self._location, plan, planner, results)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise IntegrityError(
+                    f"rank {rank} wrote bytes that differ from what it staged -- {problems[0]}{more}; the "
+                    "staged copy changed before it was written (a torn write), so this checkpoint is not committed"
+                )
+        self._observer.on_phase(SavePhase.AFTER_SHARDS, rank)
+        for full, (size, digest) in sorted(written.items()):
+            name = os.path.relpath(full, self.path)
+            record = FileDigest(path=name, rank=rank, bytes=size, sha256=digest)
+            results.append(
+                WriteResult(
+                    index=MetadataIndex(DIGEST_INDEX_PREFIX + name), size_in_bytes=size, storage_data=record.to_json()
+                )
+            )
+        fut: TorchFuture[list[WriteResult]] = TorchFuture()
+        fut.set_result(results)
+        return fut
+
+    def wait_synced(self) -> None:
+        """With ``sync_later``: wait until this rank's background fsyncs are done; raise the first that failed."""
+        self._hfs.wait_synced()
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        digests: dict[str, FileDigest] = {}
+        clean: list[list[WriteResult]] = []
+        for rank_results in results:
+            clean.append([r for r in rank_results if not _is_digest(r)])
+            for r in rank_results:
+                if _is_digest(r):
+                    record = FileDigest(**r.storage_data)
+                    if record.path in digests:
+                        raise CheckpointError(
+                            f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "
+                            f"{record.path!r}; checkpoint file names must be unique per rank"
+                        )
+                    digests[record.path] = record
+        self._hfs.take()
+        self.sync_files = self._durable and not self._sync_later  # DCP's fsync of .metadata
+        try:
+            super().finish(metadata, clean)
+        finally:
+            self.sync_files = False
+        for full, (size, digest) in self._hfs.take().items():
+            name = os.path.relpath(full, self.path)
+            digests[name] = FileDigest(path=name, rank=self.rank or 0, bytes=size, sha256=digest)
+        # Every file .metadata points into must be one we hashed.
+        referenced = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        unhashed = sorted(p for p in referenced if p is not None and p not in digests)
+        if unhashed or ".metadata" not in digests:
+            raise CheckpointError(
+                f"internal error: files written without a digest: {unhashed or ['.metadata']}; "
+                "the torch version may have changed how FileSystemWriter opens files"
+            )
+        self.file_digests = sorted(digests.values())
