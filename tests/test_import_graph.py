@@ -15,6 +15,7 @@ LAYERS = {
     "_torch_compat": 0,
     "_transformers_compat": 0,
     "_tree": 0,
+    "_deprecation": 0,
     "_version": 0,
     "errors": 0,
     "engine": 1,

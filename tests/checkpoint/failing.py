@@ -6,6 +6,7 @@ from typing import Any
 
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.faults.fault import FailWrites
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.state.rng import restore_rng_state
 from tests.checkpoint import ranks
 
@@ -39,7 +40,7 @@ def resume_over_damage(rank: int, world: int, directory: str) -> dict[str, Any]:
         "start": start,
         "losses": losses,
         "moved": [p.name for p in manager.moved_aside],
-        "parent_of_4": ckpt.read_manifest(manager.path_for(4))[0]["parent_manifest_sha256"],
+        "parent_of_4": read_manifest(manager.path_for(4))[0]["parent_manifest_sha256"],
     }
     again = ckpt.CheckpointManager(directory)
     again.load("auto", model=model, optimizer=optimizer, verify="sizes")

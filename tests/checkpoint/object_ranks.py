@@ -9,9 +9,8 @@ import os
 import signal
 
 import shardline.checkpoint as ckpt
-from shardline.checkpoint import SaveObserver, SavePhase
-from shardline.checkpoint.faults.fault import KillAtPhase
 from shardline.errors import CheckpointError
+from shardline.testing import KillAtPhase, SaveObserver, SavePhase
 from tests.checkpoint.ranks import CONFIG, build, catch, snapshot, train_step, trainer_state
 
 

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from shardline import cli
-from shardline.checkpoint import consolidate, read_manifest
+from shardline.checkpoint import consolidate
+from shardline.checkpoint.integrity.manifest import read_manifest
 from tests.models import ParityModel
 
 

@@ -24,6 +24,7 @@ from shardline import cli
 from shardline.checkpoint.faults.crashpoints import CRASH_EXIT_CODE
 from shardline.checkpoint.faults.observer import SaveObserver, SavePhase
 from shardline.checkpoint.integrity import reading
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.lifecycle import manager as manager_module
 from shardline.checkpoint.provenance.lineage import audit
 from shardline.checkpoint.provenance.retention import signature_path_for
@@ -101,7 +102,7 @@ def test_a_crash_in_a_new_chain_leaves_the_old_ledger_or_the_whole_new_one(tmp_p
 def test_a_finetunes_first_save_committed_before_a_crash_is_recovered(tmp_path: Path) -> None:
     sc.prepare("finetune", tmp_path)
     _crash("finetune", tmp_path, "save.committed")
-    parent = ckpt.read_manifest(tmp_path / "source" / "checkpoints" / "step-2")[1]
+    parent = read_manifest(tmp_path / "source" / "checkpoints" / "step-2")[1]
     m = sc.manager(tmp_path)  # on main: "committed on disk but missing from the ledger"
     rows = ckpt.Ledger(sc.ledger_path(tmp_path)).rows()
     assert [(r.step, r.recovered, r.parent_manifest_sha256) for r in rows] == [(3, True, parent)]
@@ -324,7 +325,7 @@ def test_load_and_resolve_wait_for_an_async_save(tmp_path: Path) -> None:
     assert m.resolve("auto") == directory / "step-2"
     state = m.load("auto", model=model, optimizer=opt)
     assert state["step"] == 2
-    assert m.parent_manifest_hash == ckpt.read_manifest(directory / "step-2")[1]
+    assert m.parent_manifest_hash == read_manifest(directory / "step-2")[1]
     m.close()
 
 

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import shardline.checkpoint as ckpt
 from shardline import cli
 from shardline.checkpoint.format.canonical import canonical_json
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.errors import IntegrityError, LineageError
 from shardline.testing import run_distributed
 from tests.checkpoint import failing, ranks
@@ -138,7 +139,7 @@ def test_load_and_consolidate_refuse_damage_naming_the_file(saved_run: Path, tmp
 def test_a_tampered_metadata_is_never_unpickled(saved_run: Path, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     evil = _evil_metadata(marker, tmp_path / "control")
-    recorded = ckpt.read_manifest(saved_run / "step-4")[1]
+    recorded = read_manifest(saved_run / "step-4")[1]
     swapped = tmp_path / "swapped"  # .metadata replaced, manifest left alone
     shutil.copytree(saved_run / "step-4", swapped)
     (swapped / ".metadata").write_bytes(evil)
@@ -174,7 +175,7 @@ def test_resume_auto_falls_back_moves_the_damage_aside_and_records_it(saved_run:
     assert len(out["moved"]) == 1, out["moved"]
     assert out["moved"][0].startswith("step-4.damaged-"), out["moved"]
     assert (directory / out["moved"][0] / "__0_0.distcp").is_file(), "moved aside, nothing deleted"
-    assert out["parent_of_4"] == ckpt.read_manifest(directory / "step-2")[1]
+    assert out["parent_of_4"] == read_manifest(directory / "step-2")[1]
     assert out["sizes_resumed_from"] == "step-6"
     rows = ckpt.Ledger(directory / "lineage.sqlite").rows()
     assert [(r.event or "commit", r.step) for r in rows] == [

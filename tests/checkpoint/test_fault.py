@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.checkpoint import FAULT_EXIT_CODE, Ledger
-from shardline.testing import RankFailedError, run_distributed
+from shardline.checkpoint import Ledger
+from shardline.testing import FAULT_EXIT_CODE, RankFailedError, run_distributed
 from tests.checkpoint import ranks
 
 PHASES = [

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import shardline.checkpoint as ckpt
 from shardline import cli
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.testing import run_distributed
 from tests.checkpoint import format_fixture as fx
 from tests.checkpoint.ranks import pack, unpack
@@ -63,7 +64,7 @@ def test_the_fixture_verifies_in_full(run: Path) -> None:
     assert report.ok, report.to_json()
     assert report.manifest_hash == MANIFEST_SHA256
     assert report.files_checked == 7  # .metadata, a shard per rank, the statement, manifest.json and its two hash files
-    assert ckpt.read_manifest(run / "step-2")[1] == MANIFEST_SHA256
+    assert read_manifest(run / "step-2")[1] == MANIFEST_SHA256
 
 
 def test_the_fixture_loads_at_one_and_two_ranks_to_the_values_saved(run: Path) -> None:

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from shardline import cli
-from shardline.checkpoint import consolidate, read_manifest
+from shardline.checkpoint import consolidate
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.errors import CheckpointExistsError, ConfigurationError
 from shardline.testing import run_distributed
 from tests.checkpoint import hf_ranks, ranks

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from shardline import cli
-from shardline.checkpoint import Ledger, read_manifest
+from shardline.checkpoint import Ledger
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.errors import LineageError
 
 

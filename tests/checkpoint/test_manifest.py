@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardline.checkpoint import canonical_json, config_hash, manifest_hash, read_manifest
+from shardline.checkpoint.format.canonical import canonical_json, config_hash, manifest_hash
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.errors import ConfigurationError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "verification.md"

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import shardline.checkpoint as ckpt
 from shardline import cli
+from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.provenance.retention import record_deletions
 from shardline.checkpoint.storage.objects import as_location
@@ -89,7 +90,7 @@ def test_killed_rank_leaves_no_listed_checkpoint(s3_env: S3Server) -> None:
     # Every shard and .metadata were uploaded, so it reads as a plain DCP directory: refused at every level
     # but an explicit verify="none", and listed nowhere.
     with pytest.raises(IntegrityError, match="without a shardline manifest"):
-        ckpt.open_checkpoint(f"{root}/step-2")
+        open_checkpoint(f"{root}/step-2")
     assert not ckpt.verify_checkpoint(f"{root}/step-2").ok
     assert ckpt.verify_checkpoint(f"{root}/step-1").ok
     results = run_distributed(object_ranks.load_step, 1, args=(f"{root}/step-1",), timeout=90, env=s3_env.env)

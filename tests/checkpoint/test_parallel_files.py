@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.coordination.parallelism import files_for_share, resolve_files_per_rank
 from shardline.checkpoint.integrity import verify as verify_module
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.errors import ConfigurationError
 from shardline.testing import run_distributed
 from tests.checkpoint import ranks
@@ -71,7 +72,7 @@ def test_three_files_per_rank_reshard_verify_and_export(tmp_path: Path) -> None:
         timeout=60,
     )
     expected = ranks.unpack(saved[0][1])
-    manifest, digest = ckpt.read_manifest(path)
+    manifest, digest = read_manifest(path)
     assert digest == saved[0][0] == saved[1][0]
     shards = {f["path"]: f["rank"] for f in manifest["files"] if f["path"].endswith(".distcp")}
     assert shards == {f"__{r}_{n}.distcp": r for r in (0, 1) for n in range(3)}
@@ -110,17 +111,14 @@ def test_async_saves_with_several_files_check_every_file_against_the_staged_byte
     directory = tmp_path / "checkpoints"
     run_distributed(ranks.run_with_manager, 1, args=(str(directory), 4, [2, 4], True, 3), timeout=60)
     for step in ("step-2", "step-4"):
-        manifest, _ = ckpt.read_manifest(directory / step)
+        manifest, _ = read_manifest(directory / step)
         assert sorted(f["path"] for f in manifest["files"] if f["path"].endswith(".distcp")) == [
             "__0_0.distcp",
             "__0_1.distcp",
             "__0_2.distcp",
         ]
         assert ckpt.verify_checkpoint(directory / step).ok
-    assert (
-        ckpt.read_manifest(directory / "step-4")[0]["parent_manifest_sha256"]
-        == ckpt.read_manifest(directory / "step-2")[1]
-    )
+    assert read_manifest(directory / "step-4")[0]["parent_manifest_sha256"] == read_manifest(directory / "step-2")[1]
 
 
 def test_offline_check_hashes_large_files_on_threads_and_reports_in_order(tmp_path: Path, monkeypatch) -> None:

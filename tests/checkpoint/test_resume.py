@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardline.checkpoint import Ledger, read_manifest
+from shardline.checkpoint import Ledger
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.testing import run_distributed
 from tests.checkpoint import ranks
 

@@ -31,6 +31,7 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.distributed import free_port
 from tests.numerics import assert_caught, assert_trajectories, assert_trajectory, close_ratio, trajectory_ratio
 
@@ -111,8 +112,8 @@ def test_torchrun_full_shard_and_zero2_match_ddp_and_resume_bit_identically(torc
         assert (folder / "trainer_state.json").is_file()
         report = ckpt.verify_checkpoint(folder / "shardline")
         assert report.ok, report
-    manifest2, hash2 = ckpt.read_manifest(out / "full_ga" / "checkpoint-2" / "shardline")
-    manifest4, _ = ckpt.read_manifest(out / "full_ga" / "checkpoint-4" / "shardline")
+    manifest2, hash2 = read_manifest(out / "full_ga" / "checkpoint-2" / "shardline")
+    manifest4, _ = read_manifest(out / "full_ga" / "checkpoint-4" / "shardline")
     assert (manifest2["step"], manifest2["world_size"], manifest4["step"]) == (2, 2, 4)
     assert manifest4["parent_manifest_sha256"] == hash2
     report = ckpt.Ledger(out / "full_ga" / "lineage.sqlite").verify()
@@ -213,9 +214,9 @@ def test_killed_save_and_roll_back(single_run: Path) -> None:
     assert (second / "trainer_state.json").is_file()
     assert ckpt.verify_checkpoint(second / "shardline").ok
     assert ckpt.verify_checkpoint(run / "checkpoint-4" / "shardline").ok
-    _, hash2 = ckpt.read_manifest(run / "checkpoint-2" / "shardline")
-    _, abandoned = ckpt.read_manifest(second / "shardline")
-    manifest4, hash4 = ckpt.read_manifest(run / "checkpoint-4" / "shardline")
+    _, hash2 = read_manifest(run / "checkpoint-2" / "shardline")
+    _, abandoned = read_manifest(second / "shardline")
+    manifest4, hash4 = read_manifest(run / "checkpoint-4" / "shardline")
     assert manifest4["parent_manifest_sha256"] == hash2
     ledger = ckpt.Ledger(run / "lineage.sqlite")
     rows = [(r.event, r.checkpoint, r.step, r.manifest_sha256) for r in ledger.rows()]

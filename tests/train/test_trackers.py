@@ -88,7 +88,7 @@ def test_hf_dataset_with_mlflow_and_wandb_through_a_crash_and_a_resume(
     import tokenizers
     from mlflow.tracking import MlflowClient
 
-    from shardline.checkpoint import load_trainer_state
+    from shardline.checkpoint.lifecycle.load import load_trainer_state
     from shardline.train.launcher import train
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))

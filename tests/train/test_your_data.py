@@ -194,7 +194,7 @@ def test_vocabulary_must_fit_the_model(tmp_path: Path) -> None:
 
 def test_your_model_and_data_through_shardline_train(tmp_path: Path) -> None:
     """-cd folder + your model class + JSONL + a local tokenizer, on 2 workers; the data position is checkpointed."""
-    from shardline.checkpoint import load_trainer_state
+    from shardline.checkpoint.lifecycle.load import load_trainer_state
     from tests.train.test_cli import read_metrics, shardline_train
 
     tok_path = build_tokenizer(tmp_path / "tokenizer.json")

@@ -1,8 +1,10 @@
 """The sharding engine: ``fully_shard`` and everything it needs.
 
-Code outside the engine (checkpoints, training, diagnostics) uses only the names exported here.
+Code outside the engine (training, diagnostics) uses only the names exported here; checkpoint code also uses
+``shardline.engine._checkpoint_support`` (managed-parameter handles, host copies), which is not public.
 """
 
+from shardline._deprecation import moved_names
 from shardline.engine.accounting import (
     comm_stats,
     count_collectives,
@@ -30,27 +32,13 @@ from shardline.engine.memory import MemoryStats
 from shardline.engine.mesh import hybrid_degrees, hybrid_mesh
 from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.registry import subtree_units
-from shardline.engine.state_dict import (
-    HOST_OOM,
-    ManagedParam,
-    buffer_original_dtypes,
-    full_state_dict,
-    gather_full_tensors,
-    host_copy,
-    key_problems,
-    load_full_state_dict,
-    managed_parameters,
-    plain_state_dict,
-    registered_state_dict,
-    release_all,
-)
+from shardline.engine.state_dict import full_state_dict, load_full_state_dict
 from shardline.engine.strategy import ShardingStrategy, StrategyPolicy
 from shardline.engine.traversal import post_order
 from shardline.engine.unit import Residency, ShardUnit
 from shardline.engine.wrapping import LayerPolicy, check_policy_matches, layer_policy, resolve_class, wrap
 
 __all__ = [
-    "HOST_OOM",
     "CollectiveKind",
     "CollectiveRecord",
     "Collectives",
@@ -58,7 +46,6 @@ __all__ = [
     "CommStats",
     "FlatLayout",
     "LayerPolicy",
-    "ManagedParam",
     "MemoryStats",
     "MixedPrecision",
     "ParamLayout",
@@ -70,7 +57,6 @@ __all__ = [
     "TorchCollectives",
     "Work",
     "apply_activation_checkpointing",
-    "buffer_original_dtypes",
     "check_policy_matches",
     "clip_grad_norm_",
     "comm_stats",
@@ -78,22 +64,15 @@ __all__ = [
     "ddp_ignored_names",
     "full_state_dict",
     "fully_shard",
-    "gather_full_tensors",
-    "host_copy",
     "hybrid_degrees",
     "hybrid_mesh",
     "is_checkpointed",
-    "key_problems",
     "layer_policy",
     "load_full_state_dict",
-    "managed_parameters",
     "materialize",
     "memory_stats",
     "original_class",
-    "plain_state_dict",
     "post_order",
-    "registered_state_dict",
-    "release_all",
     "reset_comm_stats",
     "reset_peak_memory_stats",
     "resolve_class",
@@ -101,3 +80,24 @@ __all__ = [
     "use_collectives",
     "wrap",
 ]
+
+_INTERNAL = "shardline.engine._checkpoint_support"
+__getattr__ = moved_names(
+    __name__,
+    dict.fromkeys(
+        [
+            "HOST_OOM",
+            "ManagedParam",
+            "buffer_original_dtypes",
+            "gather_full_tensors",
+            "host_copy",
+            "key_problems",
+            "managed_parameters",
+            "plain_state_dict",
+            "registered_state_dict",
+            "release_all",
+        ],
+        _INTERNAL,
+    ),
+    private=True,
+)

@@ -41,6 +41,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 import shardline.checkpoint as ckpt
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
 from shardline.checkpoint.provenance.retention import record_deletions
 from shardline.errors import CheckpointError, CheckpointNotFoundError
@@ -182,7 +183,7 @@ def load_training_checkpoint(
             written by a plain Trainer).
     """
     target = require_checkpoint(checkpoint_dir)
-    manifest, digest = _on_rank0(lambda: ckpt.read_manifest(target))
+    manifest, digest = _on_rank0(lambda: read_manifest(target))
     has_optimizer = bool(manifest.get("contents", {}).get("optimizer"))
     state = ckpt.load(target, model=model, optimizer=optimizer if has_optimizer else None, verify=verify, strict=True)
     if scheduler is not None and has_optimizer and SCHEDULER_KEY in state:

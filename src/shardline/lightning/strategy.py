@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import shardline
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.coordination import coord
+from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.retention import retire
@@ -460,7 +461,7 @@ class ShardlineStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         path = Path(self.broadcast(os.fspath(checkpoint_path)))
         manifest = self.broadcast(
-            ckpt.read_manifest(path) if self.is_global_zero and (path / "manifest.json").is_file() else None
+            read_manifest(path) if self.is_global_zero and (path / "manifest.json").is_file() else None
         )
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         has_optimizer = bool(manifest and manifest[0].get("contents", {}).get("optimizer"))

@@ -45,6 +45,7 @@ from shardline.checkpoint.integrity.verify import (
     check_expected_hash,
     check_files,
     derived_and_unexpected,
+    level_argument,
 )
 from shardline.checkpoint.storage.fsutil import is_tmp_name
 from shardline.checkpoint.storage.protocol import Location
@@ -246,18 +247,24 @@ class OpenedCheckpoint:
 
 
 def open_checkpoint(
-    path: str | os.PathLike, *, verify: VerifyLevel | str = VerifyLevel.FULL, expected_manifest_hash: str | None = None
+    path: str | os.PathLike,
+    *,
+    level: VerifyLevel | str = VerifyLevel.FULL,
+    expected_manifest_hash: str | None = None,
+    verify: VerifyLevel | str | None = None,
 ) -> OpenedCheckpoint:
     """Check a checkpoint in this process (steps 1-4: at ``full`` every data file is hashed first).
 
     For offline readers (``consolidate``, ``load_config``, the launcher); ``load`` spreads step
-    4 over its ranks and hashes while reading instead.
+    4 over its ranks and hashes while reading instead. ``verify=`` is the deprecated name of ``level=``.
 
     Raises:
         CheckpointNotFoundError, IntegrityError: as :func:`check_manifest`; IntegrityError also
             for a data file whose SHA-256 differs from the manifest.
+        ConfigurationError: an unknown level (the message lists the valid ones).
     """
-    checked = check_manifest(path, level=verify, expected_manifest_hash=expected_manifest_hash)
+    level = level_argument(level, verify, caller="open_checkpoint")
+    checked = check_manifest(path, level=level, expected_manifest_hash=expected_manifest_hash)
     metadata = read_checked_metadata(checked)
     if checked.level is VerifyLevel.FULL:
         problems, _ = check_files(checked.path, checked.data_entries(), VerifyLevel.FULL)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ __all__ = [
     "check_expected_hash",
     "check_files",
     "derived_and_unexpected",
+    "level_argument",
     "verify_checkpoint",
 ]
 
@@ -87,6 +89,31 @@ class VerifyLevel(str, enum.Enum):
     def opt_in(self) -> bool:
         """Whether this level checks less than every byte (and so must be recorded and reported)."""
         return self is not VerifyLevel.FULL
+
+
+def level_argument(level: VerifyLevel | str, verify: VerifyLevel | str | None, *, caller: str) -> VerifyLevel:
+    """The level a verifier was asked for: ``level=``, or the older keyword ``verify=`` (deprecated, warns).
+
+    Note: the verifiers (``verify_checkpoint``, ``check_checkpoint``, ``open_checkpoint``) all name their level
+    ``level=``; ``verify=`` stays accepted by the latter two until the next minor release.
+
+    Raises:
+        ConfigurationError: an unknown level, or both keywords with different levels.
+    """
+    if verify is None:
+        return VerifyLevel.parse(level)
+    warnings.warn(
+        f"{caller}(verify=...) is deprecated: pass level={str(getattr(verify, 'value', verify))!r} instead "
+        "(verify= stops being accepted in the next minor release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    old, new = VerifyLevel.parse(verify), VerifyLevel.parse(level)
+    if new is not VerifyLevel.FULL and new is not old:
+        raise ConfigurationError(
+            f"{caller} got level={new.value!r} and the older verify={old.value!r}; pass level= only"
+        )
+    return old
 
 
 def check_expected_hash(expected: str | None, *, where: str = "the expected manifest hash") -> str | None:

@@ -34,7 +34,7 @@ from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_s
 from shardline.checkpoint.state.optim_state import optimizer_state_dict
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate
-from shardline.engine import buffer_original_dtypes, registered_state_dict
+from shardline.engine._checkpoint_support import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
 __all__ = ["SAVE_KINDS", "CapturedCheckpoint", "SaveKind", "SaveRequest", "capture", "describe_model", "dtype_name"]

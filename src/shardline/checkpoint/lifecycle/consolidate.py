@@ -226,7 +226,7 @@ def consolidate(
         raise CheckpointExistsError(f"{dst} already exists; choose a new output file (exports never overwrite)")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointExistsError(f"{dst} already exists and is not an empty directory; choose a new output path")
-    opened = open_checkpoint(src, verify=verify, expected_manifest_hash=expected_manifest_hash)
+    opened = open_checkpoint(src, level=verify, expected_manifest_hash=expected_manifest_hash)
     manifest, digest, level = opened.checked.manifest, opened.checked.manifest_hash, opened.checked.level
     if level.opt_in:
         unverified = "it has no shardline manifest" if manifest is None else "its data files were not hashed"

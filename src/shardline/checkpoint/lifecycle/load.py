@@ -65,12 +65,12 @@ from shardline.checkpoint.integrity.opening import (
     read_checked_metadata,
 )
 from shardline.checkpoint.integrity.reading import VerifyingReader
-from shardline.checkpoint.integrity.verify import VerifyLevel, check_files
+from shardline.checkpoint.integrity.verify import VerifyLevel, check_files, level_argument
 from shardline.checkpoint.state.model_state import param_index
 from shardline.checkpoint.state.optim_state import load_optimizer_state_dict, optimizer_params
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate
-from shardline.engine import key_problems, registered_state_dict, release_all
+from shardline.engine._checkpoint_support import key_problems, registered_state_dict, release_all
 from shardline.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -115,21 +115,24 @@ def _checked(
 def check_checkpoint(
     path: str | os.PathLike,
     *,
-    verify: VerifyLevel | str = VerifyLevel.FULL,
+    level: VerifyLevel | str = VerifyLevel.FULL,
     expected_manifest_hash: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    verify: VerifyLevel | str | None = None,
 ) -> dict[str, Any] | None:
     """Verify a checkpoint without loading it (a collective); return its manifest, or None for plain DCP.
 
-    ``full`` (default): the anchored manifest, the listing, and every file's SHA-256, the files
+    ``level`` ``full`` (default): the anchored manifest, the listing, and every file's SHA-256, the files
     spread over the ranks. ``sizes``: no re-hashing of data files (a :class:`CheckpointWarning`
     says so). ``none``: only that it is a checkpoint (the only level a plain DCP directory passes).
+    ``verify=`` is the deprecated name of ``level=``.
 
     Raises:
         CheckpointNotFoundError, IntegrityError: on every rank.
+        ConfigurationError: an unknown level (the message lists the valid ones).
     """
-    level = VerifyLevel.parse(verify)
+    level = level_argument(level, verify, caller="check_checkpoint")
     checked = _checked(locate(path, storage_options=storage_options), level, expected_manifest_hash, process_group)
     if level is VerifyLevel.FULL:
         rank, world = coord.group_rank(process_group), coord.group_size(process_group)
@@ -363,7 +366,7 @@ def load(
 
 
 def _read_item(path: str | os.PathLike, key: str, verify: VerifyLevel | str) -> Any:
-    opened = open_checkpoint(path, verify=verify)
+    opened = open_checkpoint(path, level=verify)
     if key not in key_paths(opened.metadata):
         return None
     target: dict[str, Any] = {key: None}

@@ -22,12 +22,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardline.checkpoint.coordination import coord
-from shardline.engine import (
+from shardline.engine import full_state_dict, load_full_state_dict
+from shardline.engine._checkpoint_support import (
     ManagedParam,
     buffer_original_dtypes,
-    full_state_dict,
     key_problems,
-    load_full_state_dict,
     managed_parameters,
     registered_state_dict,
     release_all,

@@ -25,7 +25,13 @@ from torch.distributed.tensor import DTensor
 
 from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.state.model_state import StateDictKind, check_kind, param_index
-from shardline.engine import HOST_OOM, ManagedParam, gather_full_tensors, host_copy, registered_state_dict
+from shardline.engine._checkpoint_support import (
+    HOST_OOM,
+    ManagedParam,
+    gather_full_tensors,
+    host_copy,
+    registered_state_dict,
+)
 from shardline.errors import CheckpointMismatchError, ConfigurationError, StateDictError
 
 __all__ = ["load_optimizer_state_dict", "optimizer_params", "optimizer_state_dict"]
