@@ -1,18 +1,25 @@
-"""One writer of lineage rows: each kind of row has one operation (provenance/records.py), and the rows it writes
-have the shape they always had."""
+"""One writer of lineage rows: each kind of row has one operation (provenance/records.py), the rows it writes have
+the shape they always had, nothing else in src/ appends to a ledger, and rank 0's decisions go through one helper
+(an error on rank 0 reaches every rank with its class)."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import shardline
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.format.canonical import canonical_json
 from shardline.checkpoint.provenance import records
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint
 from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow
 
+SRC = Path(shardline.__file__).parent
+OWNERS = {"checkpoint/provenance/ledger.py", "checkpoint/provenance/records.py"}
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
 
@@ -102,3 +109,52 @@ def test_each_kind_of_row_keeps_its_shape(tmp_path: Path) -> None:
     detail = {"checkpoint": "step-1", "reason": "abandoned; moved aside to x", "moved_to": "x", "commit_row": 3}
     assert _row(row) == _expected(detail, **tomb)
     assert ledger.verify(check_checkpoints=False).ok
+
+
+def _ledger_appends(path: Path) -> list[str]:
+    """``<ledger>.append(...)`` calls in a module: on a name or attribute that says ledger, or on ``Ledger(...)``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"):
+            continue
+        target = node.func.value
+        if isinstance(target, ast.Call):
+            target = target.func
+        name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
+        if "ledger" in name.lower():
+            found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    return found
+
+
+def test_rows_are_appended_only_by_the_records_module() -> None:
+    modules = [p for p in SRC.rglob("*.py") if p.relative_to(SRC).as_posix() not in OWNERS]
+    assert len(modules) > 100  # the walk saw the package
+    assert [hit for path in modules for hit in _ledger_appends(path)] == []
+    assert _ledger_appends(SRC / "checkpoint/provenance/records.py")  # the scan finds the owner's own appends
+
+
+def test_rank0_decisions_have_one_helper() -> None:
+    """Only coordination/coord.py sends rank 0's answers; what else broadcasts pickles is named here with why."""
+    allowed = {
+        "engine/state_dict.py",  # below checkpoint/ in the layers: cannot use coord
+        "lightning/strategy.py",  # Strategy.broadcast: Lightning's API, any picklable object
+    }
+    hits = sorted(
+        p.relative_to(SRC).as_posix()
+        for p in SRC.rglob("*.py")
+        if "broadcast_object_list" in p.read_text() or "def _on_rank0" in p.read_text()
+    )
+    assert [h for h in hits if h not in allowed] == []
+
+
+def test_hf_an_error_on_rank0_reaches_every_rank_with_its_class(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from shardline.testing import run_distributed
+    from tests.checkpoint import ranks
+
+    results = run_distributed(ranks.hf_append_fails_on_rank0, 2, args=(str(tmp_path),), timeout=60)
+    assert results[0] == results[1], results  # rank 1 is not left waiting
+    kind, message = results[0]
+    assert kind == "LineageError", results
+    assert message.startswith("the lineage ledger ")
+    assert message.endswith("is unreadable or damaged: file is not a database")
