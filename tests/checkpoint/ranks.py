@@ -323,6 +323,28 @@ def lightning_append_fails_on_rank0(rank: int, world: int, directory: str) -> tu
     return catch(record_commit, path, info)
 
 
+def hf_append_fails_on_rank0(rank: int, world: int, directory: str) -> tuple[str, str]:
+    """The Hugging Face Trainer's recording step while rank 0's ledger append fails with a shardline error."""
+    from pathlib import Path
+
+    from shardline.errors import LineageError
+    from shardline.hf.checkpoints import record_commit
+
+    run = Path(directory)
+    path = run / "checkpoint-1" / "shardline"
+    info = ckpt.CheckpointInfo(
+        path=path, step=1, manifest_hash="a" * 64, tag=None, kind="sharded", world_size=world, files=1,
+        total_bytes=1, parent_manifest_hash=None,
+    )  # fmt: skip
+    if rank == 0:
+
+        def damaged(self: Any, **kwargs: Any) -> None:
+            raise LineageError(f"the lineage ledger {self.path} is unreadable or damaged: file is not a database")
+
+        ckpt.Ledger.append = damaged
+    return catch(record_commit, run, path, info)
+
+
 def full_save_out_of_host_memory_on_rank0(rank: int, world: int, path: str) -> tuple[str, str]:
     """A ``kind="full"`` save while rank 0's host copies run out of memory at the second unit."""
     import importlib

@@ -28,12 +28,13 @@ checkpoint is removed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,10 +42,12 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 import shardline.checkpoint as ckpt
+from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.integrity.manifest import read_manifest
+from shardline.checkpoint.provenance import records
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
 from shardline.checkpoint.provenance.retention import record_deletions
-from shardline.errors import CheckpointError, CheckpointNotFoundError
+from shardline.errors import CheckpointNotFoundError
 from shardline.hf.resume import CHECKPOINT_DIR, INCOMPLETE, PLAIN, describe_incomplete, kind_of
 
 __all__ = [
@@ -59,33 +62,6 @@ __all__ = [
 
 SCHEDULER_KEY = "lr_scheduler"
 LEDGER_FILE = LEDGER_NAME  # the name shardline's ledger has beside every run's checkpoints
-T = TypeVar("T")
-
-
-def broadcast_object(obj: T, src: int = 0) -> T:
-    """``obj`` from rank ``src`` on every rank (itself without a process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def _on_rank0(work: Callable[[], T]) -> T:
-    """Run ``work`` on rank 0; every rank gets its result, or raises its error (so no rank waits on a failed one)."""
-    result: T | None = None
-    failure: tuple[str, str] | None = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            result = work()
-        except Exception as e:
-            failure = (type(e).__name__, str(e))
-            if not dist.is_initialized() or dist.get_world_size() == 1:
-                raise
-    failure, result = broadcast_object((failure, result))
-    if failure is not None:
-        raise CheckpointError(f"rank 0 failed: {failure[0]}: {failure[1]}")
-    return cast(T, result)  # rank 0 did not fail, so ``work`` returned it
 
 
 def save_training_checkpoint(
@@ -102,7 +78,7 @@ def save_training_checkpoint(
 
     The commit is recorded in ``lineage.sqlite`` in ``output_dir``'s parent (the run directory).
     """
-    path = Path(broadcast_object(os.fspath(Path(output_dir).absolute()))) / CHECKPOINT_DIR
+    path = Path(coord.broadcast_object(os.fspath(Path(output_dir).absolute()), None)) / CHECKPOINT_DIR
     state: dict[str, Any] = {"trainer": "transformers.Trainer"}
     if scheduler is not None and optimizer is not None:
         state[SCHEDULER_KEY] = scheduler.state_dict()
@@ -126,8 +102,8 @@ def require_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path:
         CheckpointNotFoundError: ``checkpoint_dir`` holds no shardline checkpoint (e.g. it was
             written by a plain Trainer), or is a save that did not finish.
     """
-    path = Path(broadcast_object(os.fspath(Path(checkpoint_dir).absolute())))
-    kind = broadcast_object(kind_of(path))
+    path = Path(coord.broadcast_object(os.fspath(Path(checkpoint_dir).absolute()), None))
+    kind = coord.broadcast_object(kind_of(path), None)
     if kind == INCOMPLETE:
         raise CheckpointNotFoundError(f"cannot resume from {path}: it is {describe_incomplete(path)}")
     if kind == PLAIN:
@@ -142,22 +118,16 @@ def require_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path:
 def record_commit(run_dir: Path, checkpoint: Path, info: ckpt.CheckpointInfo) -> None:
     """Append the commit row of ``checkpoint`` to ``run_dir/lineage.sqlite`` (a collective: rank 0 writes)."""
 
-    def append() -> None:
-        ckpt.Ledger(run_dir / LEDGER_FILE).append(
-            step=info.step,
-            tag=None,
-            checkpoint=os.path.relpath(checkpoint, run_dir),
-            manifest_sha256=info.manifest_hash,
-            parent_manifest_sha256=info.parent_manifest_hash,
-            world_size=info.world_size,
-        )
+    def append() -> None:  # nothing but the outcome crosses ranks
+        ledger = ckpt.Ledger(run_dir / LEDGER_FILE)
+        records.record_commit(ledger, dataclasses.replace(info, path=checkpoint), recovered=False, statement=False)
 
-    _on_rank0(append)
+    coord.rank0_decides(append, None)
 
 
 def record_rotations(run_dir: str | os.PathLike[str], reason: str) -> int:
     """Tombstone rows for recorded checkpoints that are gone from ``run_dir`` (a collective); how many."""
-    run = Path(broadcast_object(os.fspath(Path(run_dir).absolute())))
+    run = Path(coord.broadcast_object(os.fspath(Path(run_dir).absolute()), None))
 
     def bury() -> int:
         ledger = ckpt.Ledger(run / LEDGER_FILE)
@@ -165,7 +135,7 @@ def record_rotations(run_dir: str | os.PathLike[str], reason: str) -> int:
             return 0
         return len(record_deletions(ledger, reason=reason))
 
-    return _on_rank0(bury)
+    return coord.rank0_decides(bury, None)
 
 
 def load_training_checkpoint(
@@ -183,7 +153,7 @@ def load_training_checkpoint(
             written by a plain Trainer).
     """
     target = require_checkpoint(checkpoint_dir)
-    manifest, digest = _on_rank0(lambda: read_manifest(target))
+    manifest, digest = coord.rank0_decides(lambda: read_manifest(target), None)
     has_optimizer = bool(manifest.get("contents", {}).get("optimizer"))
     state = ckpt.load(target, model=model, optimizer=optimizer if has_optimizer else None, verify=verify, strict=True)
     if scheduler is not None and has_optimizer and SCHEDULER_KEY in state:
@@ -198,8 +168,8 @@ def export_pretrained(output_dir: str | os.PathLike[str], *, model: nn.Module, s
     else the whole model (``model.safetensors`` + ``config.json``). Files of the same name in
     ``output_dir`` are replaced, as ``save_pretrained`` does; nothing else there is touched.
     """
-    out = Path(broadcast_object(os.fspath(Path(output_dir).absolute())))
-    stage = out / broadcast_object(f".shardline-export-{uuid.uuid4().hex[:12]}")
+    out = Path(coord.broadcast_object(os.fspath(Path(output_dir).absolute()), None))
+    stage = out / coord.broadcast_object(f".shardline-export-{uuid.uuid4().hex[:12]}", None)
     try:
         ckpt.save(stage / "checkpoint", model=model, step=step)
 
@@ -210,7 +180,7 @@ def export_pretrained(output_dir: str | os.PathLike[str], *, model: nn.Module, s
                 os.replace(stage / "export" / name, out / name)
             return names
 
-        return _on_rank0(publish)
+        return coord.rank0_decides(publish, None)
     finally:
         if not dist.is_initialized() or dist.get_rank() == 0:
             shutil.rmtree(stage, ignore_errors=True)

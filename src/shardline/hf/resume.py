@@ -43,6 +43,7 @@ from shardline.checkpoint.coordination.coord import rank0_decides
 from shardline.checkpoint.integrity.manifest import MANIFEST, read_manifest
 from shardline.checkpoint.provenance.directory import move_aside
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, TOMBSTONE, Ledger
+from shardline.checkpoint.provenance.records import record_tombstone
 from shardline.checkpoint.storage.fsutil import fsync_dir, is_tmp_name, tmp_in_use
 from shardline.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, IntegrityError
 
@@ -176,21 +177,9 @@ def _tombstone_for(ledger: Ledger, run: Path, folder: Path, reason: str, moved_t
         reason = f"{reason} (its manifest does not read: {e})"
     if any(r.event == TOMBSTONE and r.checkpoint == name and r.manifest_sha256 == digest for r in rows):
         return  # recorded by a train() a crash interrupted before its move
-    ledger.append(
-        step=commit.step,
-        tag=commit.tag,
-        checkpoint=name,
-        manifest_sha256=digest,
-        parent_manifest_sha256=commit.parent_manifest_sha256,
-        world_size=commit.world_size,
-        event=TOMBSTONE,
-        detail={
-            "checkpoint": name,
-            "reason": f"{reason}; moved aside to {os.path.relpath(moved_to / CHECKPOINT_DIR, run)}",
-            "moved_to": os.path.relpath(moved_to / CHECKPOINT_DIR, run),
-            "commit_row": commit.seq,
-        },
-    )
+    moved = os.path.relpath(moved_to / CHECKPOINT_DIR, run)
+    reason = f"{reason}; moved aside to {moved}"
+    record_tombstone(ledger, of=commit, checkpoint=name, reason=reason, moved_to=moved, commit_row=commit.seq)
 
 
 def _aside(run: Path, folder: Path) -> Path:

@@ -45,6 +45,7 @@ import shardline.checkpoint as ckpt
 from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.provenance import records
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.retention import retire
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind
@@ -508,15 +509,8 @@ def record_commit(path: Path, info: ckpt.CheckpointInfo, group: dist.ProcessGrou
         PublishError: the append failed; the checkpoint is committed and the next save chains to it.
     """
 
-    def append() -> None:
-        Ledger(path.parent / LEDGER_NAME).append(
-            step=info.step,
-            tag=None,
-            checkpoint=path.name,
-            manifest_sha256=info.manifest_hash,
-            parent_manifest_sha256=info.parent_manifest_hash,
-            world_size=info.world_size,
-        )
+    def append() -> None:  # nothing but the outcome crosses ranks
+        records.record_commit(Ledger(path.parent / LEDGER_NAME), info, recovered=False, statement=False)
 
     try:
         coord.rank0_decides(append, group)

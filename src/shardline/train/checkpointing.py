@@ -29,7 +29,7 @@ import torch.distributed as dist
 from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
 from shardline.checkpoint.lifecycle.manager import ON_EXCEPTION, is_auto_resume
 from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, step_of
-from shardline.checkpoint.provenance.ledger import RESTART, Ledger
+from shardline.checkpoint.provenance.ledger import Ledger
 from shardline.checkpoint.storage.stores import local_path
 from shardline.errors import CheckpointNotFoundError
 from shardline.train.preemption import PREEMPTED
@@ -170,20 +170,19 @@ class TrainingCheckpoints:
             return
         before = self.resumed_world_size
         after = int(trainer.info.world_size)
-        detail: dict[str, Any] = {
-            "checkpoint": self.manager.ledger.name_of(path),
-            "world_size_before": before,
-            "world_size_after": after,
-            "cause": restart_cause(
-                preempted=path.name == checkpoint_name(step_of(path.name) or 0, PREEMPTED), before=before, after=after
-            ),
-        }
-        elastic = _elastic_restart_count(trainer.info.world_size)
-        if elastic:
-            detail["elastic_restart"] = elastic
-        self.manager.record_event(RESTART, step=step, checkpoint=path, detail=detail)
+        cause = restart_cause(
+            preempted=path.name == checkpoint_name(step_of(path.name) or 0, PREEMPTED), before=before, after=after
+        )
+        self.manager.record_restart(
+            step=step,
+            checkpoint=path,
+            world_size_before=before,
+            world_size_after=after,
+            cause=cause,
+            elastic_restart=_elastic_restart_count(trainer.info.world_size),
+        )
         if before is not None and before != after:
-            log.warning("restart at world size %d (was %d), from %s: %s", after, before, path.name, detail["cause"])
+            log.warning("restart at world size %d (was %d), from %s: %s", after, before, path.name, cause)
 
     def _planned_saves(self, trainer: Any, start: int) -> list[int]:
         every, last = self.cfg.every_n_steps, trainer.max_steps

@@ -70,12 +70,12 @@ from shardline.checkpoint.lifecycle.resume import (
     is_auto_resume,
     no_resume,
 )
-from shardline.checkpoint.lifecycle.rows import record_commit, record_event, step_recorded
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, capture_agreed, preflight, write_and_commit
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint as CommittedCheckpoint
-from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, scan
+from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, scan, step_recorded
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import order
+from shardline.checkpoint.provenance.records import record_commit, record_restart, record_resume
 from shardline.checkpoint.provenance.retention import RetentionPolicy, apply_retention
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import local_path, locate, store_for
@@ -460,30 +460,40 @@ class CheckpointManager:
             return state
         return None
 
-    def record_event(self, event: str, *, step: int, checkpoint: Location, detail: dict[str, Any]) -> None:
-        """Append an ``event`` row about ``checkpoint`` (the one loaded) to the ledger; rank 0 writes it."""
+    def record_restart(
+        self,
+        *,
+        step: int,
+        checkpoint: Location,
+        world_size_before: int | None,
+        world_size_after: int,
+        cause: str,
+        elastic_restart: int = 0,
+    ) -> None:
+        """Append the ``restart`` row about ``checkpoint`` (the one loaded) to the ledger; rank 0 writes it."""
 
-        def append() -> None:
-            record_event(
+        def append() -> None:  # nothing but the outcome crosses ranks
+            record_restart(
                 self.ledger,
-                event,
-                step=step,
                 checkpoint=checkpoint,
+                step=step,
                 manifest_hash=self.parent_manifest_hash,
                 world_size=coord.group_size(self._group),
-                detail=detail,
+                world_size_before=world_size_before,
+                world_size_after=world_size_after,
+                cause=cause,
+                elastic_restart=elastic_restart,
             )
 
         coord.rank0_decides(append, self._group)
 
     def _record_opt_in(self, path: Location, level: VerifyLevel) -> None:
         """Rank 0: a ``resume`` ledger row saying this load checked less than every byte."""
-        record_event(
+        record_resume(
             self.ledger,
-            "resume",
-            step=step_recorded(path),
             checkpoint=path,
+            step=step_recorded(path),
             manifest_hash=self.parent_manifest_hash,
             world_size=coord.group_size(self._group),
-            detail={"checkpoint": self.ledger.name_of(path), "verify": level.value},
+            verify=level.value,
         )

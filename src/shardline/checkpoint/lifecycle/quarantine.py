@@ -16,9 +16,9 @@ import logging
 from collections.abc import Callable
 
 from shardline.checkpoint.faults.crashpoints import crash_point
-from shardline.checkpoint.lifecycle.rows import record_quarantine
 from shardline.checkpoint.provenance.directory import aside_path
 from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow
+from shardline.checkpoint.provenance.records import record_quarantine
 from shardline.checkpoint.provenance.retention import signature_path_for, tombstone_detail
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import store_for
@@ -40,7 +40,7 @@ def move_aside(
     ``newest()``) if it named it; returns where it went (see the module note)."""
     store = store_for(path)
     target = aside_path(path)
-    record_quarantine(ledger, path, target, recorded=ledger.recorded_hash(path), reason=reason)
+    record_quarantine(ledger, checkpoint=path, moved_to=target, recorded=ledger.recorded_hash(path), reason=reason)
     crash_point("quarantine.recorded")
     store.move_aside(path, target)
     signature = signature_path_for(path)

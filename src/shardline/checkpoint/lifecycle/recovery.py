@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardline.checkpoint.lifecycle.quarantine import finish_quarantines
-from shardline.checkpoint.lifecycle.rows import record_commit
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint
 from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import unrecorded
+from shardline.checkpoint.provenance.records import record_commit
 from shardline.checkpoint.provenance.retention import tombstone_detail
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import store_for

@@ -40,6 +40,7 @@ __all__ = [
     "read_latest",
     "scan",
     "step_of",
+    "step_recorded",
     "write_latest",
 ]
 
@@ -148,3 +149,8 @@ def move_aside(path: Path, target: Path | None = None) -> Path:
 def has_manifest(path: Location) -> bool:
     """Whether ``path`` holds a ``manifest.json`` (a shardline checkpoint, committed or damaged)."""
     return (path / MANIFEST).is_file()
+
+
+def step_recorded(path: Location) -> int:
+    """The step ``path``'s manifest records (0 for a plain DCP directory)."""
+    return int(read_manifest(path)[0]["step"]) if has_manifest(path) else 0

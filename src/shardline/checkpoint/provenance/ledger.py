@@ -10,7 +10,8 @@ Rows other than commits carry an ``event``: ``quarantine`` (a checkpoint that fa
 verification was moved aside), ``resume`` (a load that checked less than every byte, an
 explicit opt-in), ``chain_break`` (the first row of a new chain started after the previous
 ledger failed to verify), ``tombstone`` (a checkpoint deleted on purpose -- by retention, or
-recorded by hand -- with what it held; :mod:`.retention`). ``detail`` holds the event's
+recorded by hand -- with what it held; :mod:`.retention`). Each kind is written by its operation in
+:mod:`.records`, the one writer of rows besides the chain break here. ``detail`` holds the event's
 canonical JSON; a commit row's ``detail`` names its provenance statement and that file's SHA-256. Rows written before
 these columns existed have them NULL, and a NULL ``event``/``detail`` is left out of the row hash.
 
@@ -109,7 +110,10 @@ _ADDED = ("event", "detail")  # columns added later: a NULL there is not part of
 COMMIT = "commit"
 TOMBSTONE = "tombstone"
 RESTART = "restart"
-EVENTS = (COMMIT, "quarantine", "resume", "chain_break", TOMBSTONE, RESTART)
+QUARANTINE = "quarantine"
+RESUME = "resume"
+CHAIN_BREAK = "chain_break"
+EVENTS = (COMMIT, QUARANTINE, RESUME, CHAIN_BREAK, TOMBSTONE, RESTART)
 
 
 @dataclass(frozen=True)
@@ -266,7 +270,8 @@ class Ledger:
         event: str = COMMIT,
         detail: dict[str, Any] | None = None,
     ) -> LedgerRow:
-        """Append one row (a committed checkpoint, or an ``event``), chained to the last row.
+        """Append one row (a committed checkpoint, or an ``event``), chained to the last row (the generic writer:
+        code outside :mod:`.records` records rows with its operations, one per kind).
 
         One exclusive transaction; then the head record is rewritten atomically.
         """
@@ -399,7 +404,7 @@ class Ledger:
                 manifest_sha256="",
                 parent_manifest_sha256=None,
                 world_size=0,
-                event="chain_break",
+                event=CHAIN_BREAK,
                 detail=detail,
             )
         ]

@@ -29,14 +29,13 @@ import os
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, CommittedCheckpoint, scan
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
-from shardline.checkpoint.provenance.statement import STATEMENT_FILE, read_statement
+from shardline.checkpoint.provenance.records import commit_row
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import check_reachable, locate, sorted_locations, store_for
-from shardline.errors import IntegrityError, LineageError
+from shardline.errors import LineageError
 
 __all__ = [
     "audit",
@@ -216,14 +215,6 @@ def audit(
     return replace(report, problems=tuple(problems), notes=tuple(notes))
 
 
-def _provenance_detail(path: Location) -> dict[str, Any] | None:
-    try:
-        found = read_statement(path)
-    except IntegrityError:
-        return None
-    return {"provenance": {"file": STATEMENT_FILE, "sha256": found[1]}} if found else None
-
-
 def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[LedgerRow]]:
     """Keep a ledger that does not verify aside and start a new chain that records the break.
 
@@ -242,19 +233,7 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
         old_rows = ledger.rows() if ledger.path.is_file() else []
     except LineageError:
         old_rows = []
-    rows = [
-        {
-            "step": c.step,
-            "tag": c.tag,
-            "checkpoint": ledger.name_of(c.path),
-            "manifest_sha256": c.manifest_hash,
-            "parent_manifest_sha256": c.parent_manifest_hash,
-            "world_size": c.world_size,
-            "recovered": True,
-            "detail": _provenance_detail(c.path),
-        }
-        for c in order(committed, old_rows)
-    ]
+    rows = [commit_row(ledger, c, recovered=True) for c in order(committed, old_rows)]
     return ledger.start_new_chain(reason="the ledger did not verify", problems=problems, rows=rows)
 
 

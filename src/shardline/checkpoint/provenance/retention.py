@@ -53,6 +53,7 @@ from shardline.checkpoint.integrity.manifest import manifest_files, read_manifes
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint, scan
 from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import live_branch, order
+from shardline.checkpoint.provenance.records import record_tombstone
 from shardline.checkpoint.provenance.statement import read_statement
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
@@ -185,23 +186,15 @@ def apply_retention(
         name = rel(ckpt.path)
         earlier = buried.get(name)
         if earlier is None or earlier.manifest_sha256 != ckpt.manifest_hash:
-            detail = {
-                "checkpoint": name,
-                "reason": f"retention: checkpoint.keep_last_n={policy.keep_last_n} after {newest} committed",
-                "keep_last_n": policy.keep_last_n,
-                "newer": newest,
-                **_what_it_held(ckpt),
-            }
             appended.append(
-                ledger.append(
-                    step=ckpt.step,
-                    tag=None,
+                record_tombstone(
+                    ledger,
+                    of=ckpt,
                     checkpoint=name,
-                    manifest_sha256=ckpt.manifest_hash,
-                    parent_manifest_sha256=ckpt.parent_manifest_hash,
-                    world_size=ckpt.world_size,
-                    event=TOMBSTONE,
-                    detail=detail,
+                    reason=f"retention: checkpoint.keep_last_n={policy.keep_last_n} after {newest} committed",
+                    keep_last_n=policy.keep_last_n,
+                    newer=newest,
+                    held=_what_it_held(ckpt),
                 )
             )
             crash_point("retention.tombstone")
@@ -252,16 +245,7 @@ def retire(path: str | os.PathLike | Location, *, ledger: Ledger, reason: str) -
     earlier = tombstones(rows).get(name)
     row = None
     if earlier is None or earlier.manifest_sha256 != digest:
-        row = ledger.append(
-            step=ckpt.step,
-            tag=ckpt.tag,
-            checkpoint=name,
-            manifest_sha256=digest,
-            parent_manifest_sha256=ckpt.parent_manifest_hash,
-            world_size=ckpt.world_size,
-            event=TOMBSTONE,
-            detail={"checkpoint": name, "reason": reason, **_what_it_held(ckpt)},
-        )
+        row = record_tombstone(ledger, of=ckpt, checkpoint=name, reason=reason, held=_what_it_held(ckpt))
         crash_point("retention.tombstone")
     _remove(ckpt.path)
     return row
@@ -297,18 +281,7 @@ def record_deletions(ledger: Ledger, *, reason: str = _AFTER_THE_FACT) -> list[L
         where = ledger.locate(row.checkpoint)
         if store_for(where).still_there(where):
             continue
-        appended.append(
-            ledger.append(
-                step=row.step,
-                tag=row.tag,
-                checkpoint=row.checkpoint,
-                manifest_sha256=row.manifest_sha256,
-                parent_manifest_sha256=row.parent_manifest_sha256,
-                world_size=row.world_size,
-                event=TOMBSTONE,
-                detail={"checkpoint": row.checkpoint, "reason": reason, "commit_row": row.seq},
-            )
-        )
+        appended.append(record_tombstone(ledger, of=row, checkpoint=row.checkpoint, reason=reason, commit_row=row.seq))
         buried[row.checkpoint] = appended[-1]
     return appended
 
