@@ -116,8 +116,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("it holds a persistent reference, which DCP metadata never does")
 
 
-def unpickle_metadata(data: bytes, where: str | os.PathLike[str]) -> Metadata:
+def unpickle_metadata(data: bytes, where: object) -> Metadata:
     """DCP ``Metadata`` from the bytes of a ``.metadata`` file, refusing any class DCP metadata does not use.
+
+    ``where`` names the file in an error (a path or a location in an object store).
 
     Raises:
         IntegrityError: the bytes are not DCP metadata (damaged, or naming other classes: never run).

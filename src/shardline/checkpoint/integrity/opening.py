@@ -155,7 +155,10 @@ def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, 
 
 
 def check_manifest(
-    path: str | os.PathLike, *, level: VerifyLevel | str = VerifyLevel.FULL, expected_manifest_hash: str | None = None
+    path: Location | str | os.PathLike[str],
+    *,
+    level: VerifyLevel | str = VerifyLevel.FULL,
+    expected_manifest_hash: str | None = None,
 ) -> CheckedManifest:
     """Steps 1-2 of the module note (one process; ``load`` runs it on rank 0).
 
@@ -246,7 +249,10 @@ class OpenedCheckpoint:
 
 
 def open_checkpoint(
-    path: str | os.PathLike, *, verify: VerifyLevel | str = VerifyLevel.FULL, expected_manifest_hash: str | None = None
+    path: str | os.PathLike[str],
+    *,
+    verify: VerifyLevel | str = VerifyLevel.FULL,
+    expected_manifest_hash: str | None = None,
 ) -> OpenedCheckpoint:
     """Check a checkpoint in this process (steps 1-4: at ``full`` every data file is hashed first).
 

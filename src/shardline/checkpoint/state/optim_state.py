@@ -123,7 +123,9 @@ def optimizer_state_dict(
     return held["full"]
 
 
-def _signature(params: list[tuple[torch.Tensor, str, Managed]], state: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str, str]]:
+def _signature(
+    params: list[tuple[torch.Tensor, str, Managed]], state: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str, str]]:
     sig = []
     for _, fqn, managed in params:
         for name, value in sorted(state.get(fqn, {}).items()):
