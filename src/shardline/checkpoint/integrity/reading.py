@@ -113,7 +113,7 @@ class VerifyingReader(MetadataReader):
         self._store = store_for(location)
         self._root = self._store.snapshot(location)
         # DCP's reader keeps a Path; an object-store URL must not become one. DCP types the attribute as
-        # os.PathLike, which an ObjectPath is not (this reader's own methods are all that use it).
+        # os.PathLike, which a location in an object store is not (only this reader's own methods use it).
         self.path = self._root  # type: ignore[assignment]
         self._to_hash = {str(e["path"]): e for e in to_hash}
         self.hashed: dict[str, str] = {}
