@@ -249,7 +249,7 @@ class OpenedCheckpoint:
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str],
+    path: Location | str | os.PathLike[str],
     *,
     verify: VerifyLevel | str = VerifyLevel.FULL,
     expected_manifest_hash: str | None = None,

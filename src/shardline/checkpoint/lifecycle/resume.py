@@ -86,7 +86,7 @@ class ResumeCandidates:
 
 
 def find_candidates(
-    resume: str | os.PathLike,
+    resume: str | os.PathLike[str],
     *,
     directory: Location,
     ledger: Ledger,
