@@ -216,7 +216,7 @@ def apply_retention(
     return appended
 
 
-def retire(path: str | os.PathLike | Location, *, ledger: Ledger, reason: str) -> LedgerRow | None:
+def retire(path: str | os.PathLike[str] | Location, *, ledger: Ledger, reason: str) -> LedgerRow | None:
     """Delete one committed checkpoint on purpose, the way retention does: its tombstone row first (what it
     held, its statement), then the rename to a hidden name, its signature, the removal.
 
@@ -309,7 +309,6 @@ def record_deletions(ledger: Ledger, *, reason: str = _AFTER_THE_FACT) -> list[L
                 detail={"checkpoint": row.checkpoint, "reason": reason, "commit_row": row.seq},
             )
         )
-        buried[row.checkpoint] = appended[-1]
     return appended
 
 
