@@ -250,7 +250,7 @@ def derived_and_unexpected(
 
 
 def verify_checkpoint(
-    path: str | os.PathLike[str],
+    path: Location | str | os.PathLike[str],
     *,
     level: VerifyLevel | str = "full",
     expected_manifest_hash: str | None = None,
