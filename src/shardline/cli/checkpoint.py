@@ -270,7 +270,7 @@ def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``verify``, ``inspect``, ``consolidate`` and ``lineage`` to the ``shardline`` command."""
     verify = subparsers.add_parser(
         "verify", help="check every file of a checkpoint against its manifest (exit 1 naming any mismatch)"
