@@ -67,7 +67,7 @@ def _kv(rows: list[tuple[str, Any]]) -> str:
     return f'<table class="kv">{cells}</table>'
 
 
-def _h(value: Any) -> str:
+def _h(value: object) -> str:
     return f'<span class="hash">{escape(str(value))}</span>' if value else "&mdash;"
 
 

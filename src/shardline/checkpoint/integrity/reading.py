@@ -36,7 +36,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -191,7 +191,7 @@ class VerifyingReader(MetadataReader):
         fut.set_result(None)
         return fut
 
-    def _open(self, name: str) -> Any:
+    def _open(self, name: str) -> BinaryIO:
         """``name`` opened for unbuffered reading (a local file) or ranged streaming reads (an object)."""
         return self._store.open_read(self._root / name)
 
@@ -382,7 +382,7 @@ class VerifyingReader(MetadataReader):
         return digest.hexdigest(), size, unreadable
 
     @staticmethod
-    def _hash_span(f: Any, digest: Any, pos: int, end: int | None) -> int:
+    def _hash_span(f: BinaryIO, digest: hashlib._Hash, pos: int, end: int | None) -> int:
         """Read and hash from ``pos`` to ``end`` (to the end of the file when None); returns the new position."""
         while end is None or pos < end:
             chunk = f.read(_CHUNK if end is None else min(_CHUNK, end - pos))
