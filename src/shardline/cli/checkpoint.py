@@ -11,11 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.cli.common import add_storage_options, emit_json, fail, sha256_arg, storage_options
 from shardline.errors import ShardlineError, SignatureError
+
+if TYPE_CHECKING:  # imported where used, so that the CLI starts without them
+    from shardline.checkpoint.provenance.ledger import Ledger, LineageReport
+    from shardline.checkpoint.storage.protocol import Location
 
 __all__ = ["register"]
 
@@ -236,7 +241,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     return 1
 
 
-def _checked(directory: Any) -> dict[str, Any]:
+def _checked(directory: Location) -> dict[str, Any]:
     """A place ``lineage`` listed for committed checkpoints, for its messages and ``--json`` (``checked``)."""
     from shardline.checkpoint.storage.stores import local_path, store_for
 
@@ -244,14 +249,14 @@ def _checked(directory: Any) -> dict[str, Any]:
     return {"where": where, "location": str(directory), "store": local_path(directory) is None}
 
 
-def _places(locations: Any) -> set[str]:
+def _places(locations: Iterable[Location | str]) -> set[str]:
     """Where ``locations`` are, as messages say it (``on disk``, ``in the object store``)."""
     from shardline.checkpoint.storage.stores import store_for
 
     return {store_for(where).place for where in locations}
 
 
-def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
+def _new_chain(args: argparse.Namespace, ledger: Ledger, report: LineageReport) -> int:
     from shardline.checkpoint.provenance.lineage import start_new_chain
 
     if report.ok:
@@ -270,7 +275,7 @@ def _new_chain(args: argparse.Namespace, ledger: Any, report: Any) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``verify``, ``inspect``, ``consolidate`` and ``lineage`` to the ``shardline`` command."""
     verify = subparsers.add_parser(
         "verify", help="check every file of a checkpoint against its manifest (exit 1 naming any mismatch)"

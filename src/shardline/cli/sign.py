@@ -66,7 +66,7 @@ def _cmd_sign(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``sign`` to the ``shardline`` command."""
     sign = subparsers.add_parser(
         "sign",

@@ -175,9 +175,9 @@ def _facts(ledger: Ledger, row: LedgerRow, rows: list[LedgerRow]) -> CheckpointF
 
 
 def collect_run(
-    run_dir: str | os.PathLike,
+    run_dir: str | os.PathLike[str],
     *,
-    public_key: str | os.PathLike | None = None,
+    public_key: str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> RunFacts:
     """Gather and check what the report shows about ``run_dir`` (a run directory, or a checkpoints directory).
@@ -229,10 +229,10 @@ def collect_run(
             facts.events.append(row)
             continue
         item = _facts(ledger, row, rows)
-        found = statements.get(row.seq) or {}
-        item.statement = found.get("statement")
-        item.statement_source = found.get("source")
-        item.statement_matches_ledger = found.get("matches_ledger")
+        chained = statements.get(row.seq) or {}
+        item.statement = chained.get("statement")
+        item.statement_source = chained.get("source")
+        item.statement_matches_ledger = chained.get("matches_ledger")
         if item.statement_matches_ledger is False:
             item.problems.append("its provenance statement's SHA-256 differs from the one the ledger row records")
             if item.status == Status.VERIFIED:

@@ -67,7 +67,7 @@ def _kv(rows: list[tuple[str, Any]]) -> str:
     return f'<table class="kv">{cells}</table>'
 
 
-def _h(value: Any) -> str:
+def _h(value: object) -> str:
     return f'<span class="hash">{escape(str(value))}</span>' if value else "&mdash;"
 
 
@@ -239,7 +239,7 @@ def _statement_words(c: CheckpointFacts) -> str:
         if c.statement_source == "checkpoint"
         else ("the copy its tombstone row keeps")
     )
-    agree = {
+    agree: dict[bool | None, str] = {
         True: "; its SHA-256 is the one the ledger row records",
         False: "; its SHA-256 DIFFERS from the ledger row",
     }
@@ -299,10 +299,10 @@ def render_report(facts: RunFacts) -> str:
 
 
 def write_report(
-    run_dir: str | os.PathLike,
+    run_dir: str | os.PathLike[str],
     *,
-    out: str | os.PathLike | None = None,
-    public_key: str | os.PathLike | None = None,
+    out: str | os.PathLike[str] | None = None,
+    public_key: str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[Path, RunFacts]:
     """Check the run at ``run_dir`` and write its report (default ``RUN_DIR/report.html``); returns (path, facts).

@@ -22,7 +22,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -30,6 +30,7 @@ from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_sta
 from shardline.checkpoint.lifecycle.manager import ON_EXCEPTION, is_auto_resume
 from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, step_of
 from shardline.checkpoint.provenance.ledger import Ledger
+from shardline.checkpoint.state.model_state import SaveKind
 from shardline.checkpoint.storage.stores import local_path
 from shardline.errors import CheckpointNotFoundError
 from shardline.train.preemption import PREEMPTED
@@ -104,7 +105,8 @@ class TrainingCheckpoints:
 
     def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
         self.cfg = cfg.checkpoint
-        self.kind = cfg.trainer.strategy.state_dict_type
+        # One of SAVE_KINDS: the strategy config checks it when it is built (schema.py).
+        self.kind = cast(SaveKind, cfg.trainer.strategy.state_dict_type)
         self.config = cfg.to_dict()
         self.manager = CheckpointManager(
             checkpoint_location(self.cfg, run_dir),

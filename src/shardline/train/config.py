@@ -176,14 +176,17 @@ def _schema_fields(path: Sequence[str]) -> list[str] | None:
         types = {f.name: f for f in dataclasses.fields(node)}
         if part not in types:
             return None
-        default = types[part].default_factory if types[part].default_factory is not dataclasses.MISSING else None
+        factory = types[part].default_factory
+        default = factory if callable(factory) else None  # MISSING (no factory) is not callable
         node = default() if default is not None else None
     if dataclasses.is_dataclass(node):
         return [f.name for f in dataclasses.fields(node)]
     return None
 
 
-def _key_error(cause: BaseException) -> BaseException | None:
+def _key_error(
+    cause: BaseException | None,
+) -> ConfigKeyError | ConfigAttributeError | ValidationError | None:
     """The OmegaConf key/validation error behind a Hydra error (chained as cause or context)."""
     seen = 0
     while cause is not None and seen < 8:

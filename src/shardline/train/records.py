@@ -24,12 +24,15 @@ and ``shardline report`` reads them back.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate
+
+if TYPE_CHECKING:
+    from shardline.train.schema import CheckpointConfig
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -57,7 +60,7 @@ RECORDS = (METRICS_FILE, SUMMARY_FILE)
 """The records that show a run directory already holds a training (never restarted over)."""
 
 
-def checkpoint_location(checkpoint: Any, run_dir: str | Path) -> Location:
+def checkpoint_location(checkpoint: CheckpointConfig, run_dir: str | Path) -> Location:
     """Where a run's checkpoints go: ``checkpoint.dir`` (a directory or a URL), or ``run_dir/checkpoints``.
 
     ``checkpoint`` is the run's ``CheckpointConfig`` (its ``dir`` and ``storage_options``).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,8 @@ T = TypeVar("T")
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD
+    # Only called once torch.distributed is initialized, when the world group exists.
+    return group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -61,7 +62,7 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(_group(group))
 
 
-def control_device(group: dist.ProcessGroup) -> torch.device:
+def control_device(group: dist.ProcessGroup | None) -> torch.device:
     backend = str(dist.get_backend(group))
     if "gloo" in backend or "cpu" in backend:
         return torch.device("cpu")
@@ -157,7 +158,8 @@ def rank0_decides(decide: Callable[[], T], group: dist.ProcessGroup | None) -> T
     outcome = broadcast_object(outcome, group)
     if "error" in outcome:
         raise_payload(outcome["error"], original)
-    return outcome["value"]
+    value: T = outcome["value"]  # decide()'s result, broadcast from rank 0
+    return value
 
 
 def all_agree(step: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> list[T]:

@@ -116,8 +116,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("it holds a persistent reference, which DCP metadata never does")
 
 
-def unpickle_metadata(data: bytes, where: str | os.PathLike) -> Metadata:
+def unpickle_metadata(data: bytes, where: object) -> Metadata:
     """DCP ``Metadata`` from the bytes of a ``.metadata`` file, refusing any class DCP metadata does not use.
+
+    ``where`` names the file in an error (a path or a location in an object store).
 
     Raises:
         IntegrityError: the bytes are not DCP metadata (damaged, or naming other classes: never run).
@@ -139,7 +141,7 @@ def unpickle_metadata(data: bytes, where: str | os.PathLike) -> Metadata:
 class MetadataReader(FileSystemReader):
     """``FileSystemReader`` that serves metadata already read and checked (it never unpickles ``.metadata``)."""
 
-    def __init__(self, path: str | os.PathLike, metadata: Metadata) -> None:
+    def __init__(self, path: str | os.PathLike[str], metadata: Metadata) -> None:
         super().__init__(path)
         self._metadata = metadata
 

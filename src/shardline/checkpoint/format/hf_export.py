@@ -63,13 +63,18 @@ def _config_dict(config: Any) -> dict[str, Any] | None:
     to_json = getattr(config, "to_json_string", None)
     if not callable(to_json):
         return None
-    return json.loads(to_json(use_diff=False))
+    parsed: dict[str, Any] = json.loads(to_json(use_diff=False))  # a config's JSON is an object
+    return parsed
 
 
 def hf_metadata(model: nn.Module) -> dict[str, Any]:
     """What a checkpoint records about a transformers / PEFT model (empty for any other model)."""
-    peft = getattr(model, "peft_config", None)
-    base = model.get_base_model() if isinstance(peft, Mapping) and hasattr(model, "get_base_model") else model
+    peft: object = getattr(model, "peft_config", None)
+    base = (
+        model.get_base_model()  # type: ignore[operator]  # a PEFT model's method; nn.Module types attributes as Tensor
+        if isinstance(peft, Mapping) and hasattr(model, "get_base_model")
+        else model
+    )
     config = _config_dict(getattr(base, "config", None))
     if config is None or "model_type" not in config:
         return {}

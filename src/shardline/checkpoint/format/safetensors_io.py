@@ -93,7 +93,8 @@ class SafetensorsWriter:
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         if sys.byteorder != "little" and tensor.element_size() > 1:
             raise ConfigurationError("safetensors export needs a little-endian machine")
-        self._emit(memoryview(data.numpy()))
+        # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12 (it has it on every version).
+        self._emit(memoryview(data.numpy()))  # type: ignore[arg-type]
         self._next += 1
 
     def close(self) -> str:

@@ -140,7 +140,8 @@ class _BufferFile(io.RawIOBase):
 def _record_start(data: bytes | memoryview, info: zipfile.ZipInfo) -> int:
     """Where a stored (uncompressed) record's bytes begin, from its local header."""
     at = info.header_offset
-    signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(data, at)
+    fields: tuple[bytes, int, int] = _LOCAL_HEADER.unpack_from(data, at)
+    signature, name_len, extra_len = fields
     if signature != _LOCAL_SIGNATURE or info.compress_type != zipfile.ZIP_STORED:
         raise _NotPlain
     return at + _LOCAL_HEADER.size + name_len + extra_len

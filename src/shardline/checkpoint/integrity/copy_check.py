@@ -82,7 +82,8 @@ def _payload(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _sha256(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(_payload(tensor).numpy()).hexdigest()
+    # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12 (it has it on every version).
+    return hashlib.sha256(_payload(tensor).numpy()).hexdigest()  # type: ignore[arg-type]
 
 
 def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:

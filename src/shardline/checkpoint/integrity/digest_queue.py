@@ -39,13 +39,16 @@ import bisect
 import hashlib
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 __all__ = ["OrderedDigest", "RetainedMemory"]
+
+T = TypeVar("T")
 
 
 def _address(view: memoryview) -> int:
@@ -102,14 +105,14 @@ class OrderedDigest:
         self._started = eager
         self._hash = hashlib.sha256()
         self._cond = threading.Condition()
-        self._queue: deque[Any] = deque()
+        self._queue: deque[bytes | memoryview] = deque()
         self._draining = False
         self._error: BaseException | None = None
 
     def _idle(self) -> bool:
         return not self._queue and not self._draining
 
-    def later(self, buffer: Any) -> None:
+    def later(self, buffer: bytes | memoryview) -> None:
         """Queue ``buffer`` (which must stay unchanged until :meth:`hexdigest` returns)."""
         with self._cond:
             self._queue.append(buffer)
@@ -127,7 +130,7 @@ class OrderedDigest:
             self._draining = True
         self._pool.submit(self._drain)
 
-    def now(self, buffer: memoryview, write: Any) -> Any:
+    def now(self, buffer: memoryview, write: Callable[[], T]) -> T:
         """Hash ``buffer`` before returning, overlapped with ``write()`` (which writes it); returns what it returns.
 
         For a buffer that may change once this returns. Updates queued before it are hashed first.

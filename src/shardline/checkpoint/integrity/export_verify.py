@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TypedDict
 
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.integrity.verify import FileProblem, VerifyLevel, VerifyReport, check_files
@@ -23,18 +24,25 @@ EXPORT_FORMAT = "shardline.consolidation"
 _SUMS = "SHA256SUMS"
 
 
-def is_export(path: str | os.PathLike) -> bool:
+def is_export(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is an export directory (it holds ``consolidation.json``)."""
     return (Path(path) / SIDECAR).is_file()
 
 
-def verify_export(path: str | os.PathLike) -> VerifyReport:
+class _Where(TypedDict):
+    """What every report of :func:`verify_export` starts with."""
+
+    path: str
+    level: str
+
+
+def verify_export(path: str | os.PathLike[str]) -> VerifyReport:
     """Every file of the export at ``path`` against ``consolidation.json`` (sizes and SHA-256), and nothing extra.
 
     ``manifest_hash`` of the report is the *source checkpoint's* manifest hash the sidecar records.
     """
     root = Path(path)
-    base = {"path": str(root), "level": VerifyLevel.FULL.value}
+    base: _Where = {"path": str(root), "level": VerifyLevel.FULL.value}
     file = root / SIDECAR
     if not file.is_file():
         return VerifyReport(**base, manifest_hash=None, step=None, files_checked=0, bytes_checked=0,

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -38,6 +38,9 @@ from shardline.checkpoint.storage.fsutil import fsync_pool, start_writeback
 from shardline.checkpoint.storage.local import LocalFiles
 from shardline.checkpoint.storage.protocol import Location, SaveFiles
 from shardline.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["FileDigest", "HashingFileSystem", "hasher_pool", "sha256_file"]
 
@@ -121,11 +124,11 @@ class _HashingStream(io.RawIOBase):
 
     def __init__(
         self,
-        raw: Any,
-        on_close: Any,
+        raw: BinaryIO,
+        on_close: Callable[[int, str], None],
         hasher_pool: ThreadPoolExecutor,
-        before_write: Any,
-        on_error: Any,
+        before_write: Callable[[int], None] | None,
+        on_error: Callable[[OSError], None],
         retained: RetainedMemory | None = None,
         *,
         eager: bool = False,
@@ -151,7 +154,7 @@ class _HashingStream(io.RawIOBase):
     def seekable(self) -> bool:
         return False
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Buffer) -> int:
         view = memoryview(data).cast("B")
         try:
             if self._before_write is not None:
@@ -209,7 +212,7 @@ class _HashingStream(io.RawIOBase):
     def tell(self) -> int:
         return self._size
 
-    def seek(self, *_args: Any) -> int:
+    def seek(self, *_args: object) -> int:
         raise io.UnsupportedOperation("checkpoint files are hashed while written and must be written sequentially")
 
     def fileno(self) -> int:
@@ -322,7 +325,7 @@ class HashingFileSystem(FileSystem):
             raise first
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -401,22 +404,22 @@ class HashingFileSystem(FileSystem):
             self._open.wait_for(lambda: self._active == 0, timeout=timeout)
 
     # Path operations DCP's writer asks for, answered by the store's files (keys "bucket/prefix/name" in a store).
-    def concat_path(self, path: str | os.PathLike, suffix: str) -> Any:
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
         return self._files.join(path, suffix)
 
-    def mkdir(self, path: str | os.PathLike) -> None:
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
         self._files.mkdir(path)
 
-    def exists(self, path: str | os.PathLike) -> bool:
+    def exists(self, path: str | os.PathLike[str]) -> bool:
         return self._files.exists(path)
 
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         self._files.rename(path, new_path)
         with self._lock:
             if str(Path(path)) in self._digests:
                 self._digests[str(Path(new_path))] = self._digests.pop(str(Path(path)))
 
-    def rm_file(self, path: str | os.PathLike) -> None:
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
         self._files.remove(path)
         with self._lock:
             self._digests.pop(str(Path(path)), None)

@@ -16,10 +16,11 @@ Note: how the digests travel (the hashing itself is :mod:`.hashing`'s file syste
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -56,7 +57,7 @@ class _RetainingPlanner:
         self._planner = planner
         self._retained = retained
 
-    def resolve_data(self, write_item: WriteItem) -> Any:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = self._planner.resolve_data(write_item)
         if isinstance(data, torch.Tensor) and data.device.type == "cpu":
             data = data.detach()
@@ -113,9 +114,9 @@ class HashingWriter(FileSystemWriter):
 
     def __init__(
         self,
-        path: str | os.PathLike | Location,
+        path: str | os.PathLike[str] | Location,
         *,
-        final_path: str | os.PathLike | Location | None = None,
+        final_path: str | os.PathLike[str] | Location | None = None,
         observer: SaveObserver = NO_OBSERVER,
         check_written: Callable[[Location, SavePlan, SavePlanner, list[WriteResult]], list[str]] | None = None,
         files_per_rank: int = AUTO,
@@ -157,7 +158,9 @@ class HashingWriter(FileSystemWriter):
         self._hfs.hash_eagerly = self._hfs.uploads or self.thread_count < cores_per_rank()
         self._hfs.sync_later = self._sync_later and self._is_coordinator
         try:
-            results = list(super().write_data(plan, _RetainingPlanner(planner, self._hfs.retained)).wait())
+            # _RetainingPlanner answers every SavePlanner method (it forwards those it does not override).
+            retaining = cast(SavePlanner, _RetainingPlanner(planner, self._hfs.retained))
+            results = list(super().write_data(plan, retaining).wait())
         except Exception:
             self._hfs.abandon()
             errors = self._hfs.take_errors()

@@ -177,7 +177,7 @@ def manifest_files(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
     return files
 
 
-def read_manifest(path: str | os.PathLike | Location) -> tuple[dict[str, Any], str]:
+def read_manifest(path: str | os.PathLike[str] | Location) -> tuple[dict[str, Any], str]:
     """``(manifest, manifest hash)`` of the checkpoint at ``path``, checked against ``manifest.sha256``.
 
     Raises:

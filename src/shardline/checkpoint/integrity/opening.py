@@ -156,7 +156,10 @@ def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, 
 
 
 def check_manifest(
-    path: str | os.PathLike, *, level: VerifyLevel | str = VerifyLevel.FULL, expected_manifest_hash: str | None = None
+    path: Location | str | os.PathLike[str],
+    *,
+    level: VerifyLevel | str = VerifyLevel.FULL,
+    expected_manifest_hash: str | None = None,
 ) -> CheckedManifest:
     """Steps 1-2 of the module note (one process; ``load`` runs it on rank 0).
 
@@ -247,7 +250,7 @@ class OpenedCheckpoint:
 
 
 def open_checkpoint(
-    path: str | os.PathLike,
+    path: Location | str | os.PathLike[str],
     *,
     level: VerifyLevel | str = VerifyLevel.FULL,
     expected_manifest_hash: str | None = None,

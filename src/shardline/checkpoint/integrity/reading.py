@@ -24,6 +24,7 @@ Note: how a verified load reads every byte once and hashes it once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -35,7 +36,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -48,6 +49,7 @@ from shardline.checkpoint.format.tensor_record import decode_tensor
 from shardline.checkpoint.integrity.hashing import hasher_pool
 from shardline.checkpoint.integrity.manifest import read_error, read_manifest
 from shardline.checkpoint.integrity.verify import FileProblem
+from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointError, CheckpointReadError, IntegrityError
 
@@ -74,7 +76,7 @@ def assign_hashing(files: Mapping[str, int], reads: Sequence[Mapping[str, int]])
     return out
 
 
-def _settle(pending: Any) -> None:
+def _settle(pending: concurrent.futures.Future[None] | None) -> None:
     """Wait for a digest update running on a helper thread (``None``: nothing pending)."""
     if pending is not None:
         pending.result()
@@ -102,13 +104,17 @@ class VerifyingReader(MetadataReader):
             empty to read without hashing (level ``sizes``/``none``).
     """
 
-    def __init__(self, path: str | os.PathLike, metadata: Metadata, *, to_hash: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(
+        self, path: Location | str | os.PathLike[str], metadata: Metadata, *, to_hash: Sequence[Mapping[str, Any]]
+    ) -> None:
         super().__init__(str(path), metadata)
         # On an object store, one listing gives every file's size (no HEAD request per file; objects.py).
         location = locate(path)
         self._store = store_for(location)
         self._root = self._store.snapshot(location)
-        self.path = self._root  # DCP's reader keeps a Path; an object-store URL must not become one
+        # DCP's reader keeps a Path; an object-store URL must not become one. DCP types the attribute as
+        # os.PathLike, which a location in an object store is not (only this reader's own methods use it).
+        self.path = self._root  # type: ignore[assignment]
         self._to_hash = {str(e["path"]): e for e in to_hash}
         self.hashed: dict[str, str] = {}
         # The planner fills nested containers of the state dict; files read on several threads take turns in it.
@@ -185,7 +191,7 @@ class VerifyingReader(MetadataReader):
         fut.set_result(None)
         return fut
 
-    def _open(self, name: str) -> Any:
+    def _open(self, name: str) -> BinaryIO:
         """``name`` opened for unbuffered reading (a local file) or ranged streaming reads (an object)."""
         return self._store.open_read(self._root / name)
 
@@ -335,7 +341,7 @@ class VerifyingReader(MetadataReader):
         # Note: the digest of item k runs on a helper thread while this thread deserializes item k and
         # reads item k+1; it is waited for only before the next update, so updates stay in file order and
         # hashing overlaps both decoding and the download.
-        pending: Any = None
+        pending: concurrent.futures.Future[None] | None = None
         try:
             with self._open(name) as f:
                 for offset, length, group in self._groups(items):
@@ -343,13 +349,15 @@ class VerifyingReader(MetadataReader):
                         problems.append(FileProblem(name, "altered", f"items overlap at byte {offset}"))
                         return None, 0, None
                     if offset > pos:
-                        pending = _settle(pending)
+                        _settle(pending)
+                        pending = None
                         pos = self._hash_span(f, digest, pos, offset)
                     data = f.read(length)
                     if len(data) != length:
                         short = True
                         break
-                    pending = _settle(pending)
+                    _settle(pending)
+                    pending = None
                     if length >= _OVERLAP_MIN:
                         pending = pool.submit(digest.update, data)
                     else:
@@ -360,7 +368,8 @@ class VerifyingReader(MetadataReader):
                     except Exception as e:
                         unreadable = f"an item at byte {offset} cannot be read ({type(e).__name__}: {_first_line(e)})"
                     pos += length
-                pending = _settle(pending)
+                _settle(pending)
+                pending = None
                 if not short:
                     pos = self._hash_span(f, digest, pos, None)
         finally:
@@ -373,7 +382,7 @@ class VerifyingReader(MetadataReader):
         return digest.hexdigest(), size, unreadable
 
     @staticmethod
-    def _hash_span(f: Any, digest: Any, pos: int, end: int | None) -> int:
+    def _hash_span(f: BinaryIO, digest: hashlib._Hash, pos: int, end: int | None) -> int:
         """Read and hash from ``pos`` to ``end`` (to the end of the file when None); returns the new position."""
         while end is None or pos < end:
             chunk = f.read(_CHUNK if end is None else min(_CHUNK, end - pos))

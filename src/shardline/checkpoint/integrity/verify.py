@@ -15,10 +15,9 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from shardline.checkpoint.coordination.parallelism import MIN_AUTO_FILE_BYTES, available_cores
@@ -35,6 +34,7 @@ from shardline.checkpoint.integrity.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
+from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import ConfigurationError
 
@@ -177,7 +177,7 @@ class VerifyReport:
 
 
 def check_files(
-    root: Path, entries: Sequence[Mapping[str, Any]], level: VerifyLevel | str
+    root: Location, entries: Sequence[Mapping[str, Any]], level: VerifyLevel | str
 ) -> tuple[list[FileProblem], int]:
     """Problems of the listed files under ``root`` (size; and SHA-256 at level ``full``), and bytes read.
 
@@ -219,7 +219,7 @@ def check_files(
     return problems, sum(read for _, read in outcomes)
 
 
-def _recorded(path: Path) -> str | None:
+def _recorded(path: Location) -> str | None:
     try:
         parts = (path / MANIFEST_HASH_FILE).read_text(encoding="ascii").split()
     except (OSError, UnicodeDecodeError):
@@ -227,7 +227,7 @@ def _recorded(path: Path) -> str | None:
     return parts[0] if len(parts) == 2 and parts[1] == MANIFEST else None
 
 
-def _sums_manifest_line(path: Path) -> str | None:
+def _sums_manifest_line(path: Location) -> str | None:
     try:
         for line in (path / SUMS_FILE).read_text(encoding="utf-8").splitlines():
             digest, _, name = line.partition("  ")
@@ -238,9 +238,10 @@ def _sums_manifest_line(path: Path) -> str | None:
     return None
 
 
-def _unexpected(path: Path, expected: set[str]) -> list[FileProblem]:
+def _unexpected(path: Location, expected: set[str]) -> list[FileProblem]:
     out = []
-    for child in sorted(path.iterdir()):
+    children: Iterator[Location] = path.iterdir()
+    for child in sorted(children):
         if child.name not in expected:
             what = "directory" if child.is_dir() else f"{child.stat().st_size} bytes"
             out.append(FileProblem(child.name, "unexpected", f"not listed in the manifest ({what})"))
@@ -248,7 +249,7 @@ def _unexpected(path: Path, expected: set[str]) -> list[FileProblem]:
 
 
 def derived_and_unexpected(
-    root: Path, manifest_digest: str, entries: Sequence[Mapping[str, Any]], known: Sequence[FileProblem] = ()
+    root: Location, manifest_digest: str, entries: Sequence[Mapping[str, Any]], known: Sequence[FileProblem] = ()
 ) -> list[FileProblem]:
     """``manifest.sha256`` and ``SHA256SUMS`` as the manifest implies them, and files the manifest does not list.
 
@@ -276,7 +277,7 @@ def derived_and_unexpected(
 
 
 def verify_checkpoint(
-    path: str | os.PathLike,
+    path: Location | str | os.PathLike[str],
     *,
     level: VerifyLevel | str = "full",
     expected_manifest_hash: str | None = None,

@@ -27,7 +27,7 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.format.canonical import config_hash
 from shardline.checkpoint.format.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.format.hf_export import hf_metadata
-from shardline.checkpoint.integrity.copy_check import StagedDigester
+from shardline.checkpoint.integrity.copy_check import StagedDigester, StagedTensor
 from shardline.checkpoint.integrity.manifest import describe_units
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
@@ -105,7 +105,7 @@ class CapturedCheckpoint:
     extra: dict[str, Any] = field(default_factory=dict)
     config: Mapping[str, Any] | None = None
     """The resolved training config (recorded in the provenance statement)."""
-    staged_digests: Mapping[int, Any] | None = None
+    staged_digests: Mapping[tuple[str, int], StagedTensor] | None = None
     """For a copied (async) save: this rank's staged tensors by storage, each with the SHA-256 of its bytes
     (:mod:`.copy_check`); the write checks the bytes in the files against them."""
     source_device: torch.device | None = None
@@ -187,6 +187,7 @@ def _snapshot(
     key = _same_bytes(obj)
     if obj.numel() and key in memo:
         return memo[key]
+    copied: torch.Tensor
     if isinstance(obj, DTensor):
         local = buffers.copy(obj.to_local())
         on_copy(local)
@@ -233,7 +234,7 @@ def _config_text(config: Mapping[str, Any]) -> str:
 def capture(
     request: SaveRequest,
     *,
-    path: str | os.PathLike | Location,
+    path: str | os.PathLike[str] | Location,
     parent_manifest_hash: str | None = None,
     copy: bool = False,
     buffers: HostBuffers | None = None,
@@ -254,9 +255,9 @@ def capture(
     per_rank = trainer.pop("per_rank", None)
     for key, value in hf_metadata(model).items():  # transformers / PEFT configs, for consolidate
         trainer.setdefault(key, value)
-    sd: dict[str, Any] = {MODEL_KEY: model_state_dict(model, kind=kind)}  # type: ignore[arg-type]
+    sd: dict[str, Any] = {MODEL_KEY: model_state_dict(model, kind=kind)}
     if request.optimizer is not None:
-        sd[OPTIM_KEY] = optimizer_state_dict(model, request.optimizer, kind=kind)  # type: ignore[arg-type]
+        sd[OPTIM_KEY] = optimizer_state_dict(model, request.optimizer, kind=kind)
     # Note: only rank 0 contributes the shared trainer state and the config. DCP stores an item
     # that several ranks hold under the same key once, from whichever rank it picks; keeping it
     # on one rank makes "taken from rank 0" the rule instead of an accident.

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardline._version import __version__
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
@@ -161,8 +161,8 @@ def _read_batch(
 
 
 def consolidate(
-    checkpoint: str | os.PathLike | Location,
-    out: str | os.PathLike,
+    checkpoint: str | os.PathLike[str] | Location,
+    out: str | os.PathLike[str],
     *,
     max_shard_size: str | int | None = None,
     dtype: str | torch.dtype | None = None,
@@ -298,7 +298,7 @@ def consolidate(
         for name, data in extra.items():
             (tmp / name).write_bytes(data)
             files.append({"path": name, "bytes": len(data), "sha256": sha256_hex(data)})
-        sidecar = {
+        sidecar: dict[str, Any] = {
             "format": "shardline.consolidation",
             "format_version": 1,
             "created_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
@@ -375,14 +375,15 @@ def _write_single_file(
     )
 
 
-def _trainer_state(reader: MetadataReader, metadata: Any) -> dict[str, Any]:
+def _trainer_state(reader: MetadataReader, metadata: Metadata) -> dict[str, Any]:
     if TRAINER_KEY not in key_paths(metadata):
         return {}
     target: dict[str, Any] = {TRAINER_KEY: None}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-    return decode_state(target[TRAINER_KEY])
+    state: dict[str, Any] = decode_state(target[TRAINER_KEY])  # a trainer state is saved as a dict
+    return state
 
 
 def _write_shards(
@@ -403,7 +404,8 @@ def _write_shards(
         writer = SafetensorsWriter(tmp / name, [spec for _, spec in shard], metadata=metadata)
         j = 0
         while j < len(shard):
-            batch, size = [], 0
+            batch: list[tuple[str, TensorSpec]] = []
+            size = 0
             while j < len(shard) and (not batch or size + shard[j][1].nbytes <= batch_bytes):
                 batch.append(shard[j])
                 size += shard[j][1].nbytes

@@ -35,7 +35,7 @@ __all__ = ["HostBuffers", "bind_writer_device", "host_buffer_like", "pins_for"]
 _Key = tuple[tuple[int, ...], torch.dtype, bool]
 
 
-def pins_for(device: Any) -> bool:
+def pins_for(device: object) -> bool:
     """Whether the host copy of a tensor on ``device`` is pinned: only for CUDA (pinning needs a CUDA runtime)."""
     return getattr(device, "type", None) == "cuda"
 

@@ -31,6 +31,7 @@ update rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import warnings
@@ -113,7 +114,7 @@ def _checked(
 
 
 def check_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     level: VerifyLevel | str = VerifyLevel.FULL,
     expected_manifest_hash: str | None = None,
@@ -182,7 +183,9 @@ def _model_targets(
                 continue
             temp = torch.empty(size, dtype=md.properties.dtype)
             targets[key] = temp
-            after.append(lambda v=value, t=temp: v.data.copy_(t.to(device=v.device, dtype=v.dtype)))
+            after.append(
+                functools.partial(lambda v, t: v.data.copy_(t.to(device=v.device, dtype=v.dtype)), value, temp)
+            )
             continue
         if id(found.shard) in done:
             continue
@@ -191,7 +194,7 @@ def _model_targets(
         elif size == () and found.shape == ():
             temp = torch.empty((), dtype=md.properties.dtype)
             targets[key] = temp
-            after.append(lambda h=found, t=temp: h.load_full(t))
+            after.append(functools.partial(found.load_full, temp))
         else:
             problems.append(f"{key}: checkpoint shape {size} vs model {found.shape}")
             continue
@@ -211,7 +214,7 @@ def _optim_targets(
     # Note: state tensors the optimizer already holds (same shape, dtype and device) are read into
     # in place, as plain DCP would; a fresh optimizer gets new tensors.
     current = {fqn: optimizer.state.get(param, {}) for param, fqn, _ in params}
-    placed = []
+    placed: list[tuple[tuple[Any, ...], torch.Tensor | None]] = []
     for path, md in entries:
         if not isinstance(md, TensorStorageMetadata):
             placed.append((path, None))
@@ -243,7 +246,8 @@ def _optim_targets(
             problems.append(
                 f"optimizer state '{name}' of '{fqn}': checkpoint shape {size} vs parameter {managed.global_shape}"
             )
-    return build_tree(placed)
+    tree: dict[str, Any] = build_tree(placed)  # keyed "state" / "param_groups" at the top
+    return tree
 
 
 def _dcp_error(path: Location, error: CheckpointException) -> ShardlineError:
@@ -263,7 +267,7 @@ def _dcp_error(path: Location, error: CheckpointException) -> ShardlineError:
 
 
 def load(
-    path: str | os.PathLike,
+    path: Location | str | os.PathLike[str],
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -341,7 +345,7 @@ def load(
             )
     except CheckpointException as e:
         raise _dcp_error(path, e) from None
-    result: dict[str, Any] = {}
+    result: dict[str, dict[str, Any]] = {}
 
     def install() -> None:
         with torch.no_grad():
@@ -365,7 +369,7 @@ def load(
     return result["state"]
 
 
-def _read_item(path: str | os.PathLike, key: str, verify: VerifyLevel | str) -> Any:
+def _read_item(path: Location | str | os.PathLike[str], key: str, verify: VerifyLevel | str) -> Any:
     opened = open_checkpoint(path, level=verify)
     if key not in key_paths(opened.metadata):
         return None
@@ -376,16 +380,26 @@ def _read_item(path: str | os.PathLike, key: str, verify: VerifyLevel | str) -> 
     return target[key]
 
 
-def load_config(path: str | os.PathLike, *, verify: VerifyLevel | str = VerifyLevel.FULL) -> dict[str, Any] | None:
+def load_config(
+    path: Location | str | os.PathLike[str], *, verify: VerifyLevel | str = VerifyLevel.FULL
+) -> dict[str, Any] | None:
     """The training config stored in a checkpoint (None if it has none), read after verifying it (no process group).
 
     ``verify`` as for :func:`load` (``full`` hashes every file first).
     """
     text = _read_item(path, CONFIG_KEY, verify)
-    return None if text is None else json.loads(text)
+    if text is None:
+        return None
+    config: dict[str, Any] = json.loads(text)  # saved as the JSON of a dict
+    return config
 
 
-def load_trainer_state(path: str | os.PathLike, *, verify: VerifyLevel | str = VerifyLevel.FULL) -> dict[str, Any]:
+def load_trainer_state(
+    path: Location | str | os.PathLike[str], *, verify: VerifyLevel | str = VerifyLevel.FULL
+) -> dict[str, Any]:
     """The shared trainer state stored in a checkpoint (rank 0's), read offline after verifying it; ``{}`` if none."""
     data = _read_item(path, TRAINER_KEY, verify)
-    return {} if data is None else decode_state(data)
+    if data is None:
+        return {}
+    state: dict[str, Any] = decode_state(data)  # a trainer state is saved as a dict
+    return state

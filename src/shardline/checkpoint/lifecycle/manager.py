@@ -42,6 +42,7 @@ prefix first, so the mistake is one clear error instead of two interleaved check
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -137,9 +138,9 @@ class CheckpointManager:
 
     def __init__(
         self,
-        directory: str | os.PathLike | Location,
+        directory: str | os.PathLike[str] | Location,
         *,
-        ledger_path: str | os.PathLike | None = None,
+        ledger_path: str | os.PathLike[str] | None = None,
         async_save: bool = False,
         process_group: dist.ProcessGroup | None = None,
         observer: SaveObserver | None = None,
@@ -210,7 +211,7 @@ class CheckpointManager:
         """This run as an object-store claim names it (rank 0; :func:`.recovery.run_name`)."""
         return run_name(self.ledger, self._rows())
 
-    def _candidates(self, resume: str | os.PathLike) -> ResumeCandidates:
+    def _candidates(self, resume: str | os.PathLike[str]) -> ResumeCandidates:
         """Rank 0's plan for ``resume``, as every rank gets it."""
         plan = coord.rank0_decides(
             lambda: find_candidates(
@@ -220,7 +221,7 @@ class CheckpointManager:
         )
         return ResumeCandidates.from_json(plan)
 
-    def resolve(self, resume: str | os.PathLike | None) -> Location | None:
+    def resolve(self, resume: str | os.PathLike[str] | None) -> Location | None:
         """Which checkpoint a resume would try first (a collective; rank 0 decides). Nothing is verified here.
 
         ``None``/``"none"``: none. ``"auto"``: the newest committed checkpoint, or None. A path
@@ -232,6 +233,7 @@ class CheckpointManager:
         if no_resume(resume):
             return None
         self.wait()  # an async save in flight may commit the newest checkpoint
+        assert resume is not None  # no_resume(None) is True
         plan = self._candidates(resume)
         return self._location(plan.committed[0].location) if plan.committed else None
 
@@ -401,7 +403,7 @@ class CheckpointManager:
 
     def load(
         self,
-        resume: str | os.PathLike | None,
+        resume: str | os.PathLike[str] | None,
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
@@ -428,10 +430,12 @@ class CheckpointManager:
         self.wait()  # an async save in flight would otherwise overwrite the parent this load sets
         level = VerifyLevel.parse(verify)
         auto = is_auto_resume(resume)
+        assert resume is not None  # no_resume(None) is True
         plan = self._candidates(resume)
         for damaged in plan.damaged:
             moved = coord.rank0_decides(
-                lambda d=damaged: self._move_aside(self._location(d.location), d.reason), self._group
+                functools.partial(lambda d: self._move_aside(self._location(d.location), d.reason), damaged),
+                self._group,
             )
             self.moved_aside.append(self._location(moved))
         for candidate in plan.committed:
@@ -448,15 +452,15 @@ class CheckpointManager:
             except IntegrityError as e:
                 if not auto:
                     raise
-                moved = coord.rank0_decides(lambda p=path, r=str(e): self._move_aside(p, r), self._group)
+                moved = coord.rank0_decides(functools.partial(self._move_aside, path, str(e)), self._group)
                 self.moved_aside.append(self._location(moved))
                 continue
             self.resumed_from = path
             self.parent_manifest_hash = coord.rank0_decides(  # one answer for every rank, or one error
-                lambda p=path: read_manifest(p)[1] if has_manifest(p) else None, self._group
+                functools.partial(lambda p: read_manifest(p)[1] if has_manifest(p) else None, path), self._group
             )
             if level.opt_in:
-                coord.rank0_decides(lambda p=path: self._record_opt_in(p, level), self._group)
+                coord.rank0_decides(functools.partial(self._record_opt_in, path, level), self._group)
             return state
         return None
 

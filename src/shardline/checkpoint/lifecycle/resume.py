@@ -36,12 +36,12 @@ RESUME_AUTO = "auto"
 """``resume`` value that picks the newest committed checkpoint that verifies (or none)."""
 
 
-def no_resume(resume: Any) -> bool:
+def no_resume(resume: object) -> bool:
     """Whether a ``resume`` argument asks for no checkpoint: None, or ``""``, ``"none"``, ``"false"`` (any case)."""
     return resume is None or str(resume).lower() in ("", "none", "false")
 
 
-def is_auto_resume(resume: Any) -> bool:
+def is_auto_resume(resume: object) -> bool:
     """Whether a ``resume`` argument is :data:`RESUME_AUTO` (the newest committed checkpoint that verifies)."""
     return resume is not None and str(resume) == RESUME_AUTO
 
@@ -86,7 +86,7 @@ class ResumeCandidates:
 
 
 def find_candidates(
-    resume: str | os.PathLike,
+    resume: str | os.PathLike[str],
     *,
     directory: Location,
     ledger: Ledger,

@@ -113,7 +113,7 @@ class CheckpointInfo:
 
 
 def preflight(
-    path: str | os.PathLike | Location,
+    path: str | os.PathLike[str] | Location,
     *,
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -134,7 +134,7 @@ def preflight(
 
 
 def _preflight(
-    path: str | os.PathLike | Location,
+    path: str | os.PathLike[str] | Location,
     *,
     process_group: dist.ProcessGroup | None,
     storage_options: Mapping[str, Any] | None,
@@ -163,7 +163,7 @@ def _preflight(
 def capture_agreed(
     request: SaveRequest,
     *,
-    path: str | os.PathLike | Location,
+    path: str | os.PathLike[str] | Location,
     tmp: Location,
     parent_manifest_hash: str | None = None,
     copy: bool = False,
@@ -179,6 +179,8 @@ def capture_agreed(
     directory goes. The returned ``total_bytes`` counts every rank's share.
     """
 
+    captured: CapturedCheckpoint | None = None
+
     def capture_here() -> int:
         nonlocal captured
         captured = capture(
@@ -191,7 +193,6 @@ def capture_agreed(
         )
         return captured.total_bytes
 
-    captured: CapturedCheckpoint | None = None
     try:
         sizes = coord.all_agree(capture_here, process_group, what=f"stage its part of checkpoint {path}")
     except Exception:
@@ -478,7 +479,7 @@ def _records(
 
 
 def commit(
-    path: str | os.PathLike | Location,
+    path: str | os.PathLike[str] | Location,
     request: SaveRequest,
     *,
     parent_manifest_hash: str | None = None,
@@ -507,7 +508,7 @@ def commit(
 
 
 def save(
-    path: str | os.PathLike | Location,
+    path: str | os.PathLike[str] | Location,
     *,
     model: nn.Module,
     step: int,

@@ -32,7 +32,7 @@ def _count(n: int) -> str:
 
 
 def summarize(
-    path: str | os.PathLike | Location, *, storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike[str] | Location, *, storage_options: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """A JSON-able summary of the checkpoint at ``path`` from its manifest (files are not re-hashed).
 

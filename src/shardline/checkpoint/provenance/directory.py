@@ -20,6 +20,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from shardline.checkpoint.integrity.manifest import MANIFEST, read_manifest
 from shardline.checkpoint.storage.fsutil import fsync_dir
@@ -108,7 +109,7 @@ def scan(directory: Location) -> tuple[list[CommittedCheckpoint], list[DamagedCh
         found.append(
             CommittedCheckpoint(
                 path=child,
-                step=int(manifest.get("step", match["step"])),
+                step=int(manifest.get("step", str(match["step"]))),  # str(): typeshed types a group as str | Any
                 tag=manifest.get("tag"),
                 manifest_hash=digest,
                 created_unix_ns=int(manifest.get("created_unix_ns", 0)),
@@ -140,7 +141,8 @@ def move_aside(path: Path, target: Path | None = None) -> Path:
     A manager moves a checkpoint aside through its store (:meth:`.CheckpointStore.move_aside`); this is for
     callers that move local folders of their own (a Trainer's run folder).
     """
-    target = target or aside_path(path)
+    # Beside a local path, the free name is a local path too.
+    target = target or cast(Path, aside_path(path))
     os.rename(path, target)
     fsync_dir(path.parent)
     return target

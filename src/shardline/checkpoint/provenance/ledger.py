@@ -183,7 +183,7 @@ class Ledger:
     credentials: what ``checkpoint.storage_options`` held when they were saved); see :meth:`locate`.
     """
 
-    def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.storage_options = dict(storage_options or {})
 
@@ -575,7 +575,7 @@ def _tombstones(rows: list[LedgerRow]) -> dict[str, list[LedgerRow]]:
     return out
 
 
-def _manifest_hash_or_none(path: Path) -> str | None:
+def _manifest_hash_or_none(path: Location) -> str | None:
     from shardline.checkpoint.integrity.manifest import read_manifest
 
     try:

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 
-def find_ledger(run_dir: str | os.PathLike) -> Path:
+def find_ledger(run_dir: str | os.PathLike[str]) -> Path:
     """The ledger for ``run_dir``: the path itself if a file, else ``lineage.sqlite`` in it or in ``checkpoints/``.
 
     Raises:
@@ -68,7 +68,7 @@ def find_ledger(run_dir: str | os.PathLike) -> Path:
     raise LineageError(f"no lineage ledger found: looked for {', '.join(str(c) for c in candidates)}")
 
 
-def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike | Location] = ()) -> list[Location]:
+def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike[str] | Location] = ()) -> list[Location]:
     """Where a ledger's checkpoints live: the directories its rows name, the ledger's own, ``checkpoints/``, and
     ``also`` (e.g. the run's recorded ``checkpoint.dir``); for rows naming a URL, the bucket prefix holding them.
 

@@ -209,7 +209,7 @@ def apply_retention(
     return appended
 
 
-def retire(path: str | os.PathLike | Location, *, ledger: Ledger, reason: str) -> LedgerRow | None:
+def retire(path: str | os.PathLike[str] | Location, *, ledger: Ledger, reason: str) -> LedgerRow | None:
     """Delete one committed checkpoint on purpose, the way retention does: its tombstone row first (what it
     held, its statement), then the rename to a hidden name, its signature, the removal.
 
@@ -282,7 +282,6 @@ def record_deletions(ledger: Ledger, *, reason: str = _AFTER_THE_FACT) -> list[L
         if store_for(where).still_there(where):
             continue
         appended.append(record_tombstone(ledger, of=row, checkpoint=row.checkpoint, reason=reason, commit_row=row.seq))
-        buried[row.checkpoint] = appended[-1]
     return appended
 
 

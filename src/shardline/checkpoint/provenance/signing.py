@@ -88,7 +88,7 @@ class SignatureResult:
         }
 
 
-def default_signature_path(path: str | os.PathLike | Location) -> Location:
+def default_signature_path(path: str | os.PathLike[str] | Location) -> Location:
     """``CKPT.sig`` beside the checkpoint directory (or ``FILE.sig`` beside a single file); beside the prefix, in
     its bucket, for a checkpoint in an object store."""
     location = locate(path).absolute()
@@ -179,7 +179,7 @@ def check_private_key(key: Path, password: str | None) -> None:
         )
 
 
-def signed_files(signature: str | os.PathLike) -> dict[str, str]:
+def signed_files(signature: str | os.PathLike[str]) -> dict[str, str]:
     """``file -> sha256`` as listed in a model-signing signature's payload (read only, not verified).
 
     Raises:
@@ -212,10 +212,10 @@ def _result(path: Path, signature: Path, kind: str) -> SignatureResult:
 
 
 def sign(
-    path: str | os.PathLike | Location,
+    path: str | os.PathLike[str] | Location,
     *,
-    private_key: str | os.PathLike,
-    signature: str | os.PathLike | Location | None = None,
+    private_key: str | os.PathLike[str],
+    signature: str | os.PathLike[str] | Location | None = None,
     password: str | None = None,
     expected_manifest_hash: str | None = None,
     overwrite: bool = False,
@@ -280,10 +280,10 @@ def sign(
 
 
 def verify_signature(
-    path: str | os.PathLike | Location,
+    path: str | os.PathLike[str] | Location,
     *,
-    public_key: str | os.PathLike,
-    signature: str | os.PathLike | Location | None = None,
+    public_key: str | os.PathLike[str],
+    signature: str | os.PathLike[str] | Location | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> SignatureResult:
     """Check a model-signing signature of ``path`` with ``public_key``: the same check as

@@ -203,7 +203,7 @@ def build_statement(
     }
 
 
-def read_statement(path: str | os.PathLike | Location) -> tuple[dict[str, Any], str] | None:
+def read_statement(path: str | os.PathLike[str] | Location) -> tuple[dict[str, Any], str] | None:
     """``(statement, its sha256)`` from the checkpoint directory ``path``; None when it has none (older saves).
 
     Raises:

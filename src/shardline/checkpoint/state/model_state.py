@@ -73,7 +73,7 @@ def model_state_dict(model: nn.Module, *, kind: StateDictKind = "sharded") -> di
     """
     check_kind(kind)
     if kind == "full":
-        held: dict[str, Any] = {}
+        held: dict[str, dict[str, Any]] = {}
 
         def gather() -> None:
             held["full"] = full_state_dict(model, rank0_only=True, cpu_offload=True)

@@ -106,7 +106,7 @@ def optimizer_state_dict(
         entry = optimizer.state.get(p)
         if not entry:
             continue
-        out = {}
+        out: dict[str, Any] = {}
         for name, value in entry.items():
             form = _kind_of(value, managed, fqn, name)
             if form == "elementwise" and managed is not None and kind == "sharded":
@@ -119,7 +119,7 @@ def optimizer_state_dict(
     result = {"state": state, "param_groups": _groups(optimizer, fqn_of)}
     if kind != "full":
         return result
-    held: dict[str, Any] = {}
+    held: dict[str, dict[str, Any]] = {}
 
     def gather() -> None:
         held["full"] = _gather_full(params, result)
@@ -129,7 +129,9 @@ def optimizer_state_dict(
     return held["full"]
 
 
-def _signature(params: list[tuple[torch.Tensor, str, Managed]], state: Mapping[str, Mapping[str, Any]]) -> list:
+def _signature(
+    params: list[tuple[torch.Tensor, str, Managed]], state: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str, str]]:
     sig = []
     for _, fqn, managed in params:
         for name, value in sorted(state.get(fqn, {}).items()):

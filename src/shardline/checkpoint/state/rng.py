@@ -7,7 +7,7 @@ The captured state is plain data (tensors, ints, tuples), so it can go into a ch
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -23,7 +23,9 @@ def capture_rng_state() -> dict[str, Any]:
         import numpy as np
     except ImportError:  # numpy is optional for this
         return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # The global RandomState is an MT19937, whose legacy state is this tuple (a dict is for other bit generators).
+    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
+    kind, keys, pos, has_gauss, cached = legacy
     state["numpy"] = (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     return state
 

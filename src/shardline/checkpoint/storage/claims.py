@@ -287,7 +287,7 @@ def judge(
         return None
     if run is not None and found.run == run:
         return f"its claim is this run's (host {found.host}, pid {found.pid}), from an incarnation that is gone"
-    if age is not None and age > max_age:
+    if age is not None and modified is not None and age > max_age:  # (age is known exactly when modified is)
         return f"its claim (host {found.host}, pid {found.pid}) is {_age(modified)} old, older than {max_age}"
     return None
 

@@ -9,9 +9,9 @@ import re
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from shardline.checkpoint.faults.crashpoints import crash_point
 
@@ -137,7 +137,7 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _load_sync_file_range() -> Any:
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -19,7 +19,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import SaveObserver, SavePhase
@@ -90,7 +90,7 @@ class LocalFiles(SaveFiles):
     fsync = True
     uploads = False
 
-    def __init__(self, root: str | os.PathLike = "") -> None:
+    def __init__(self, root: str | os.PathLike[str] = "") -> None:
         self.root = root
 
     def open_write(self, path: str) -> BinaryIO:
@@ -99,19 +99,19 @@ class LocalFiles(SaveFiles):
     def written(self, path: str) -> None:
         return None
 
-    def join(self, path: str | os.PathLike, name: str) -> str | os.PathLike:
+    def join(self, path: str | os.PathLike[str], name: str) -> str | os.PathLike[str]:
         return Path(path) / name
 
-    def mkdir(self, path: str | os.PathLike) -> None:
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
 
-    def exists(self, path: str | os.PathLike) -> bool:
+    def exists(self, path: str | os.PathLike[str]) -> bool:
         return Path(path).exists()
 
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         Path(path).rename(new_path)
 
-    def remove(self, path: str | os.PathLike) -> None:
+    def remove(self, path: str | os.PathLike[str]) -> None:
         Path(path).unlink()
 
 
@@ -166,7 +166,7 @@ class LocalStore(CheckpointStore):
 
     # ------------------------------------------------------------------ a directory of checkpoints
     def names(self, directory: Location) -> set[str]:
-        return set(os.listdir(directory)) if _path(directory).is_dir() else set()
+        return set(os.listdir(_path(directory))) if _path(directory).is_dir() else set()
 
     def is_taken(self, listing: set[str], name: str) -> bool:
         return name in listing
@@ -379,6 +379,6 @@ class LocalStore(CheckpointStore):
         return []  # a removal renames first: what it leaves is hidden, and open_directory removes it
 
 
-def _path(location: Location | str | os.PathLike) -> Path:
+def _path(location: Location | str | os.PathLike[str]) -> Path:
     """``location`` as the ``Path`` it is (the local store only ever receives local locations)."""
-    return location if isinstance(location, Path) else Path(os.fspath(location))  # type: ignore[arg-type]
+    return location if isinstance(location, Path) else Path(os.fspath(cast("str | os.PathLike[str]", location)))

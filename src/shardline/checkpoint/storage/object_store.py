@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import posixpath
 import shlex
 import tempfile
@@ -66,26 +67,27 @@ class ObjectFiles(SaveFiles):
         self.root = root
 
     def open_write(self, path: str) -> BinaryIO:
-        return self._fs.open(path, "wb")  # the upload completes when it is closed
+        file: BinaryIO = self._fs.open(path, "wb")  # an fsspec file: the upload completes when it is closed
+        return file
 
     def written(self, path: str) -> None:
         crash_point("save.store_uploaded")
 
-    def join(self, path: str | Any, name: str) -> str:
+    def join(self, path: str | os.PathLike[str], name: str) -> str:
         return posixpath.join(str(path), name)
 
-    def mkdir(self, path: str | Any) -> None:
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
         return None  # an object store has no directories to make
 
-    def exists(self, path: str | Any) -> bool:
+    def exists(self, path: str | os.PathLike[str]) -> bool:
         return bool(self._fs.exists(str(path)))
 
-    def rename(self, path: str | Any, new_path: str | Any) -> None:
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         self._fs.copy(str(path), str(new_path))  # DCP's .metadata: a server-side copy, then a delete
         crash_point("save.store_metadata_copied")
         delete_object(self._fs, str(path))
 
-    def remove(self, path: str | Any) -> None:
+    def remove(self, path: str | os.PathLike[str]) -> None:
         delete_object(self._fs, str(path))
 
 

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from shardline.errors import CheckpointWarning, ConfigurationError, StorageAccessError
 
@@ -180,7 +180,7 @@ class ObjectPath:
     def __hash__(self) -> int:
         return hash((self.protocol, self.key))
 
-    def __truediv__(self, name: str | os.PathLike) -> ObjectPath:
+    def __truediv__(self, name: str | os.PathLike[str]) -> ObjectPath:
         name = os.fspath(name)
         entry = None
         if self._listing is not None and "/" not in name.strip("/"):
@@ -280,7 +280,7 @@ class ObjectPath:
                 yield self / name
 
     # ------------------------------------------------------------------ bytes
-    def open(self, mode: str = "rb", **kwargs: Any) -> Any:
+    def open(self, mode: str = "rb", **kwargs: Any) -> BinaryIO:
         if "b" not in mode:
             raise ValueError("object-store checkpoint files are opened in binary mode only")
         if "r" in mode:
@@ -290,7 +290,8 @@ class ObjectPath:
             kwargs.setdefault("block_size", 8 << 20)
             if self._entry is not None and self._entry is not _ABSENT and self._listing is None:
                 kwargs.setdefault("size", self._entry[1])
-        return self._fs.open(self.key, mode, **kwargs)
+        file: BinaryIO = self._fs.open(self.key, mode, **kwargs)  # an fsspec file: binary, file-like
+        return file
 
     def read_bytes(self) -> bytes:
         return bytes(self._fs.cat_file(self.key))
@@ -405,7 +406,9 @@ Location = Path | ObjectPath
 """Where a checkpoint (or a directory of them) lives: a local path, or a location in an object store."""
 
 
-def as_location(path: str | os.PathLike | ObjectPath, *, storage_options: Mapping[str, Any] | None = None) -> Location:
+def as_location(
+    path: str | os.PathLike[str] | ObjectPath, *, storage_options: Mapping[str, Any] | None = None
+) -> Location:
     """``path`` as a :class:`pathlib.Path` (local) or an :class:`ObjectPath` (``proto://bucket/prefix``).
 
     ``storage_options`` go to the fsspec file system of a URL (ignored for a local path).
@@ -421,14 +424,14 @@ def as_location(path: str | os.PathLike | ObjectPath, *, storage_options: Mappin
     return ObjectPath(_filesystem(protocol, storage_options or {}), protocol, key)
 
 
-def describe(location: Any) -> str:
+def describe(location: object) -> str:
     """``location`` for a message: the URL and its endpoint for an object store, the path otherwise."""
     if isinstance(location, ObjectPath):
         return f"{location} (endpoint {location.endpoint})"
     return str(location)
 
 
-def check_access(location: Any) -> None:
+def check_access(location: object) -> None:
     """Check that the bucket of ``location`` exists and the credentials may list it (no-op for local paths).
 
     Raises:

@@ -97,7 +97,7 @@ class SaveFiles(ABC):
     Paths are what DCP passes: ``root`` joined with names by :meth:`join`.
     """
 
-    root: str | os.PathLike
+    root: str | os.PathLike[str]
     """What DCP's writer is given as its directory."""
     fsync: bool
     """Whether a file is made durable by an fsync of its descriptor (local files); an upload is durable once the
@@ -114,23 +114,23 @@ class SaveFiles(ABC):
         """``path`` was closed: it is complete (and, for an upload, stored)."""
 
     @abstractmethod
-    def join(self, path: str | os.PathLike, name: str) -> str | os.PathLike:
+    def join(self, path: str | os.PathLike[str], name: str) -> str | os.PathLike[str]:
         """``name`` inside ``path``."""
 
     @abstractmethod
-    def mkdir(self, path: str | os.PathLike) -> None:
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
         """Make ``path`` a directory (nothing where directories are only prefixes)."""
 
     @abstractmethod
-    def exists(self, path: str | os.PathLike) -> bool:
+    def exists(self, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` exists."""
 
     @abstractmethod
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         """Move the file ``path`` to ``new_path`` (DCP's ``.metadata.tmp`` to ``.metadata``)."""
 
     @abstractmethod
-    def remove(self, path: str | os.PathLike) -> None:
+    def remove(self, path: str | os.PathLike[str]) -> None:
         """Delete the file ``path``."""
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from shardline.checkpoint.storage.local import LocalStore
 from shardline.checkpoint.storage.object_store import ObjectStore
@@ -34,13 +34,13 @@ LOCAL = LocalStore()
 OBJECTS = ObjectStore()
 
 
-def store_for(where: Location | str | os.PathLike) -> CheckpointStore:
+def store_for(where: Location | str | os.PathLike[str]) -> CheckpointStore:
     """The store that answers for ``where`` (a location, or the text of one: no client is made for text)."""
     return OBJECTS if is_url(where) else LOCAL
 
 
 def locate(
-    where: Location | str | os.PathLike,
+    where: Location | str | os.PathLike[str],
     *,
     storage_options: Mapping[str, Any] | None = None,
     relative_to: Path | None = None,
@@ -59,10 +59,12 @@ def locate(
     return location
 
 
-def local_path(where: Location | str | os.PathLike) -> Path | None:
+def local_path(where: Location | str | os.PathLike[str]) -> Path | None:
     """The path of this machine's file system ``where`` names; None when it names a location in an object store
     (for what must be a local file: a ledger, an export, a run directory)."""
-    return None if is_url(where) else Path(os.fspath(where))  # type: ignore[arg-type]
+    if is_url(where):
+        return None
+    return Path(os.fspath(cast("str | os.PathLike[str]", where)))  # not a URL, so not an ObjectPath
 
 
 def describe(location: Location) -> str:
