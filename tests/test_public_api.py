@@ -157,3 +157,21 @@ def test_no_module_outside_the_engine_imports_its_internals_from_the_public_face
             if isinstance(node, ast.ImportFrom) and node.module == "shardline.engine":
                 wrong += [f"{path.relative_to(SRC)}: {a.name}" for a in node.names if a.name in ENGINE_INTERNALS]
     assert wrong == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("sign_checkpoint", "sign_checkpoint"),
+        ("check_signature", "check_signature"),
+        ("store_signature_path", "default_signature_path"),
+    ],
+)
+def test_the_object_store_signing_names_warn_and_are_the_signing_modules(old: str, new: str) -> None:
+    from shardline.checkpoint.provenance import signing, store_signing
+
+    with pytest.warns(DeprecationWarning, match=rf"store_signing\.{old} moved to .*signing\.{new}"):
+        value = getattr(store_signing, old)
+    assert value is getattr(signing, new)
+    with pytest.raises(AttributeError):
+        store_signing.sign  # noqa: B018 -- only the earlier names live here
