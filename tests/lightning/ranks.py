@@ -148,6 +148,7 @@ def train_save_resume(rank: int, world: int, root: str) -> dict[str, Any]:
         broken.fit(lit_module(), _loader(LOCAL_BATCH, rank, world))
         faulted[fault.value] = {"weights": _weights(broken), "norms": norms.norms}
     return {
+        "unreadable_manifest": _resume_unreadable_manifest(root, first, rank, world),
         "straight": _weights(straight),
         "resumed": _weights(resumed),
         "faulted": faulted,
@@ -156,6 +157,28 @@ def train_save_resume(rank: int, world: int, root: str) -> dict[str, Any]:
         "resumed_global_step": resumed.global_step,
         "first": str(first),
     }
+
+
+def _resume_unreadable_manifest(root: str, first: Path, rank: int, world: int) -> str:
+    """Resume from a copy of ``first`` whose manifest only rank 0 reads and cannot parse: what each rank raises.
+
+    Every rank must raise rank 0's error; a rank left waiting for rank 0 would hang until the harness's deadline.
+    """
+    import shutil
+
+    import torch.distributed as dist
+
+    broken = Path(root, "unreadable", first.name)
+    if rank == 0:
+        shutil.copytree(first, broken)
+        (broken / "manifest.json").write_text("{ not json")
+    dist.barrier()
+    trainer = _trainer(root, epochs=2, callbacks=[], devices=world)
+    try:
+        trainer.fit(lit_module(), _loader(LOCAL_BATCH, rank, world), ckpt_path=str(broken))
+    except Exception as exc:  # the test compares what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def resume_alone(rank: int, world: int, root: str, checkpoint: str) -> dict[str, Any]:

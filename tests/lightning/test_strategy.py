@@ -87,6 +87,13 @@ def test_save_then_resume_continues_bit_identically(runs: dict) -> None:
     assert resumed["parent_manifest_sha256"] == rows[0]["manifest_sha256"], "the resumed run descends from epoch 0"
 
 
+def test_an_unreadable_manifest_fails_every_rank_with_rank0s_error(runs: dict) -> None:
+    seen = [rank["unreadable_manifest"] for rank in runs["two"]]
+    assert seen[0].startswith("IntegrityError: "), seen[0]
+    assert "manifest.json" in seen[0], seen[0]
+    assert seen[1] == seen[0], "rank 1 raises rank 0's error (it read no manifest itself)"
+
+
 def test_resume_at_one_process(runs: dict) -> None:
     one = runs["one"]
     assert one["global_step"] == 8

@@ -461,8 +461,10 @@ class ShardlineStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.lightning_module is not None
         path = Path(self.broadcast(os.fspath(checkpoint_path)))
-        manifest = self.broadcast(
-            read_manifest(path) if self.is_global_zero and (path / "manifest.json").is_file() else None
+        # Rank 0 reads the manifest for everyone; a manifest it cannot read fails every rank with its error, not
+        # rank 0 alone while the others wait in a broadcast (coord.rank0_decides).
+        manifest = coord.rank0_decides(
+            lambda: read_manifest(path) if (path / "manifest.json").is_file() else None, None
         )
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         has_optimizer = bool(manifest and manifest[0].get("contents", {}).get("optimizer"))
