@@ -20,6 +20,7 @@ SRC = Path(shardline.__file__).parent
 
 # Widening this set is a decision: a name here is supported as public API.
 CHECKPOINT_API = {
+    "AdoptedCheckpoint",
     "CheckpointInfo",
     "CheckpointManager",
     "CommittedCheckpoint",
@@ -30,6 +31,7 @@ CHECKPOINT_API = {
     "SaveRequest",
     "VerifyLevel",
     "VerifyReport",
+    "adopt",
     "audit",
     "capture_rng_state",
     "consolidate",

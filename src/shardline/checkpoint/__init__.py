@@ -10,6 +10,7 @@ still import from it until the next minor release, with a DeprecationWarning nam
 
 from shardline._deprecation import moved_names
 from shardline.checkpoint.integrity.verify import VerifyLevel, VerifyReport, verify_checkpoint
+from shardline.checkpoint.lifecycle.adopt import AdoptedCheckpoint, adopt
 from shardline.checkpoint.lifecycle.capture import SaveRequest
 from shardline.checkpoint.lifecycle.consolidate import ConsolidationResult, consolidate
 from shardline.checkpoint.lifecycle.load import load, load_config
@@ -22,6 +23,7 @@ from shardline.checkpoint.state.optim_state import load_optimizer_state_dict, op
 from shardline.checkpoint.state.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
+    "AdoptedCheckpoint",
     "CheckpointInfo",
     "CheckpointManager",
     "CommittedCheckpoint",
@@ -32,6 +34,7 @@ __all__ = [
     "SaveRequest",
     "VerifyLevel",
     "VerifyReport",
+    "adopt",
     "audit",
     "capture_rng_state",
     "consolidate",

@@ -1,4 +1,4 @@
-"""The checkpoint subcommands of ``shardline``: ``verify``, ``inspect``, ``consolidate``, ``lineage``.
+"""The checkpoint subcommands of ``shardline``: ``verify``, ``inspect``, ``consolidate``, ``lineage``, ``adopt``.
 
 ``register(subparsers)`` adds them to the main parser; each sets ``func`` to a handler that
 returns the exit code: 0 success, 1 a check failed or the input was bad (the message names
@@ -158,6 +158,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         describe_event,
         find_ledger,
     )
+    from shardline.checkpoint.provenance.records import adoption
     from shardline.checkpoint.provenance.retention import record_deletions
     from shardline.checkpoint.provenance.statement import chain_statements
     from shardline.checkpoint.storage.stores import local_path
@@ -208,6 +209,8 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
             continue
         parent = (row.parent_manifest_sha256 or "-")[:12]
         flags = " (recovered after a crash)" if row.recovered else ""
+        if adoption(row) is not None:
+            flags += " (adopted: written by another tool, hashes taken after the fact)"
         tag = f" [{row.tag}]" if row.tag else ""
         print(
             f"  #{row.seq:<3} step {row.step:>9,}{tag}  {row.checkpoint}  manifest {row.manifest_sha256[:12]}  "
@@ -239,6 +242,40 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+def _cmd_adopt(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.lifecycle.adopt import ADOPTED_HASHES, adopt
+    from shardline.checkpoint.lifecycle.summary import human_bytes
+
+    try:
+        done = adopt(args.checkpoint, step=args.step, ledger=args.ledger, storage_options=storage_options(args))
+    except (ShardlineError, OSError) as e:
+        return fail(args, e)
+    if args.json:
+        emit_json(
+            {
+                "ok": True,
+                "path": str(done.path),
+                "step": done.step,
+                "manifest_sha256": done.manifest_hash,
+                "world_size": done.world_size,
+                "files": done.files,
+                "total_bytes": done.total_bytes,
+                "extra_files": list(done.extra_files),
+                "ledger": str(done.ledger) if done.ledger else None,
+                "hashes": ADOPTED_HASHES,
+            }
+        )
+        return 0
+    print(
+        f"Adopted {done.path} as step {done.step}: {done.files} files, {human_bytes(done.total_bytes)}, every chunk "
+        f"its .metadata records present; manifest hash {done.manifest_hash}; recorded in {done.ledger}."
+    )
+    if done.extra_files:
+        print(f"Files .metadata does not name, hashed and listed too: {', '.join(done.extra_files)}.")
+    print(f"Its hashes were {ADOPTED_HASHES}.")
+    return 0
 
 
 def _checked(directory: Location) -> dict[str, Any]:
@@ -276,7 +313,7 @@ def _new_chain(args: argparse.Namespace, ledger: Ledger, report: LineageReport) 
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``verify``, ``inspect``, ``consolidate`` and ``lineage`` to the ``shardline`` command."""
+    """Add ``verify``, ``inspect``, ``consolidate``, ``lineage`` and ``adopt`` to the ``shardline`` command."""
     verify = subparsers.add_parser(
         "verify", help="check every file of a checkpoint against its manifest (exit 1 naming any mismatch)"
     )
@@ -367,3 +404,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_storage_options(lineage)
     lineage.set_defaults(func=_cmd_lineage)
+
+    adopt = subparsers.add_parser(
+        "adopt", help="bring a DCP checkpoint written by another tool under lineage (manifest, hashes, ledger row)"
+    )
+    adopt.add_argument(
+        "checkpoint", help="the directory a torch.distributed.checkpoint save wrote (or an s3://BUCKET/PREFIX)"
+    )
+    adopt.add_argument(
+        "--step", type=int, metavar="N", help="the training step to record (default: from the name, step-N)"
+    )
+    adopt.add_argument(
+        "--ledger",
+        metavar="LEDGER",
+        help="the ledger to record it in (a lineage.sqlite file, or the run directory holding one; default: "
+        "lineage.sqlite beside the checkpoint; required for an object-store prefix)",
+    )
+    adopt.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_options(adopt)
+    adopt.set_defaults(func=_cmd_adopt)

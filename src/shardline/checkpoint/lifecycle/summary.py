@@ -71,6 +71,7 @@ def summarize(
         "parent_manifest_sha256": manifest.get("parent_manifest_sha256"),
         "manifest_sha256": digest,
         "provenance_statement": STATEMENT_FILE if len(files) != len(listed) else None,
+        "adopted": manifest.get("adopted"),
     }
 
 
@@ -86,20 +87,35 @@ def render_summary(s: dict[str, Any]) -> str:
     mp = s.get("mixed_precision") or {}
     precision = f", computing in {mp['param_dtype']}" if mp.get("param_dtype") else ""
     versions = s.get("versions", {})
+    adopted = s.get("adopted")
+    if isinstance(adopted, dict):
+        kind = "written by another tool"
+        writers = f"{s['world_size'] or 'an unknown number of'} process{'es' if s['world_size'] != 1 else ''}"
+        written = f"written by {writers}, adopted on {s.get('created_at', '?')}"
+    else:
+        written = (
+            f"written by {s['world_size']} process{'es' if s['world_size'] != 1 else ''} on "
+            f"{s.get('created_at', '?')} with shardline {versions.get('shardline', '?')} and torch "
+            f"{versions.get('torch', '?')}"
+        )
     lines = [
         f"Checkpoint at training step {s['step']:,} ({kind}) consists of {s['shard_files']} shard "
         f"file{'s' if s['shard_files'] != 1 else ''} totaling {human_bytes(s['total_bytes'])} "
-        f"({s['files']} files with the index), written by {s['world_size']} "
-        f"process{'es' if s['world_size'] != 1 else ''} on {s.get('created_at', '?')} with shardline "
-        f"{versions.get('shardline', '?')} and torch {versions.get('torch', '?')}.",
+        f"({s['files']} files with the index), {written}.",
         f"It holds {', '.join(held[:-1]) + ' and ' + held[-1] if len(held) > 1 else held[0]}: "
         f"{_count(s['parameters'] or 0)} parameters in {s['units']} sharded unit{'s' if s['units'] != 1 else ''} "
         f"({', '.join(x.upper() for x in s['strategies']) or 'unsharded'}{precision}). It can be loaded at any number "
         "of processes and with any sharding strategy.",
     ]
+    if isinstance(adopted, dict):
+        lines.append(
+            f"It was written by another tool and adopted by {adopted.get('by', 'shardline')} on "
+            f"{adopted.get('at', '?')}: its hashes were {adopted.get('hashes', 'taken after the fact')}. Not known "
+            f"from its files: {', '.join(str(u).replace('_', ' ') for u in adopted.get('unknown', [])) or 'nothing'}."
+        )
     if s.get("parent_manifest_sha256"):
         lines.append(f"It continues from the checkpoint whose manifest hash is {s['parent_manifest_sha256']}.")
-    else:
+    elif not isinstance(adopted, dict):
         lines.append("It has no parent: training started from scratch (or from weights outside shardline).")
     if s.get("config_sha256"):
         lines.append(f"Training configuration fingerprint: {s['config_sha256']}.")

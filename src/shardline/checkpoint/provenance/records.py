@@ -6,6 +6,9 @@ Hugging Face Trainer record what happened to their checkpoints with these operat
 
 * :func:`record_commit` -- a committed checkpoint (just saved, or found committed and not yet
   recorded after a crash: ``recovered``), with a link to its provenance statement;
+* :func:`record_adoption` -- a checkpoint another tool wrote, brought under lineage by ``adopt``: a
+  commit row (so lineage, retention and the report treat it as any committed checkpoint) whose
+  ``detail.adopted`` says its hashes were taken after the fact;
 * :func:`record_quarantine` -- a checkpoint that failed verification, before it is moved aside;
 * :func:`record_tombstone` -- a checkpoint deleted (or moved away) on purpose, with why;
 * :func:`record_resume` -- a load that checked less than every byte (an opt-in verify level);
@@ -19,6 +22,7 @@ that runs on every rank wraps the operation in
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -30,7 +34,9 @@ from shardline.errors import IntegrityError
 
 __all__ = [
     "Committed",
+    "adoption",
     "commit_row",
+    "record_adoption",
     "record_commit",
     "record_quarantine",
     "record_restart",
@@ -81,6 +87,30 @@ def record_commit(ledger: Ledger, checkpoint: Committed, *, recovered: bool, sta
     never linked the statement; their rows keep the shape they always had.
     """
     return ledger.append(**commit_row(ledger, checkpoint, recovered=recovered, statement=statement))
+
+
+def record_adoption(ledger: Ledger, checkpoint: Committed, *, at: str, hashes: str) -> LedgerRow:
+    """The commit row of a checkpoint another tool wrote, adopted at ``at`` (UTC): ``detail.adopted`` records
+    when, and what its hashes prove (``hashes``: taken after the fact, not while writing).
+
+    Note: a commit row, not an event of its own, so that the chain, ``latest``, retention, ``lineage`` and
+    the report need nothing new to count it as committed; ``detail.adopted`` is what sets it apart.
+    """
+    fields = commit_row(ledger, checkpoint, recovered=False, statement=False)
+    fields["detail"] = {"adopted": {"at": at, "hashes": hashes}}
+    return ledger.append(**fields)
+
+
+def adoption(row: LedgerRow) -> dict[str, Any] | None:
+    """``detail.adopted`` of a commit row written by :func:`record_adoption` (None for any other row)."""
+    if not row.is_commit or not row.detail:
+        return None
+    try:
+        detail = json.loads(row.detail)
+    except ValueError:
+        return None
+    found = detail.get("adopted") if isinstance(detail, dict) else None
+    return found if isinstance(found, dict) else None
 
 
 def record_quarantine(

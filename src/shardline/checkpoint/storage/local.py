@@ -84,6 +84,13 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
+def _write_new(path: Path, data: bytes) -> Path:
+    """A new file (never over an existing one: ``FileExistsError``), written, not yet flushed."""
+    with open(path, "xb") as f:
+        f.write(data)
+    return path
+
+
 class LocalFiles(SaveFiles):
     """A save's files on a local file system, as DCP's own ``FileSystem`` addresses them (``Path`` objects)."""
 
@@ -323,6 +330,30 @@ class LocalStore(CheckpointStore):
         fsync_dir(final.parent)
         crash_point("save.committed")
         observer.on_phase(SavePhase.AFTER_RENAME, 0)
+
+    def commit_in_place(self, location: Location, *, records: Sequence[CommitRecord]) -> None:
+        root = _path(location)
+        manifest = next(r for r in records if r.name == COMMIT_RECORD)
+        written = []
+        try:
+            for record in records:
+                if record is not manifest:
+                    written.append(_write_new(root / record.name, record.data))
+            fsync_together(files=written, directories=[root])
+            # Note: written under a hidden name and linked to its own, so the manifest appears whole and never
+            # replaces one that another process committed meanwhile (a rename would replace it).
+            tmp = root / f".{COMMIT_RECORD}.tmp-{os.urandom(6).hex()}"
+            try:
+                fsync_together(files=[_write_new(tmp, manifest.data)], directories=[])
+                os.link(tmp, root / COMMIT_RECORD)
+            finally:
+                tmp.unlink(missing_ok=True)
+        except FileExistsError as e:
+            raise CheckpointExistsError(
+                f"{root} gained {Path(e.filename or COMMIT_RECORD).name} while it was being adopted: another process "
+                "committed it; it was left as it is"
+            ) from None
+        fsync_dir(root)
 
     def discard(self, in_progress: Location) -> None:
         shutil.rmtree(_path(in_progress), ignore_errors=True)

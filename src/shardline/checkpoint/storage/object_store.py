@@ -289,6 +289,18 @@ class ObjectStore(CheckpointStore):
             log.warning("checkpoint %s committed; removing its claim failed (%s), the next open removes it", final, e)
         crash_point("save.store_claim_released")
 
+    def commit_in_place(self, location: Location, *, records: Sequence[CommitRecord]) -> None:
+        root = _objects(location)
+        manifest = next(r for r in records if r.name == COMMIT_RECORD)
+        root.fs.pipe({(root / r.name).key: r.data for r in records if r is not manifest})
+        try:
+            (root / COMMIT_RECORD).write_new(manifest.data)  # conditional: never over another commit
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"{root} was committed by another process while it was being adopted (its {COMMIT_RECORD} "
+                "appeared first); it was left as it is"
+            ) from None
+
     def discard(self, in_progress: Location) -> None:
         in_progress = _objects(in_progress)
         # The store may be what failed; without a manifest the prefix is never a checkpoint anyway, and a claim

@@ -331,6 +331,21 @@ class CheckpointStore(ABC):
         """
 
     @abstractmethod
+    def commit_in_place(self, location: Location, *, records: Sequence[CommitRecord]) -> None:
+        """Rank 0: commit the files already at ``location`` (a checkpoint written by another tool, adopted) by
+        adding the commit ``records`` beside them, the one named :data:`COMMIT_RECORD` last; nothing already
+        there is moved, rewritten or removed.
+
+        On disk: each record created (never over an existing file) and fsynced with the directory, then the
+        manifest written under a hidden name, fsynced and linked to its name (atomic: a reader sees all of it
+        or none), and the directory fsynced. In a store: the other records uploaded, then the manifest by a
+        conditional PUT.
+
+        Raises:
+            CheckpointExistsError: a record's name is taken (another adoption or save committed it meanwhile).
+        """
+
+    @abstractmethod
     def discard(self, in_progress: Location) -> None:
         """Rank 0, after a save failed before its commit: remove what it wrote into ``in_progress`` and give up what it
         held (the temporary directory and its lock; the objects and the claim -- never another run's)."""
