@@ -79,6 +79,7 @@ OPTIONS: dict[str, list[str]] = {
         "--storage-option",
         "run_dir",
     ],
+    "adopt": ["--json", "--ledger", "--step", "--storage-option", "checkpoint"],
     "sign": [
         "--expect",
         "--force",

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cryptography.hazmat.primitives.asymmetric import ec
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import shardline.checkpoint as ckpt
@@ -27,6 +28,7 @@ from shardline.testing import run_distributed
 from tests.checkpoint import adopt_ranks
 from tests.checkpoint.conftest import S3_BUCKET
 from tests.checkpoint.seaweed import S3Server
+from tests.checkpoint.test_signing import _write_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,6 +110,12 @@ def test_a_plain_dcp_save_adopted_verifies_loads_and_shows_as_adopted(
     out = tmp_path / "hf"
     assert cli.main(["consolidate", str(plain), str(out)]) == 0
     assert any(p.suffix == ".safetensors" for p in out.iterdir())
+    private, public = _write_key(tmp_path, "signer", ec.generate_private_key(ec.SECP256R1()))
+    assert cli.main(["sign", str(plain), "--private-key", str(private)]) == 0
+    assert cli.main(["verify", str(plain), "--public-key", str(public)]) == 0
+    page = tmp_path / "report.html"
+    assert cli.main(["report", str(plain.parent), "--out", str(page)]) == 0
+    assert "hashes were taken after the fact" in page.read_text()
 
 
 def test_a_byte_flipped_after_adoption_is_refused(plain: Path) -> None:
@@ -225,3 +233,17 @@ def test_adopt_in_an_object_store(s3_server: S3Server, tmp_path: Path) -> None:
     with pytest.raises(CheckpointExistsError, match="under lineage already"):
         ckpt.adopt(url, ledger=ledger, storage_options=options)
     shutil.rmtree(local)
+
+
+def test_the_default_ledger_is_a_training_runs_when_there_is_one(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for step in (2, 3):
+        _plain_save(run / "checkpoints" / f"step-{step}")
+    with pytest.raises(ConfigurationError, match="no such directory"):
+        ckpt.adopt(run / "checkpoints" / "step-2", ledger=tmp_path / "nowhere" / "lineage.sqlite")
+    assert not (run / "checkpoints" / "step-2" / "manifest.json").exists()
+    ckpt.adopt(run / "checkpoints" / "step-2", ledger=run)
+    ckpt.adopt(run / "checkpoints" / "step-3")
+    assert not (run / "checkpoints" / "lineage.sqlite").exists()
+    assert [r.step for r in ckpt.Ledger(run / "lineage.sqlite").rows()] == [2, 3]
+    assert ckpt.audit(ckpt.Ledger(run / "lineage.sqlite")).ok

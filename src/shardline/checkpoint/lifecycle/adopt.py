@@ -66,7 +66,7 @@ from shardline.checkpoint.integrity.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
-from shardline.checkpoint.provenance.directory import step_of
+from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, step_of
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.records import record_adoption
 from shardline.checkpoint.storage.protocol import CHECKPOINT_NAME, CommitRecord, Location
@@ -257,7 +257,13 @@ def _ledger_for(root: Location, ledger: Ledger | str | os.PathLike[str] | None) 
             f"adopting {root} needs a ledger (ledger=RUN_DIR/lineage.sqlite, or --ledger): the lineage ledger is a "
             "SQLite file on this machine, and an object-store prefix holds none"
         )
-    return Ledger(local.parent / LEDGER_NAME)  # where a CheckpointManager on the parent directory keeps it
+    # Note: the ledgers that `shardline lineage RUN_DIR` finds: a run's (beside its checkpoints/ directory) when
+    # there is one, else the one a CheckpointManager on the checkpoint's directory keeps beside its checkpoints.
+    beside = local.parent / LEDGER_NAME
+    run = local.parent.parent / LEDGER_NAME
+    if not beside.is_file() and local.parent.name == CHECKPOINTS_DIR and run.is_file():
+        return Ledger(run)
+    return Ledger(beside)
 
 
 def adopt(
@@ -274,7 +280,9 @@ def adopt(
         step: The training step to record; default: from the name (``step-N`` or ``step-N-TAG``).
         ledger: The ledger to record it in (a :class:`Ledger`, its file, or a run directory holding
             ``lineage.sqlite``); default for a local directory: ``lineage.sqlite`` beside it, where a
-            ``CheckpointManager`` on its parent keeps its ledger. Required for an object-store prefix.
+            ``CheckpointManager`` on its parent keeps its ledger -- or, for ``RUN/checkpoints/step-N``
+            without one there, ``RUN/lineage.sqlite`` if it exists (a training run's). Required for an
+            object-store prefix.
         storage_options: Options of the fsspec file system of a URL ``path`` (default: the AWS environment).
 
     Returns:
@@ -302,6 +310,11 @@ def adopt(
         )
     tag = match["tag"] if match else None
     book = _ledger_for(root, ledger)
+    if not book.path.parent.is_dir():
+        raise ConfigurationError(
+            f"cannot record the adoption of {where} in {book.path}: no such directory {book.path.parent}; pass an "
+            "existing run directory or ledger file; nothing was written"
+        )
     if book.path.is_file():
         book.rows()  # a ledger that cannot be read fails here, before anything is written
     sizes = _refuse_early(store.snapshot(root))
