@@ -247,3 +247,9 @@ def test_the_default_ledger_is_a_training_runs_when_there_is_one(tmp_path: Path)
     assert not (run / "checkpoints" / "lineage.sqlite").exists()
     assert [r.step for r in ckpt.Ledger(run / "lineage.sqlite").rows()] == [2, 3]
     assert ckpt.audit(ckpt.Ledger(run / "lineage.sqlite")).ok
+
+
+def test_verify_of_a_plain_dcp_directory_points_at_adopt(plain: Path) -> None:
+    report = ckpt.verify_checkpoint(plain)
+    assert not report.ok
+    assert "`shardline adopt` brings it under lineage" in str(report.error)

@@ -314,7 +314,8 @@ def verify_checkpoint(
         if (root / DCP_METADATA).is_file():
             error = (
                 f"{root} is a plain torch.distributed.checkpoint directory without a shardline manifest: it has "
-                "no lineage and no recorded hashes, so it cannot be verified"
+                "no lineage and no recorded hashes, so it cannot be verified; `shardline adopt` brings it under "
+                "lineage (its files hashed from then on)"
             )
         else:
             error = f"{root} is not a checkpoint: it has neither {MANIFEST} nor {DCP_METADATA}"
