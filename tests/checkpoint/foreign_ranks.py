@@ -92,7 +92,7 @@ def resume_elsewhere(rank: int, world: int, root: str, saved: list[str], into: l
     """Load each checkpoint of ``saved`` into a model of each engine of ``into`` at this world size; train 2 steps.
 
     Also the damaged copy ``<root>/<engine>-damaged`` of each (one byte flipped by the test): the
-    error its load raises. A manager resumes the first engine's checkpoint ("auto").
+    error its load raises. Last, a plain model's own save and resume at this world size (``save_and_resume``).
     """
     out: dict[str, Any] = {}
     for source in saved:
@@ -108,6 +108,7 @@ def resume_elsewhere(rank: int, world: int, root: str, saved: list[str], into: l
         out[f"{source}-damaged"] = catch(
             ckpt.load, os.path.join(root, f"{source}-damaged"), model=model, optimizer=optimizer
         )
+    out["plain"] = save_and_resume(rank, world, os.path.join(root, "one-rank"), ["plain"])["plain"]
     return out
 
 

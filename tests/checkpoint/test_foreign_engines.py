@@ -37,6 +37,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
 def at_one_rank(saved: tuple[Path, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
     """Each W=2 checkpoint loaded at W=1 into its own engine and into a plain model, plus its damaged copy."""
     root, _ = saved
+    (root / "one-rank").mkdir()
     flipped = {e: foreign_ranks.flip_byte(str(root / e), str(root / f"{e}-damaged")) for e in ENGINES}
     results = run_distributed(
         foreign_ranks.resume_elsewhere, 1, args=(str(root), ENGINES, [*ENGINES, "plain"]), timeout=150
@@ -135,3 +136,16 @@ def test_manager_round_trip_and_refusals(tmp_path: Path) -> None:
     assert "mixes sharding engines" in message
     assert "FSDP2" in message
     assert "shardline.wrap" in message
+
+
+def test_a_plain_model_resumes_bit_identically_and_says_it_is_unsharded(
+    saved: tuple[Path, dict[str, Any]], at_one_rank: tuple[dict[str, Any], dict[str, str]]
+) -> None:
+    root, _ = saved
+    loaded, _ = at_one_rank
+    result = loaded["plain"]
+    assert "error" not in result, result.get("error")
+    assert result["resumed"] == result["reference"]
+    manifest = ckpt.check_checkpoint(root / "one-rank" / "plain")
+    assert manifest is not None
+    assert manifest["sharding"] == {"engine": "plain", "parameters": "replicated"}
