@@ -45,13 +45,17 @@ __all__ = [
     "eager_only",
     "elastic_launch_config",
     "fake_tensor_mode",
+    "fsdp2_settings",
     "group_timeout",
     "in_backward",
     "is_dcp_metadata_global",
+    "is_sharded_tensor",
+    "parameter_fqns",
     "profiling_enabled",
     "queue_backward_callback",
     "reduce_scatter_into",
     "set_writer_filesystem",
+    "sharded_tensor_local_bytes",
     "storage_key",
     "tensor_pickle_global",
     "typed_storage_dtype",
@@ -303,6 +307,44 @@ def fsspec_storage(*, reader: bool) -> type[FsspecReader] | type[FsspecWriter]:
     from torch.distributed.checkpoint import _fsspec_filesystem
 
     return _fsspec_filesystem.FsspecReader if reader else _fsspec_filesystem.FsspecWriter
+
+
+def fsdp2_settings(module: object) -> tuple[bool | int | None, Any]:
+    """``(reshard_after_forward, mixed-precision policy)`` of a module ``fully_shard`` was applied to.
+
+    ``reshard_after_forward`` is ``True`` / ``False`` / the size of the smaller post-forward
+    shard group, or ``None`` where the module holds no parameters of its own. FSDP2 has setters
+    for both but no getters: they are read from its per-module state.
+    """
+    state = module._get_fsdp_state()  # type: ignore[attr-defined]
+    policy = getattr(state, "_mp_policy", None)
+    group = getattr(state, "_fsdp_param_group", None)
+    if group is None:
+        return None, policy
+    post = group.post_forward_mesh_info
+    if post is None:
+        return False, policy
+    size = int(post.shard_mesh_size)
+    return (True if size == int(group.mesh_info.shard_mesh_size) else size), policy
+
+
+def parameter_fqns(model: torch.nn.Module) -> set[str]:
+    """The state-dict keys of ``model``'s parameters as torch's state-dict API names them (no wrapper prefixes)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return {fqn for name, _ in model.named_parameters() for fqn in _get_fqns(model, name)}
+
+
+def is_sharded_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``ShardedTensor`` (the pieces of FSDP1's sharded state dict without a device mesh)."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def sharded_tensor_local_bytes(value: Any) -> int:
+    """Bytes of this rank's shards of a ``ShardedTensor`` (most tensor methods are not defined on one)."""
+    return sum(shard.tensor.numel() * shard.tensor.element_size() for shard in value.local_shards())
 
 
 def _private_api_problems() -> list[str]:

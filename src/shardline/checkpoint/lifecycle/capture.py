@@ -30,6 +30,7 @@ from shardline.checkpoint.format.hf_export import hf_metadata
 from shardline.checkpoint.integrity.copy_check import StagedDigester, StagedTensor
 from shardline.checkpoint.integrity.manifest import describe_units
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
+from shardline.checkpoint.state.engines import describe_sharding, describe_torch_state, detect_engine, torch_state
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.state.optim_state import optimizer_state_dict
 from shardline.checkpoint.storage.protocol import Location
@@ -111,6 +112,8 @@ class CapturedCheckpoint:
     source_device: torch.device | None = None
     """For a copied (async) save: the accelerator device the staged tensors came from (the writer thread makes
     it current), or None when they came from the host."""
+    sharding: dict[str, Any] = field(default_factory=dict)
+    """The manifest's ``sharding`` section: the engine that sharded the model and how (:mod:`..state.engines`)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -215,6 +218,8 @@ def _local_bytes(obj: Any) -> int:
     """Bytes this rank writes for ``obj``: local shard data of tensors, the length of byte strings."""
     if isinstance(obj, DTensor):
         return obj.to_local().numel() * obj.element_size()
+    if _torch_compat.is_sharded_tensor(obj):
+        return _torch_compat.sharded_tensor_local_bytes(obj)
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, (bytes, str)):
@@ -255,9 +260,19 @@ def capture(
     per_rank = trainer.pop("per_rank", None)
     for key, value in hf_metadata(model).items():  # transformers / PEFT configs, for consolidate
         trainer.setdefault(key, value)
-    sd: dict[str, Any] = {MODEL_KEY: model_state_dict(model, kind=kind)}
-    if request.optimizer is not None:
-        sd[OPTIM_KEY] = optimizer_state_dict(model, request.optimizer, kind=kind)
+    engine = detect_engine(model)
+    sd: dict[str, Any] = {}
+    if engine.uses_torch_state_dict:
+        model_sd, optim_sd = torch_state(model, request.optimizer, full=kind == "full")
+        sd[MODEL_KEY] = model_sd
+        if optim_sd is not None:
+            sd[OPTIM_KEY] = optim_sd
+        model_info = describe_torch_state(model, model_sd)
+    else:
+        sd[MODEL_KEY] = model_state_dict(model, kind=kind)
+        if request.optimizer is not None:
+            sd[OPTIM_KEY] = optimizer_state_dict(model, request.optimizer, kind=kind)
+        model_info = describe_model(model)
     # Note: only rank 0 contributes the shared trainer state and the config. DCP stores an item
     # that several ranks hold under the same key once, from whichever rank it picks; keeping it
     # on one rank makes "taken from rank 0" the rule instead of an accident.
@@ -270,6 +285,7 @@ def capture(
     digester = StagedDigester() if copy else None
     source_device: torch.device | None = None
     if digester is not None and kind == "sharded":
+        _refuse_sharded_tensors(sd)
         buffers = buffers if buffers is not None else HostBuffers()
         buffers.begin()
         sd = _snapshot(sd, on_copy=digester.add, buffers=buffers)
@@ -283,7 +299,7 @@ def capture(
         world_size=coord.group_size(process_group),
         state_dict=sd,
         units=describe_units(model),
-        model_info=describe_model(model),
+        model_info=model_info,
         contents={
             "model": True,
             "optimizer": request.optimizer is not None,
@@ -298,4 +314,16 @@ def capture(
         config=request.config,
         staged_digests=digester.digests(sd) if digester is not None else None,
         source_device=source_device,
+        sharding=describe_sharding(model, engine),
     )
+
+
+def _refuse_sharded_tensors(sd: Mapping[str, Any]) -> None:
+    """An async save copies tensors and DTensor pieces; FSDP1's ShardedTensor pieces it cannot copy."""
+    for key, value in sd.get(MODEL_KEY, {}).items():
+        if _torch_compat.is_sharded_tensor(value):
+            raise ConfigurationError(
+                f"model entry {key!r} is a ShardedTensor (FullyShardedDataParallel without device_mesh): an async "
+                "save cannot copy it to host memory. Save synchronously, or build FullyShardedDataParallel with "
+                "device_mesh=init_device_mesh(...) so its state dict holds DTensors"
+            )

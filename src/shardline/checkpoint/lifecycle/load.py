@@ -67,6 +67,7 @@ from shardline.checkpoint.integrity.opening import (
 )
 from shardline.checkpoint.integrity.reading import VerifyingReader
 from shardline.checkpoint.integrity.verify import VerifyLevel, check_files, level_argument
+from shardline.checkpoint.state.engines import detect_engine, install_torch_state, torch_state
 from shardline.checkpoint.state.model_state import param_index
 from shardline.checkpoint.state.optim_state import load_optimizer_state_dict, optimizer_params
 from shardline.checkpoint.storage.protocol import Location
@@ -250,6 +251,65 @@ def _optim_targets(
     return tree
 
 
+def _torch_targets(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    metadata: Metadata,
+    prefix: tuple[Any, ...],
+    strict: bool,
+    problems: list[str],
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """DCP targets for a model sharded by a torch engine: the pieces torch's state-dict API gives, checked first.
+
+    The model's pieces (DTensor / ShardedTensor / tensors) and the optimizer's state tensors
+    (initialized by torch when the optimizer is fresh) are read into in place; ``load``'s install
+    step hands them back to torch's ``set_state_dict``, which restores the engine's own layout.
+    """
+    model_sd, optim_sd = torch_state(model, optimizer)
+    stored = {path[0]: md for path, md in subtree(metadata, prefix) if len(path) == 1}
+    if not prefix:  # a flat (plain DCP) model state dict: tensors at the top level only
+        stored = {k: md for k, md in stored.items() if isinstance(md, TensorStorageMetadata)}
+    if strict:
+        problems += key_problems(model_sd, stored, missing="the checkpoint lacks", unexpected="the model lacks")
+    model_targets: dict[str, Any] = {}
+    for key, value in model_sd.items():
+        md = stored.get(key)
+        if md is None:
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{key}: the checkpoint holds a non-tensor object there")
+        elif tuple(md.size) != tuple(value.shape):
+            problems.append(f"{key}: checkpoint shape {tuple(md.size)} vs model {tuple(value.shape)}")
+        else:
+            model_targets[key] = value
+    if optim_sd is None:
+        return model_targets, None
+    entries = subtree(metadata, (OPTIM_KEY,))
+    if not entries:
+        problems.append("an optimizer was passed but the checkpoint holds no optimizer state ('optim.*' keys)")
+    held: Mapping[str, Mapping[str, Any]] = optim_sd.get("state", {})
+    placed: list[tuple[tuple[Any, ...], Any]] = []
+    for path, md in entries:
+        if not isinstance(md, TensorStorageMetadata):
+            placed.append((path, None))
+            continue
+        if len(path) != 3 or path[0] != "state":
+            problems.append(f"optimizer item {'.'.join(map(str, path))} is not in the FQN-keyed layout")
+            continue
+        fqn, name = path[1], path[2]
+        value = held.get(fqn, {}).get(name)
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"optimizer state '{name}' of '{fqn}', which this optimizer does not hold")
+        elif tuple(value.shape) != tuple(md.size):
+            problems.append(
+                f"optimizer state '{name}' of '{fqn}': checkpoint shape {tuple(md.size)} vs {tuple(value.shape)}"
+            )
+        else:
+            placed.append((path, value))
+    tree: dict[str, Any] = build_tree(placed)
+    return model_targets, tree
+
+
 def _dcp_error(path: Location, error: CheckpointException) -> ShardlineError:
     """One error for every rank from DCP's gathered per-rank failures: the lowest failing rank's."""
 
@@ -315,17 +375,29 @@ def load(
         tops = {p[0] for p in key_paths(metadata).values()}
         prefix: tuple[Any, ...] = (MODEL_KEY,) if MODEL_KEY in tops else ()
         problems: list[str] = []
-        model_targets, after = _model_targets(model, metadata, prefix, strict, problems)
+        engine = detect_engine(model)
+        if engine.uses_torch_state_dict:
+            model_targets, optim_targets = _torch_targets(model, optimizer, metadata, prefix, strict, problems)
+            after: list[Callable[[], None]] = []
+        else:
+            model_targets, after = _model_targets(model, metadata, prefix, strict, problems)
+            optim_targets = _optim_targets(model, optimizer, metadata, problems) if optimizer is not None else None
         targets: dict[str, Any] = {MODEL_KEY: model_targets} if prefix else dict(model_targets)
-        if optimizer is not None:
-            targets[OPTIM_KEY] = _optim_targets(model, optimizer, metadata, problems)
+        if optim_targets is not None:
+            targets[OPTIM_KEY] = optim_targets
         if TRAINER_KEY in tops:
             targets[TRAINER_KEY] = None
         if str(rank) in {p[0] for p, _ in subtree(metadata, (PER_RANK_KEY,))}:
             targets[PER_RANK_KEY] = {str(rank): None}
         if problems:
             raise _mismatch(path, problems)
-        plan.update(metadata=metadata, targets=targets, after=after)
+        plan.update(
+            metadata=metadata,
+            targets=targets,
+            after=after,
+            model_targets=model_targets,
+            torch_api=engine.uses_torch_state_dict,
+        )
 
     # Every rank checked the same metadata against the same model; agree before DCP's collectives.
     coord.all_agree(prepare, process_group, what=f"prepare to load {path}")
@@ -351,7 +423,9 @@ def load(
         with torch.no_grad():
             for fn in plan["after"]:
                 fn()
-        if optimizer is not None:
+        if plan["torch_api"]:
+            install_torch_state(model, optimizer, plan["model_targets"], targets.get(OPTIM_KEY), strict=strict)
+        elif optimizer is not None:
             load_optimizer_state_dict(model, optimizer, targets[OPTIM_KEY], kind="sharded")
         state = decode_state(targets[TRAINER_KEY]) if targets.get(TRAINER_KEY) is not None else {}
         if not isinstance(state, dict):

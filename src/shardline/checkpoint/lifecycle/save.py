@@ -473,6 +473,7 @@ def _records(
         parent_manifest_sha256=captured.parent_manifest_hash,
         files=files,
         created=created,
+        sharding=captured.sharding or None,
     )
     data = canonical_json(manifest)
     return statement, statement_digest, files, data, sha256_hex(data)

@@ -11,7 +11,7 @@ from shardline.checkpoint.provenance.statement import STATEMENT_FILE
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import local_path, locate, store_for
 
-__all__ = ["human_bytes", "render_summary", "summarize"]
+__all__ = ["human_bytes", "render_summary", "sharding_words", "summarize"]
 
 
 def human_bytes(n: int) -> str:
@@ -64,6 +64,7 @@ def summarize(
         "units": len(units),
         "strategies": strategies,
         "mixed_precision": manifest.get("mixed_precision"),
+        "sharding": manifest.get("sharding"),
         "contents": manifest.get("contents", {}),
         "versions": manifest.get("versions", {}),
         "config_sha256": manifest.get("config_sha256"),
@@ -98,14 +99,20 @@ def render_summary(s: dict[str, Any]) -> str:
             f"{s.get('created_at', '?')} with shardline {versions.get('shardline', '?')} and torch "
             f"{versions.get('torch', '?')}"
         )
+    layout = (
+        f"{s['units']} sharded unit{'s' if s['units'] != 1 else ''} "
+        f"({', '.join(x.upper() for x in s['strategies']) or 'unsharded'}{precision})"
+    )
+    sharding = sharding_words(s.get("sharding"))
     lines = [
         f"Checkpoint at training step {s['step']:,} ({kind}) consists of {s['shard_files']} shard "
         f"file{'s' if s['shard_files'] != 1 else ''} totaling {human_bytes(s['total_bytes'])} "
         f"({s['files']} files with the index), {written}.",
         f"It holds {', '.join(held[:-1]) + ' and ' + held[-1] if len(held) > 1 else held[0]}: "
-        f"{_count(s['parameters'] or 0)} parameters in {s['units']} sharded unit{'s' if s['units'] != 1 else ''} "
-        f"({', '.join(x.upper() for x in s['strategies']) or 'unsharded'}{precision}). It can be loaded at any number "
-        "of processes and with any sharding strategy.",
+        f"{_count(s['parameters'] or 0)} parameters"
+        + (f" in {layout}" if sharding is None else "")
+        + ". It can be loaded at any number of processes and with any sharding strategy"
+        + (" or engine (shardline, torch FSDP2, FSDP1, DDP, a plain model)." if sharding is not None else "."),
     ]
     if isinstance(adopted, dict):
         lines.append(
@@ -113,6 +120,8 @@ def render_summary(s: dict[str, Any]) -> str:
             f"{adopted.get('at', '?')}: its hashes were {adopted.get('hashes', 'taken after the fact')}. Not known "
             f"from its files: {', '.join(str(u).replace('_', ' ') for u in adopted.get('unknown', [])) or 'nothing'}."
         )
+    if sharding is not None:
+        lines.append(sharding)
     if s.get("parent_manifest_sha256"):
         lines.append(f"It continues from the checkpoint whose manifest hash is {s['parent_manifest_sha256']}.")
     elif not isinstance(adopted, dict):
@@ -134,3 +143,52 @@ def render_summary(s: dict[str, Any]) -> str:
         + " (see docs/verification.md)."
     )
     return "\n".join(lines)
+
+
+def _precision(policy: Mapping[str, Any] | None) -> str:
+    dtype = (policy or {}).get("param_dtype")
+    return f"parameters computed in {dtype}" if dtype else "no mixed precision"
+
+
+def _tally(values: list[str], noun: str = "modules") -> str:
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return "; ".join(f"{value} ({n} {noun})" if len(counts) > 1 else value for value, n in counts.items())
+
+
+def sharding_words(sharding: Mapping[str, Any] | None) -> str | None:
+    """The manifest's ``sharding`` section in plain words (None for shardline's own units or an older manifest)."""
+    engine = (sharding or {}).get("engine")
+    if sharding is None or engine in (None, "shardline"):
+        return None
+    if engine == "ddp":
+        return "It was trained with torch DistributedDataParallel: every parameter is replicated on every process."
+    if engine == "plain":
+        return "It was trained without sharding: every parameter is whole (replicated) in one model."
+    modules: Mapping[str, Mapping[str, Any]] = sharding.get("modules", {})
+    if engine == "fsdp1":
+        return (
+            f"It was sharded by torch FullyShardedDataParallel (FSDP1) in {len(modules)} wrapped "
+            f"module{'s' if len(modules) != 1 else ''}, sharding strategy "
+            f"{_tally([str(m.get('sharding_strategy')) for m in modules.values()])}, "
+            f"{_tally([_precision(m.get('mixed_precision')) for m in modules.values()])}; the shards were saved as "
+            f"{sharding.get('state_dict_type', '?')}."
+        )
+    mesh = sharding.get("mesh") or {}
+    shape = [int(n) for n in mesh.get("shape", [])]
+    names = mesh.get("dim_names")
+    where = (
+        f"a 1-D mesh of {shape[0]} rank{'s' if shape[0] != 1 else ''}"
+        if len(shape) == 1
+        else f"a {' x '.join(map(str, shape))} mesh" + (f" ({' x '.join(names)})" if names else "")
+    )
+    placements = list(sharding.get("parameters", {}).values())
+    reshard = [m.get("reshard_after_forward") for m in modules.values() if m.get("reshard_after_forward") is not None]
+    reshard_words = _tally(["yes" if r is True else "no" if r is False else f"to {r} ranks" for r in reshard])
+    return (
+        f"It was sharded by torch FSDP2 (fully_shard) on {where} in {len(modules)} "
+        f"module{'s' if len(modules) != 1 else ''}: parameters placed {_tally(placements, 'parameters') or 'nowhere'}; "
+        f"reshard after forward: {reshard_words or 'n/a'}; "
+        f"{_tally([_precision(m.get('mixed_precision')) for m in modules.values()])}."
+    )
