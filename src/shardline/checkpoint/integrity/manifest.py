@@ -120,14 +120,19 @@ def build_manifest(
     parent_manifest_sha256: str | None,
     files: Sequence[FileDigest],
     created: datetime.datetime | None = None,
+    sharding: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest dict of one checkpoint (plain JSON data, no floats)."""
+    """The manifest dict of one checkpoint (plain JSON data, no floats).
+
+    ``sharding`` (the tensors' layout as the saved state dict shows it) is recorded under ``sharding`` when given;
+    a manifest without that key (every one written before it existed) stays valid.
+    """
     created = created or datetime.datetime.now(datetime.timezone.utc)
     root = units[-1] if units else None
     for u in units:
         if u["name"] == "":
             root = u
-    return {
+    manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "step": int(step),
@@ -153,6 +158,9 @@ def build_manifest(
         "hash": {"algorithm": HASH_ALGORITHM, "covers": HASH_COVERS},
         "files": [f.to_json() for f in sorted(files)],
     }
+    if sharding is not None:
+        manifest["sharding"] = dict(sharding)
+    return manifest
 
 
 def render_manifest_hash_file(digest: str) -> bytes:

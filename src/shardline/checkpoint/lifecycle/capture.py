@@ -111,6 +111,9 @@ class CapturedCheckpoint:
     source_device: torch.device | None = None
     """For a copied (async) save: the accelerator device the staged tensors came from (the writer thread makes
     it current), or None when they came from the host."""
+    sharding: dict[str, Any] | None = None
+    """How the saved tensors were laid out, as their state dict shows it (the DCP-native writer's
+    :func:`~shardline.checkpoint.state.layout.describe_state_sharding`); None: not recorded."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
