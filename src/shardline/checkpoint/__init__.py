@@ -9,10 +9,12 @@ still import from it until the next minor release, with a DeprecationWarning nam
 """
 
 from shardline._deprecation import moved_names
+from shardline.checkpoint.integrity.dcp_reader import Reader
 from shardline.checkpoint.integrity.verify import VerifyLevel, VerifyReport, verify_checkpoint
 from shardline.checkpoint.lifecycle.adopt import AdoptedCheckpoint, adopt
 from shardline.checkpoint.lifecycle.capture import SaveRequest
 from shardline.checkpoint.lifecycle.consolidate import ConsolidationResult, consolidate
+from shardline.checkpoint.lifecycle.dcp_writer import Writer
 from shardline.checkpoint.lifecycle.load import load, load_config
 from shardline.checkpoint.lifecycle.manager import CheckpointManager, CommittedCheckpoint
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, save
@@ -31,9 +33,11 @@ __all__ = [
     "Ledger",
     "LedgerRow",
     "LineageReport",
+    "Reader",
     "SaveRequest",
     "VerifyLevel",
     "VerifyReport",
+    "Writer",
     "adopt",
     "audit",
     "capture_rng_state",

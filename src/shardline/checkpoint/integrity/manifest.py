@@ -124,8 +124,9 @@ def build_manifest(
 ) -> dict[str, Any]:
     """The manifest dict of one checkpoint (plain JSON data, no floats).
 
-    ``sharding`` (the engine that sharded the model and how, ``state.engines.describe_sharding``)
-    is recorded when given; manifests written before it existed lack the key.
+    ``sharding`` (how the model or its state dict was sharded: ``state.engines.describe_sharding`` for a model,
+    ``state.layout.describe_state_sharding`` for the DCP-native writer) is recorded when given; manifests written
+    before it existed lack the key and stay valid.
     """
     created = created or datetime.datetime.now(datetime.timezone.utc)
     root = units[-1] if units else None

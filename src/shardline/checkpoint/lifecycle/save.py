@@ -84,6 +84,8 @@ __all__ = [
     "CheckpointInfo",
     "capture_agreed",
     "commit",
+    "commit_written",
+    "committed_info",
     "disk_full_cause",
     "preflight",
     "save",
@@ -305,36 +307,70 @@ def write_and_commit(
         coord.rank0_decides(clean_up, process_group)
 
     def finalize() -> dict[str, Any]:
-        done: dict[str, Any] = {}  # _finalize fills it once the checkpoint is committed
-        try:
-            digests = writer.file_digests or []
-            manifest_digest, files, statement_digest = _finalize(
-                captured, tmp, final, digests, observer, done, wait_synced=writer.wait_synced
-            )
-        except Exception as e:
-            if not done:
-                store.discard(tmp)  # what this save wrote and holds: never another run's files (see the store)
-                if isinstance(e, CheckpointExistsError):
-                    raise  # the target was taken meanwhile: the store's message names it
-                message = _failure_message(final, captured, e, last_good)
-                raise (DiskFullError if disk_full_cause(e) is not None else CheckpointError)(message) from e
-            # committed, but making it durable failed (the parent's fsync): the name may not survive a power loss
-            manifest_digest, files, statement_digest = done["hash"], done["files"], done["provenance"]
-            info = _info(captured, final, manifest_digest, files, statement_digest)
-            return _outcome(info, f"making the commit durable failed ({_first_line(e)})")
-        info = _info(captured, final, manifest_digest, files, statement_digest)
-        problem = None
-        if after_commit is not None:
-            try:
-                after_commit(info)
-            except Exception as e:
-                problem = f"recording it failed ({_first_line(e)})"
-        return _outcome(info, problem)
+        digests, synced = writer.file_digests or [], writer.wait_synced
+        return commit_written(
+            captured,
+            tmp,
+            digests,
+            observer=observer,
+            after_commit=after_commit,
+            last_good=last_good,
+            wait_synced=synced,
+        )
 
     try:
         outcome = coord.rank0_decides(finalize, process_group)
     finally:
         store.end_save(tmp)  # renamed, committed or removed by now
+    return committed_info(captured, outcome)
+
+
+def commit_written(
+    captured: CapturedCheckpoint,
+    tmp: Location,
+    digests: list[FileDigest],
+    *,
+    observer: SaveObserver = NO_OBSERVER,
+    after_commit: Callable[[CheckpointInfo], None] | None = None,
+    last_good: Location | None = None,
+    wait_synced: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Rank 0, steps 4-6 once every rank's files are in ``tmp`` (``digests``: as the hashing writer gathered them).
+
+    Returns the outcome every rank learns (plain data, :func:`committed_info`). A failure before the commit removes
+    ``tmp`` and raises; one after it is the outcome's ``problem``. :func:`write_and_commit` and the DCP-native
+    writer (:mod:`.dcp_writer`) both commit through here.
+    """
+    final = captured.final.absolute()
+    store = store_for(final)
+    done: dict[str, Any] = {}  # _finalize fills it once the checkpoint is committed
+    try:
+        manifest_digest, files, statement_digest = _finalize(
+            captured, tmp, final, digests, observer, done, wait_synced=wait_synced
+        )
+    except Exception as e:
+        if not done:
+            store.discard(tmp)  # what this save wrote and holds: never another run's files (see the store)
+            if isinstance(e, CheckpointExistsError):
+                raise  # the target was taken meanwhile: the store's message names it
+            message = _failure_message(final, captured, e, last_good)
+            raise (DiskFullError if disk_full_cause(e) is not None else CheckpointError)(message) from e
+        # committed, but making it durable failed (the parent's fsync): the name may not survive a power loss
+        outcome = _outcome(done["hash"], done["files"], done["provenance"])
+        return {**outcome, "problem": f"making the commit durable failed ({_first_line(e)})"}
+    outcome = _outcome(manifest_digest, files, statement_digest)
+    if after_commit is not None:
+        try:
+            after_commit(committed_info(captured, outcome))
+        except Exception as e:
+            outcome["problem"] = f"recording it failed ({_first_line(e)})"
+    return outcome
+
+
+def committed_info(captured: CapturedCheckpoint, outcome: Mapping[str, Any]) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of :func:`commit_written`'s outcome; :class:`PublishError` (carrying it) when
+    the checkpoint committed but making it durable or recording it failed."""
+    final = captured.final.absolute()
     info = CheckpointInfo(
         path=final,
         step=captured.step,
@@ -347,7 +383,7 @@ def write_and_commit(
         parent_manifest_hash=captured.parent_manifest_hash,
         provenance_sha256=outcome["provenance"],
     )
-    if outcome["problem"] is not None:
+    if outcome.get("problem") is not None:
         raise PublishError(
             f"checkpoint {final} committed (manifest {info.manifest_hash[:12]}), but {outcome['problem']}; it is "
             "complete and the next save chains to it. Fix the cause; the next CheckpointManager on "
@@ -357,32 +393,10 @@ def write_and_commit(
     return info
 
 
-def _outcome(info: CheckpointInfo, problem: str | None) -> dict[str, Any]:
-    """What rank 0 tells every rank about a committed checkpoint (plain data), and what went wrong after the commit."""
-    return {
-        "hash": info.manifest_hash,
-        "files": info.files,
-        "bytes": info.total_bytes,
-        "provenance": info.provenance_sha256,
-        "problem": problem,
-    }
-
-
-def _info(
-    captured: CapturedCheckpoint, final: Location, digest: str, files: list[FileDigest], statement_digest: str
-) -> CheckpointInfo:
-    return CheckpointInfo(
-        path=final,
-        step=captured.step,
-        manifest_hash=digest,
-        tag=captured.tag,
-        kind=captured.kind,
-        world_size=captured.world_size,
-        files=len(files),
-        total_bytes=sum(f.bytes for f in files),
-        parent_manifest_hash=captured.parent_manifest_hash,
-        provenance_sha256=statement_digest,
-    )
+def _outcome(digest: str, files: list[FileDigest], statement_digest: str) -> dict[str, Any]:
+    """What rank 0 tells every rank about a committed checkpoint (plain data); ``problem``: what failed after it."""
+    total = sum(f.bytes for f in files)
+    return {"hash": digest, "files": len(files), "bytes": total, "provenance": statement_digest, "problem": None}
 
 
 def _finalize(

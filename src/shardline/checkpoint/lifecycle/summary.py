@@ -157,8 +157,33 @@ def _tally(values: list[str], noun: str = "modules") -> str:
     return "; ".join(f"{value} ({n} {noun})" if len(counts) > 1 else value for value, n in counts.items())
 
 
+def _state_dict_layout_words(sharding: Mapping[str, Any]) -> str:
+    """The DCP-native writer's ``sharding`` section (each tensor's layout, ``state.layout``) in plain words."""
+    meshes: list[Mapping[str, Any]] = list(sharding.get("meshes", []))
+    tensors: Mapping[str, Any] = sharding.get("tensors", {})
+    plain = sum(1 for t in tensors.values() if not isinstance(t, Mapping))
+    layouts = [
+        " x ".join(str(n) for n in meshes[int(t["mesh"])].get("shape", []))
+        + (f" ({' x '.join(meshes[int(t['mesh'])]['dim_names'])})" if meshes[int(t["mesh"])].get("dim_names") else "")
+        + " mesh, "
+        + ", ".join(str(p) for p in t.get("placements", []))
+        for t in tensors.values()
+        if isinstance(t, Mapping)
+    ]
+    sharded = f"{len(layouts)} distributed tensor{'s' if len(layouts) != 1 else ''}" + (
+        f" placed {_tally(layouts, 'tensors')}" if layouts else ""
+    )
+    return (
+        "It was written through torch.distributed.checkpoint by code that sharded the model itself (shardline's "
+        f"DCP writer), so the engine is not recorded; its state dict held {sharded} and {plain} "
+        f"tensor{'s' if plain != 1 else ''} every process held whole."
+    )
+
+
 def sharding_words(sharding: Mapping[str, Any] | None) -> str | None:
     """The manifest's ``sharding`` section in plain words (None for shardline's own units or an older manifest)."""
+    if sharding is not None and sharding.get("source") == "state_dict":
+        return _state_dict_layout_words(sharding)
     engine = (sharding or {}).get("engine")
     if sharding is None or engine in (None, "shardline"):
         return None
