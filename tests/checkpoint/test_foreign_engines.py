@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import shardline.checkpoint as ckpt
+from shardline.checkpoint.lifecycle.load import check_checkpoint
 from shardline.cli import main as cli_main
 from shardline.testing import run_distributed
 from tests.checkpoint import foreign_ranks
@@ -57,7 +58,7 @@ def test_resume_at_the_same_world_size_is_bit_identical(saved: tuple[Path, dict[
 @pytest.mark.parametrize("engine", ENGINES)
 def test_checkpoint_verifies_and_records_its_engine(saved: tuple[Path, dict[str, Any]], engine: str) -> None:
     root, _ = saved
-    manifest = ckpt.check_checkpoint(root / engine)
+    manifest = check_checkpoint(root / engine)
     assert manifest is not None
     sharding = manifest["sharding"]
     assert sharding["engine"] == ("fsdp2" if engine == "hsdp" else engine)
@@ -146,6 +147,6 @@ def test_a_plain_model_resumes_bit_identically_and_says_it_is_unsharded(
     result = loaded["plain"]
     assert "error" not in result, result.get("error")
     assert result["resumed"] == result["reference"]
-    manifest = ckpt.check_checkpoint(root / "one-rank" / "plain")
+    manifest = check_checkpoint(root / "one-rank" / "plain")
     assert manifest is not None
     assert manifest["sharding"] == {"engine": "plain", "parameters": "replicated"}
