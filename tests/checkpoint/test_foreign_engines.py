@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-import shardline.checkpoint as ckpt
 from shardline.checkpoint.lifecycle.load import check_checkpoint
 from shardline.cli import main as cli_main
 from shardline.testing import run_distributed
