@@ -150,6 +150,9 @@ def test_a_sigterm_to_every_process_saves_under_torchrun(tmp_path: Path) -> None
 _GUARD = textwrap.dedent(
     """
     import os, signal, sys, time
+    # Python's own SIGINT handler, as a job started from a terminal has it (a shell's background job -- a CI
+    # runner's, say -- starts with SIGINT ignored, and Python then installs none).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from shardline.train.preemption import PreemptionGuard
     guard = PreemptionGuard(grace_s=float(sys.argv[1]), world_size=1, backend="gloo", timeout_s=5).install()
     assert not guard.agreed()
