@@ -154,7 +154,10 @@ def _tally(values: list[str], noun: str = "modules") -> str:
     counts: dict[str, int] = {}
     for value in values:
         counts[value] = counts.get(value, 0) + 1
-    return "; ".join(f"{value} ({n} {noun})" if len(counts) > 1 else value for value, n in counts.items())
+    return "; ".join(
+        f"{value} ({n} {noun if n != 1 else noun.removesuffix('s')})" if len(counts) > 1 else value
+        for value, n in counts.items()
+    )
 
 
 def _state_dict_layout_words(sharding: Mapping[str, Any]) -> str:
