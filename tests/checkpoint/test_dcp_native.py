@@ -109,3 +109,28 @@ def test_writer_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="thread executor"):
         pickle.dumps(ckpt.Writer(tmp_path / "step-1"))
     assert not (tmp_path / "step-1").exists()
+
+
+def test_extra_files_are_written_hashed_and_committed(tmp_path: Path) -> None:
+    """A framework's own file beside DCP's (Lightning's meta.pt) is listed and hashed; damage to it is caught."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "ckpts" / "step-3"
+    (tmp_path / "ckpts").mkdir()
+    writer = ckpt.Writer(path, extra_files={"meta.pt": b"the framework's own state"})
+    dcp.save({"model": {"w": torch.arange(4.0)}}, storage_writer=writer)
+    assert writer.info is not None
+    assert (path / "meta.pt").read_bytes() == b"the framework's own state"
+    listed = {f["path"] for f in json.loads((path / "manifest.json").read_text())["files"]}
+    assert "meta.pt" in listed
+    assert ckpt.verify_checkpoint(path, level="full").ok
+    (path / "meta.pt").write_bytes(b"The framework's own state")
+    report = ckpt.verify_checkpoint(path, level="full")
+    assert not report.ok
+    assert "meta.pt" in str(report)
+    for name in (".hidden", "sub/file", "manifest.json", "__0_0.distcp", ".metadata"):
+        with pytest.raises(ConfigurationError, match="extra_files name"):
+            ckpt.Writer(tmp_path / "step-4", extra_files={name: b""})
+    with pytest.raises(ConfigurationError, match="must be bytes"):
+        ckpt.Writer(tmp_path / "step-4", extra_files={"meta.pt": "text"})  # type: ignore[dict-item]

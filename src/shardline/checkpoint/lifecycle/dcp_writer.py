@@ -24,6 +24,9 @@ A write that fails on any rank never reaches ``finish``: nothing is committed, a
 directory is removed when the coordinator's writer is garbage collected -- at the latest by the next
 ``Writer`` save in that process, which collects garbage first while one is unfinished -- or, after a
 crash, by the next save beside it (step 1).
+A framework that keeps a small file of its own beside DCP's (Lightning's ``meta.pt``) passes it as
+``extra_files``: the coordinator writes each one into the in-progress directory in ``finish``, its
+SHA-256 taken from the bytes it writes, so it is listed, hashed and committed with the rest.
 The manifest records the tensors' layout as the state dict shows it (``sharding``,
 :func:`~shardline.checkpoint.state.layout.describe_state_sharding`), since the engine's units are unknown.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import re
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,9 +48,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
-from shardline.checkpoint.format.canonical import config_hash
+from shardline.checkpoint.format.canonical import config_hash, sha256_hex
 from shardline.checkpoint.format.dcp_io import key_paths
+from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import HashingWriter
+from shardline.checkpoint.integrity.manifest import DCP_METADATA, DERIVED_FILES
 from shardline.checkpoint.integrity.verify import check_expected_hash
 from shardline.checkpoint.lifecycle.capture import TAG_PATTERN, CapturedCheckpoint
 from shardline.checkpoint.lifecycle.recovery import run_name
@@ -54,12 +60,39 @@ from shardline.checkpoint.lifecycle.save import CheckpointInfo, commit_written, 
 from shardline.checkpoint.provenance.directory import step_of
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.records import record_commit
+from shardline.checkpoint.provenance.statement import STATEMENT_FILE
 from shardline.checkpoint.state.layout import describe_state_sharding
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import local_path, locate, store_for
 from shardline.errors import CheckpointError, ConfigurationError, LineageError, PublishError
 
 __all__ = ["Writer"]
+
+_EXTRA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_DCP_DATA_NAME = re.compile(r"^__\d+_\d+\.distcp$")
+_RESERVED = frozenset({DCP_METADATA, STATEMENT_FILE, *DERIVED_FILES})
+
+
+def _check_extra_files(extra: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    """``extra_files``, checked: plain file names that no checkpoint file of DCP's or shardline's has, bytes values."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise ConfigurationError(f"extra_files must map file names to bytes, got {type(extra).__name__}")
+    for name, data in extra.items():
+        if not isinstance(name, str) or not _EXTRA_NAME.match(name):
+            raise ConfigurationError(
+                f"extra_files name {name!r} is not a plain file name: use letters, digits, '.', '_' and '-', not "
+                "starting with '.' (the checkpoint directory is flat)"
+            )
+        if name in _RESERVED or _DCP_DATA_NAME.match(name):
+            raise ConfigurationError(
+                f"extra_files name {name!r} is a name the checkpoint's own files use ({', '.join(sorted(_RESERVED))}, "
+                "__R_N.distcp); rename the file"
+            )
+        if not isinstance(data, bytes):
+            raise ConfigurationError(f"extra_files[{name!r}] must be bytes, got {type(data).__name__}")
+    return dict(extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +132,16 @@ class Writer(StorageWriter):
         data_fingerprint: A string identifying the training data, recorded in the manifest.
         files_per_rank: Files each rank writes (0: automatic).
         storage_options: Options of the fsspec file system of a URL ``path``.
+        extra_files: Small files to store beside DCP's, ``{name: bytes}`` (a framework's own metadata file,
+            such as Lightning's ``meta.pt``); read on the coordinator only, written, hashed and committed
+            with the checkpoint.
 
     After the save, :attr:`info` holds the committed checkpoint on the coordinator (rank 0; None elsewhere).
 
     Raises:
         ConfigurationError: no step (none given and the name is not ``step-N``), a bad tag, hash or config,
-            or a URL without ``ledger_path``.
+            a URL without ``ledger_path``, or an ``extra_files`` name that is not a plain file name or is one the
+            checkpoint's own files use.
     """
 
     def __init__(
@@ -119,9 +156,11 @@ class Writer(StorageWriter):
         data_fingerprint: str | None = None,
         files_per_rank: int = AUTO,
         storage_options: Mapping[str, Any] | None = None,
+        extra_files: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
         resolve_files_per_rank(files_per_rank)
+        self._extra_files = _check_extra_files(extra_files)
         if tag is not None and (not isinstance(tag, str) or not TAG_PATTERN.match(tag)):
             raise ConfigurationError(f"checkpoint tag must match [a-z0-9_]+, got {tag!r}")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
@@ -262,6 +301,7 @@ class Writer(StorageWriter):
         try:
             try:
                 self._inner.finish(metadata, results)  # .metadata, and every file's digest
+                digests = sorted([*(self._inner.file_digests or []), *self._write_extra_files(in_progress)])
                 captured = self._captured(metadata, world_size=len(results))
             except Exception:
                 store.discard(in_progress)
@@ -274,7 +314,7 @@ class Writer(StorageWriter):
             outcome = commit_written(
                 captured,
                 in_progress,
-                self._inner.file_digests or [],
+                digests,
                 after_commit=record,
                 wait_synced=self._inner.wait_synced,
             )
@@ -288,6 +328,22 @@ class Writer(StorageWriter):
         except PublishError as e:
             self.info = e.info if isinstance(e.info, CheckpointInfo) else None
             raise
+
+    def _write_extra_files(self, in_progress: Location) -> list[FileDigest]:
+        """``extra_files`` written into the in-progress directory (flushed where the store flushes files), with the
+        digests of the bytes written."""
+        files = store_for(in_progress).save_files(in_progress)
+        digests = []
+        for name, data in sorted(self._extra_files.items()):
+            target = str(files.join(files.root, name))
+            with files.open_write(target) as stream:
+                stream.write(data)
+                stream.flush()
+                if files.fsync:
+                    os.fsync(stream.fileno())
+            files.written(target)
+            digests.append(FileDigest(path=name, rank=self._rank, bytes=len(data), sha256=sha256_hex(data)))
+        return digests
 
     def _captured(self, metadata: Metadata, *, world_size: int) -> CapturedCheckpoint:
         """What the manifest records, from DCP's metadata and this writer's arguments."""
