@@ -13,7 +13,8 @@ two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it 
   ``gather_object``): the digest records plus DCP's own per-item results.
 * **DCP planning**: torch's ``DefaultSavePlanner.create_global_plan`` over W local plans of
   ``WriteItem`` chunks, and ``.metadata`` as ``FileSystemWriter.finish`` pickles it.
-* **Load planning**: one rank's read plan against that metadata (torch's
+* **Load planning**: every rank's check and unpickling of ``.metadata`` (``opening.py``: SHA-256, then
+  ``dcp_io.unpickle_metadata``), one rank's read plan against that metadata (torch's
   ``create_read_items_for_chunk_list``, the resharding planner every rank runs), and rank 0's
   global plan in shardline's ``VerifyingReader.prepare_global_plan`` (which rank hashes which file).
 * **Resume selection**: ``resume.find_candidates`` over a directory of ``--keep`` committed
@@ -84,6 +85,7 @@ from benchmarks.scale_layout import (
     state_dict_keys,
 )
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
+from shardline.checkpoint.format.dcp_io import unpickle_metadata
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import digest_result, split_digests
 from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST_HASH_FILE, build_manifest, render_sums
@@ -281,6 +283,10 @@ def simulate(
         t, (full_md, metadata_pickle) = timed(finish, 1)
         v["dcp_finish_s"] = t * scale
         v["dcp_metadata_bytes"] = len(metadata_pickle) * scale
+        # every rank, opening the checkpoint: .metadata hashed against the manifest, then unpickled (opening.py)
+        t_hash, _ = timed(lambda: sha256_hex(metadata_pickle), reps)
+        t_load, _ = timed(lambda: unpickle_metadata(metadata_pickle, DCP_METADATA), 1)
+        v["metadata_open_per_rank_s"] = (t_hash + t_load) * scale
         dcp_gathered = sum(len(pickle.dumps(r)) for r in item_results) * scale
 
         # --- what rank 0 gathers, and its commit work on it
@@ -354,7 +360,7 @@ def simulate(
     return out
 
 
-COLUMNS = [
+SAVE_COLUMNS = [
     ("world", "W", "{:,.0f}"),
     ("commit_rank0_s", "rank-0 commit (s)", "{:.3f}"),
     ("build_manifest_s", "build manifest (s)", "{:.3f}"),
@@ -363,18 +369,24 @@ COLUMNS = [
     ("manifest_bytes", "manifest", "bytes"),
     ("statement_bytes", "statement", "bytes"),
     ("gathered_bytes", "gathered to rank 0 *", "bytes"),
-    ("dcp_global_plan_s", "DCP global plan (s) *", "{:.2f}"),
-    ("dcp_validate_s", "DCP plan validation (s) *", "{:.1f}"),
-    ("dcp_finish_s", "DCP finish (s) *", "{:.2f}"),
+    ("dcp_global_plan_s", "DCP global plan (s) *", "{:.1f}"),
+    ("dcp_validate_s", "DCP plan validation (s) *", "{:.0f}"),
+    ("dcp_finish_s", "DCP finish (s) *", "{:.1f}"),
     ("dcp_metadata_bytes", ".metadata *", "bytes"),
-    ("load_plan_per_rank_s", "load plan per rank (s) *", "{:.3f}"),
+]
+LOAD_COLUMNS = [
+    ("world", "W", "{:,.0f}"),
+    ("metadata_open_per_rank_s", "open .metadata per rank (s) *", "{:.2f}"),
+    ("load_plan_per_rank_s", "load plan per rank (s) *", "{:.2f}"),
     ("load_global_plan_s", "rank-0 load global plan (s)", "{:.3f}"),
     ("resume_select_s", "resume selection (s)", "{:.3f}"),
-    ("objects_per_prefix", "objects/prefix", "{:,.0f}"),
+    ("objects_per_prefix", "objects per prefix", "{:,.0f}"),
     ("save_requests", "save requests", "{:,.0f}"),
     ("save_floor_s", "save floor at 3,500/s (s)", "{:.1f}"),
-    ("load_requests", "load GETs", "{:,.0f}"),
+    ("load_requests", "load requests", "{:,.0f}"),
+    ("load_floor_s", "load floor at 5,500/s (s)", "{:.1f}"),
 ]
+COLUMNS = SAVE_COLUMNS + LOAD_COLUMNS[1:]
 
 
 def human(n: float) -> str:
@@ -398,14 +410,14 @@ def extrapolate(rows: list[SimulatedSave]) -> None:
             row.values[key] = b.values[key] * (row.world / b.world) ** slope
 
 
-def markdown(rows: list[SimulatedSave]) -> str:
-    """The table (one row per W); ``~``: extrapolated."""
-    head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
-    lines = [head, "|" + "---:|" * len(COLUMNS)]
+def markdown(rows: list[SimulatedSave], columns: list[tuple[str, str, str]] = COLUMNS) -> str:
+    """A table of ``columns`` (one row per W); ``~``: extrapolated."""
+    head = "| " + " | ".join(c[1] for c in columns) + " |"
+    lines = [head, "|" + "---:|" * len(columns)]
     for r in rows:
         vals = {"world": r.world, **r.values}
         cells = []
-        for key, _, form in COLUMNS:
+        for key, _, form in columns:
             value = vals.get(key, math.nan)
             cells.append(
                 ("~" if key in r.extrapolated else "") + (human(value) if form == "bytes" else form.format(value))
@@ -454,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"W={w}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     extrapolate(rows)
-    print(markdown(rows))
+    print(markdown(rows, SAVE_COLUMNS) + "\n\n" + markdown(rows, LOAD_COLUMNS))
     print("\n~ extrapolated from the two largest W measured (--validate-max-world)")
     print("\n* scaled from the sampled tensors (--dcp-layers) to all of them by count")
     if len(rows) > 1:

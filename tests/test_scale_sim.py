@@ -9,11 +9,12 @@ here; a cost injected into the save's manifest builder shows that the check catc
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 
 import pytest
-from benchmarks import scale_sim
+from benchmarks import scale_ledger, scale_sim
 
 from shardline.checkpoint.integrity.reading import assign_hashing
 from shardline.checkpoint.lifecycle import save as save_module
@@ -28,6 +29,7 @@ LINEAR = {
     "canonical_json_s": 1.4,
     "load_global_plan_s": 1.4,
     "load_plan_per_rank_s": 1.4,
+    "metadata_open_per_rank_s": 1.4,
     "resume_select_s": 1.4,
     "dcp_global_plan_s": 1.4,
     "dcp_finish_s": 1.4,
@@ -97,3 +99,15 @@ def test_hashing_assignment_follows_its_rule(seed: int) -> None:
         for _ in range(ranks)
     ]
     assert assign_hashing(files, reads) == _assign_by_scanning_every_rank(files, reads)
+
+
+@pytest.mark.parametrize("keep_last", [3, 0])
+def test_ledger_reads_scale_no_worse_than_linearly(keep_last: int) -> None:
+    """``shardline lineage``, resume selection and the report over a ledger 8x longer take at most ~8x longer
+    (keep_last 0: every checkpoint kept, so resume selection has one candidate per row)."""
+    small, large = (scale_ledger.ledger_scan(n, report=True, keep_last=keep_last) for n in (200, 1600))
+    slopes = {
+        key: math.log(large[key] / small[key]) / math.log(large["rows"] / small["rows"])
+        for key in ("lineage_s", "resume_select_s", "report_collect_s")
+    }
+    assert max(slopes.values()) < 1.4, slopes
