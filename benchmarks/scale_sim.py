@@ -24,10 +24,11 @@ two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it 
   not sent), and the floor they put on the save at S3's documented 3,500 PUT/s and 5,500 GET/s per prefix.
 
 Note: the DCP pieces scale with the number of tensors times W (35M chunks at W=16,384), more than
-one process here can hold, so they run on ``--dcp-layers`` decoder layers (default 1: 30 of the
-2,169 tensors) and are scaled to all tensors by their count (each tensor's planning is independent
-of the others'); columns so scaled are marked in the table. Everything shardline gathers or writes
-per file runs at full size. The ledger over many saves is ``benchmarks/scale_ledger.py``.
+one process here can hold, so they run on ``--dcp-layers`` decoder layers (default 1: with the
+embedding, final norm and head, 36 of the 2,169 tensors) and are scaled to all tensors by their
+count (each tensor's planning is independent of the others'); columns so scaled are marked in the
+table. Everything shardline gathers or writes per file runs at full size.
+The ledger over many saves is ``benchmarks/scale_ledger.py``.
 
     python -m benchmarks.scale_sim [--worlds 8,64,512,1024,4096,16384] [--files 8] [--json out.json]
 """
