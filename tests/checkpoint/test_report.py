@@ -147,6 +147,28 @@ def test_damage_and_deletion_show_up(run, capsys) -> None:
     assert facts.checkpoints[1].signature_status.startswith("signed (signature file present; not checked")
 
 
+def test_moved_and_deleted_checkpoints_are_told_apart(run) -> None:
+    """A checkpoint's later tombstone row marks it deleted; a later quarantine row naming it marks it moved aside."""
+    from shardline.checkpoint.provenance.ledger import Ledger
+    from shardline.checkpoint.provenance.records import record_quarantine
+    from shardline.checkpoint.provenance.retention import retire
+    from shardline.checkpoint.storage.stores import locate
+    from shardline.report.collect import Status
+
+    run_dir, _ = run
+    checkpoints = run_dir / "checkpoints"
+    ledger = Ledger(checkpoints / "lineage.sqlite")
+    retire(checkpoints / "step-2", ledger=ledger, reason="deleted to test the report")
+    step4, aside = locate(checkpoints / "step-4"), locate(checkpoints / "step-4.damaged-test")
+    record_quarantine(ledger, checkpoint=step4, moved_to=aside, recorded=ledger.recorded_hash(step4), reason="test")
+    (checkpoints / "step-4").rename(checkpoints / "step-4.damaged-test")
+    facts = collect_run(run_dir)
+    status = {f.row.step: f.status for f in facts.checkpoints}
+    assert status == {2: Status.DELETED, 4: Status.MOVED}
+    moved = next(f for f in facts.checkpoints if f.row.step == 4)
+    assert "moved aside to step-4.damaged-test: test" in moved.problems[0]
+
+
 def test_no_ledger_is_said_plainly(tmp_path: Path) -> None:
     path, facts = write_report(tmp_path)
     assert facts.lineage_error

@@ -38,7 +38,7 @@ from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointError, IntegrityError
 
-__all__ = ["DIGEST_INDEX_PREFIX", "HashingWriter"]
+__all__ = ["DIGEST_INDEX_PREFIX", "HashingWriter", "digest_result", "split_digests"]
 
 DIGEST_INDEX_PREFIX = "__shardline_file_digest__/"
 
@@ -79,6 +79,41 @@ def _nbytes(item: WriteItem) -> int:
 
 def _is_digest(result: WriteResult) -> bool:
     return result.index.fqn.startswith(DIGEST_INDEX_PREFIX)
+
+
+def digest_result(record: FileDigest) -> WriteResult:
+    """The extra ``WriteResult`` that carries one written file's digest to the coordinator in DCP's gather."""
+    return WriteResult(
+        index=MetadataIndex(DIGEST_INDEX_PREFIX + record.path),
+        size_in_bytes=record.bytes,
+        storage_data=record.to_json(),
+    )
+
+
+def split_digests(results: list[list[WriteResult]]) -> tuple[list[list[WriteResult]], dict[str, FileDigest]]:
+    """The coordinator's part of ``finish`` before DCP's own: every rank's results without the digest records
+    (what DCP's ``finish`` gets), and the digest records by file name.
+
+    Raises:
+        CheckpointError: two ranks reported the same file.
+    """
+    digests: dict[str, FileDigest] = {}
+    clean: list[list[WriteResult]] = []
+    for rank_results in results:
+        kept: list[WriteResult] = []
+        clean.append(kept)
+        for r in rank_results:
+            if not _is_digest(r):
+                kept.append(r)
+            else:
+                record = FileDigest(**r.storage_data)
+                if record.path in digests:
+                    raise CheckpointError(
+                        f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "
+                        f"{record.path!r}; checkpoint file names must be unique per rank"
+                    )
+                digests[record.path] = record
+    return clean, digests
 
 
 class HashingWriter(FileSystemWriter):
@@ -191,12 +226,7 @@ class HashingWriter(FileSystemWriter):
         self._observer.on_phase(SavePhase.AFTER_SHARDS, rank)
         for full, (size, digest) in sorted(written.items()):
             name = os.path.relpath(full, self.path)
-            record = FileDigest(path=name, rank=rank, bytes=size, sha256=digest)
-            results.append(
-                WriteResult(
-                    index=MetadataIndex(DIGEST_INDEX_PREFIX + name), size_in_bytes=size, storage_data=record.to_json()
-                )
-            )
+            results.append(digest_result(FileDigest(path=name, rank=rank, bytes=size, sha256=digest)))
         fut: TorchFuture[list[WriteResult]] = TorchFuture()
         fut.set_result(results)
         return fut
@@ -206,19 +236,7 @@ class HashingWriter(FileSystemWriter):
         self._hfs.wait_synced()
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        digests: dict[str, FileDigest] = {}
-        clean: list[list[WriteResult]] = []
-        for rank_results in results:
-            clean.append([r for r in rank_results if not _is_digest(r)])
-            for r in rank_results:
-                if _is_digest(r):
-                    record = FileDigest(**r.storage_data)
-                    if record.path in digests:
-                        raise CheckpointError(
-                            f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "
-                            f"{record.path!r}; checkpoint file names must be unique per rank"
-                        )
-                    digests[record.path] = record
+        clean, digests = split_digests(results)
         self._hfs.take()
         self.sync_files = self._durable and not self._sync_later  # DCP's fsync of .metadata
         try:

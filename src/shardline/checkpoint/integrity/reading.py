@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
+import heapq
 import io
 import mmap
 import os
@@ -67,12 +68,28 @@ def assign_hashing(files: Mapping[str, int], reads: Sequence[Mapping[str, int]])
         files: ``name -> size`` of every file to hash.
         reads: Per rank, ``name -> bytes`` that rank reads from that file.
     """
+    # Note: linear in the files and the reads, not files x ranks (the coordinator of 16,384 ranks assigns 131k
+    # files): a file's candidates are the ranks that read it; a file no rank reads goes to the least loaded rank,
+    # kept at the top of a heap of (load, rank) whose stale entries are skipped.
     load = [0] * len(reads)
     out: list[list[str]] = [[] for _ in reads]
+    readers: dict[str, list[int]] = {}
+    for r, per_file in enumerate(reads):
+        for name, nbytes in per_file.items():
+            if nbytes > 0:
+                readers.setdefault(name, []).append(r)
+    least = [(0, r) for r in range(len(reads))]
     for name, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
-        best = max(range(len(reads)), key=lambda r: (reads[r].get(name, 0), -load[r], -r))
+        candidates = readers.get(name)
+        if candidates:
+            best = max(candidates, key=lambda r: (reads[r][name], -load[r], -r))
+        else:
+            while least[0][0] != load[least[0][1]]:
+                heapq.heappop(least)
+            best = least[0][1]
         out[best].append(name)
         load[best] += size
+        heapq.heappush(least, (load[best], best))
     return out
 
 

@@ -100,10 +100,12 @@ def find_candidates(
     if is_auto_resume(resume):
         found, broken = scan(directory)
         rows = ledger.rows() if ledger.path.is_file() else []
-        paths = [c.path for c in reversed(order(found, rows))]
-        damaged = tuple(Damaged(str(d.path), d.reason) for d in broken)
-    else:
-        given = locate(resume, storage_options=storage_options)
-        paths = [store_for(given).find_checkpoint(given, given=str(resume), directory=directory)]
-        damaged = ()
-    return ResumeCandidates(committed=tuple(Candidate(str(p), ledger.recorded_hash(p)) for p in paths), damaged=damaged)
+        # The hash each one's newest commit row records (Ledger.recorded_hash), from the rows read once.
+        recorded = {r.checkpoint: r.manifest_sha256 for r in rows if r.is_commit}
+        candidates = tuple(
+            Candidate(str(c.path), recorded.get(ledger.name_of(c.path))) for c in reversed(order(found, rows))
+        )
+        return ResumeCandidates(committed=candidates, damaged=tuple(Damaged(str(d.path), d.reason) for d in broken))
+    given = locate(resume, storage_options=storage_options)
+    path = store_for(given).find_checkpoint(given, given=str(resume), directory=directory)
+    return ResumeCandidates(committed=(Candidate(str(path), ledger.recorded_hash(path)),), damaged=())

@@ -1,0 +1,484 @@
+"""Simulator: shardline's checkpoint protocol at W ranks, run in one process with shardline's own code.
+
+What each rank's transport would carry is built as the objects DCP gathers or scatters (no
+process group, no data written): each rank's data files are replaced by their sizes and stand-in
+digests, and the state dict is a 70B Llama's tensors (names and shapes from the published config:
+80 layers, hidden 8192, intermediate 28672, 64 heads, 8 KV heads, vocab 128256; fp32 weights and
+two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it runs and times:
+
+* **Commit (rank 0)**: ``hashing_writer.split_digests`` over every rank's gathered write results
+  (the digest records of ``files`` files per rank), then the save's ``_records`` (provenance
+  statement, ``build_manifest``, canonical JSON, SHA-256) and ``render_sums``; each piece is also
+  timed on its own. ``bytes gathered`` is the pickled size of every rank's write results (DCP's
+  ``gather_object``): the digest records plus DCP's own per-item results.
+* **DCP planning**: torch's ``DefaultSavePlanner.create_global_plan`` over W local plans of
+  ``WriteItem`` chunks, and ``.metadata`` as ``FileSystemWriter.finish`` pickles it.
+* **Load planning**: every rank's check and unpickling of ``.metadata`` (``opening.py``: SHA-256, then
+  ``dcp_io.unpickle_metadata``), one rank's read plan against that metadata (torch's
+  ``create_read_items_for_chunk_list``, the resharding planner every rank runs), and rank 0's
+  global plan in shardline's ``VerifyingReader.prepare_global_plan`` (which rank hashes which file).
+* **Resume selection**: ``resume.find_candidates`` over a directory of ``--keep`` committed
+  checkpoints of W ranks and a 1,000-row ledger.
+* **Object store**: the requests a save and a verified load make under the checkpoint's prefix,
+  counted from the store's operations (claim, multipart uploads of 8 MiB parts, records; computed,
+  not sent), and the floor they put on the save at S3's documented 3,500 PUT/s and 5,500 GET/s per prefix.
+
+Note: the DCP pieces scale with the number of tensors times W (35M chunks at W=16,384), more than
+one process here can hold, so they run on ``--dcp-layers`` decoder layers (default 1: with the
+embedding, final norm and head, 36 of the 2,169 tensors) and are scaled to all tensors by their
+count (each tensor's planning is independent of the others'); columns so scaled are marked in the
+table. Everything shardline gathers or writes per file runs at full size.
+The ledger over many saves is ``benchmarks/scale_ledger.py``.
+
+    python -m benchmarks.scale_sim [--worlds 8,64,512,1024,4096,16384] [--files 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import (
+    DefaultSavePlanner,
+    _validate_global_plan,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
+
+from benchmarks.scale_layout import (
+    LLAMA_70B,
+    Tensor,
+    fake_sha256,
+    file_bytes,
+    llama_tensors,
+    rank_rows,
+    state_dict_keys,
+)
+from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
+from shardline.checkpoint.format.dcp_io import unpickle_metadata
+from shardline.checkpoint.integrity.hashing import FileDigest
+from shardline.checkpoint.integrity.hashing_writer import digest_result, split_digests
+from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST_HASH_FILE, build_manifest, render_sums
+from shardline.checkpoint.integrity.reading import VerifyingReader
+from shardline.checkpoint.lifecycle import save as save_module
+from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint
+from shardline.checkpoint.lifecycle.resume import find_candidates
+from shardline.checkpoint.provenance.ledger import Ledger
+from shardline.checkpoint.storage.stores import locate
+
+__all__ = ["WORLDS", "SimulatedSave", "main", "simulate"]
+
+WORLDS = (8, 64, 512, 1024, 4096, 16384)
+PART = 8 << 20  # the object store's upload part and read block (storage/objects.py: block_size)
+PUT_PER_S, GET_PER_S = 3500, 5500  # S3's documented request rates per prefix
+
+
+def timed(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    """``(median seconds of reps calls, the last result)``."""
+    times, out = [], None
+    gc.disable()  # as timeit does: a collection the live objects of W simulated ranks trigger is not the code's cost
+    try:
+        for _ in range(reps):
+            t = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t)
+    finally:
+        gc.enable()
+    return statistics.median(times), out
+
+
+def _units(world: int, layers: int) -> list[dict[str, Any]]:
+    """``describe_units`` records of a FULL_SHARD Llama: one unit per decoder layer, then the root."""
+    mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None, "buffer_dtype": None,
+          "cast_forward_inputs": True}  # fmt: skip
+    unit = {"strategy": "full_shard", "shard_size": world, "replicate_size": 1, "master_dtype": "float32",
+            "mixed_precision": mp}  # fmt: skip
+    params = llama_tensors(layers=layers)
+    numel = {name: math.prod(shape) for name, shape in params}
+    out = []
+    for i in range(layers):
+        mine = [n for n in numel if n.startswith(f"model.layers.{i}.")]
+        out.append({**unit, "name": f"model.layers.{i}", "params": len(mine), "numel": sum(numel[n] for n in mine)})
+    rest = [n for n in numel if not n.startswith("model.layers.")]
+    return [*out, {**unit, "name": "", "params": len(rest), "numel": sum(numel[n] for n in rest)}]
+
+
+def _model_info(tensors: list[Tensor]) -> dict[str, Any]:
+    state = {t.key.removeprefix("model."): [list(t.shape), "float32"] for t in tensors if t.key.startswith("model.")}
+    return {"parameters": sum(math.prod(s[0]) for s in state.values()), "scalars": [], "state": state,
+            "tensors": len(state), "tied": []}  # fmt: skip
+
+
+def captured_checkpoint(final: Path, world: int, tensors: list[Tensor], layers: int) -> CapturedCheckpoint:
+    """What a save's capture hands the commit (the state dict itself is not needed there)."""
+    return CapturedCheckpoint(
+        final=locate(final),
+        step=100_000,
+        tag=None,
+        kind="sharded",
+        world_size=world,
+        state_dict={},
+        units=_units(world, layers),
+        model_info=_model_info(tensors),
+        contents={"model": True, "optimizer": True, "trainer_state": True, "config": True, "per_rank_state": True},
+        config_sha256=fake_sha256("config"),
+        data_fingerprint="simulated",
+        parent_manifest_hash=fake_sha256("parent"),
+        config={"model": "llama-3-70b", "world_size": world},
+    )
+
+
+def rank_digests(tensors: list[Tensor], world: int, rank: int, files: int) -> list[FileDigest]:
+    """The digests rank ``rank`` reports for its ``files`` data files."""
+    sizes = file_bytes(tensors, world, rank, files)
+    return [
+        FileDigest(path=f"__{rank}_{n}.distcp", rank=rank, bytes=size, sha256=fake_sha256(f"{rank}/{n}"))
+        for n, size in enumerate(sizes)
+    ]
+
+
+def _chunk(t: Tensor, world: int, rank: int) -> ChunkStorageMetadata:
+    start, rows = rank_rows(t.shape[0], world, rank)
+    offsets = torch.Size([start, *([0] * (len(t.shape) - 1))])
+    return ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *t.shape[1:]]))
+
+
+def local_save_plan(tensors: list[Tensor], world: int, rank: int) -> SavePlan:
+    """Rank ``rank``'s DCP save plan: one SHARD item per tensor (its DTensor piece), as DCP's planner builds it."""
+    items = []
+    props = TensorProperties(dtype=torch.float32)
+    for t in tensors:
+        chunk = _chunk(t, world, rank)
+        data = TensorWriteData(chunk=chunk, properties=props, size=torch.Size(t.shape))
+        items.append(WriteItem(index=MetadataIndex(t.key, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data))
+    return SavePlan(items, planner_data={})
+
+
+def _item_results(plan: SavePlan, rank: int, files: int, t: Tensor | None = None) -> list[WriteResult]:
+    """DCP's write results of a rank's plan: each item in one of its files, as ``FileSystemWriter`` reports them."""
+    out = []
+    offset = [0] * files
+    for n, item in enumerate(plan.items):
+        assert item.tensor_data is not None
+        length = math.prod(item.tensor_data.chunk.sizes) * 4
+        k = n % files
+        info = _StorageInfo(relative_path=f"__{rank}_{k}.distcp", offset=offset[k], length=length)
+        offset[k] += length
+        out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+    return out
+
+
+@dataclasses.dataclass
+class SimulatedSave:
+    """One W's measurements (seconds, bytes, counts); ``scaled`` names the fields scaled from sampled tensors."""
+
+    world: int
+    files: int
+    values: dict[str, float] = dataclasses.field(default_factory=dict)
+    scaled: list[str] = dataclasses.field(default_factory=list)
+    extrapolated: list[str] = dataclasses.field(default_factory=list)
+
+
+def _object_store(digests: list[FileDigest], records: dict[str, int], world: int) -> dict[str, float]:
+    """Requests a save and a verified load make under the checkpoint's prefix (see the module note)."""
+
+    def puts(size: int) -> int:
+        return 1 if size <= PART else 2 + -(-size // PART)  # initiate + parts + complete
+
+    def gets(size: int) -> int:
+        return max(1, -(-size // PART))
+
+    sizes = [d.bytes for d in digests] + list(records.values())
+    # claim (conditional PUT), listing of the parent for the newest committed, claim deleted after the commit
+    save_requests = 2 + 1 + sum(puts(s) for s in sizes)
+    objects = len(sizes)
+    load_requests = -(-objects // 1000) + sum(gets(s) for s in sizes)
+    return {
+        "objects_per_prefix": objects,
+        "save_requests": save_requests,
+        "save_floor_s": save_requests / PUT_PER_S,
+        "load_requests": load_requests,
+        "load_floor_s": load_requests / GET_PER_S,
+    }
+
+
+def simulate(
+    world: int,
+    *,
+    files: int = 8,
+    layers: int = LLAMA_70B.layers,
+    dcp_layers: int = 1,
+    keep: int = 3,
+    reps: int | None = None,
+    workdir: Path | None = None,
+    validate_max_world: int = 4096,
+) -> SimulatedSave:
+    """Run the protocol's rank-0 and per-rank planning code for ``world`` ranks (see the module note).
+
+    torch's validation of the global save plan is quadratic in W for some tensors; above
+    ``validate_max_world`` it is not run (:func:`extrapolate` fills it in from the largest W measured).
+    """
+    reps = reps if reps is not None else (3 if world <= 1024 else 1)
+    tensors = state_dict_keys(layers=layers)
+    sample = state_dict_keys(layers=dcp_layers)
+    scale = len(tensors) / len(sample)
+    out = SimulatedSave(world=world, files=files)
+    v = out.values
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        root = Path(tmp)
+        final = root / "checkpoints" / "step-100000"
+        captured = captured_checkpoint(final, world, tensors, layers)
+
+        # --- DCP planning over the sampled tensors (scaled to all of them)
+        plans = [local_save_plan(sample, world, r) for r in range(world)]
+        planner = DefaultSavePlanner(flatten_state_dict=False)
+        # DefaultSavePlanner._create_global_plan, in its two parts: the plan and metadata, then their validation
+        t, (global_plan, metadata) = timed(lambda: create_default_global_save_plan(planner._dedup_save_plans(plans)), 1)
+        v["dcp_global_plan_s"] = t * scale
+        if world <= validate_max_world:
+            t, errors = timed(lambda: _validate_global_plan(global_plan, metadata), 1)
+            assert not errors, errors[:3]
+            v["dcp_validate_s"] = t * scale
+        else:
+            out.extrapolated.append("dcp_validate_s")
+        item_results = [_item_results(p, r, files) for r, p in enumerate(global_plan)]
+
+        def finish() -> tuple[Metadata, bytes]:  # FileSystemWriter.finish: every result's storage data, pickled
+            storage: dict[MetadataIndex, Any] = {}
+            for results in item_results:
+                storage.update({wr.index: wr.storage_data for wr in results})
+            md = dataclasses.replace(metadata, storage_data=storage)
+            return md, pickle.dumps(md)
+
+        t, (full_md, metadata_pickle) = timed(finish, 1)
+        v["dcp_finish_s"] = t * scale
+        v["dcp_metadata_bytes"] = len(metadata_pickle) * scale
+        # every rank, opening the checkpoint: .metadata hashed against the manifest, then unpickled (opening.py)
+        t_hash, _ = timed(lambda: sha256_hex(metadata_pickle), reps)
+        t_load, _ = timed(lambda: unpickle_metadata(metadata_pickle, DCP_METADATA), 1)
+        v["metadata_open_per_rank_s"] = (t_hash + t_load) * scale
+        dcp_gathered = sum(len(pickle.dumps(r)) for r in item_results) * scale
+
+        # --- what rank 0 gathers, and its commit work on it
+        digests = [d for r in range(world) for d in rank_digests(tensors, world, r, files)]
+        metadata_digest = FileDigest(DCP_METADATA, 0, int(v["dcp_metadata_bytes"]), fake_sha256(DCP_METADATA))
+        per_rank = [[digest_result(d) for d in digests[r * files : (r + 1) * files]] for r in range(world)]
+        v["gathered_bytes"] = sum(len(pickle.dumps(r)) for r in per_rank) + dcp_gathered
+        t_split, (_, by_name) = timed(lambda: split_digests(per_rank), reps)
+        gathered = [*by_name.values(), metadata_digest]
+        t_records, records = timed(lambda: save_module._records(captured, gathered), reps)
+        statement, _, listed, manifest_bytes, manifest_digest = records
+        t_sums, sums = timed(lambda: render_sums(manifest_digest, [d.to_json() for d in listed]), reps)
+        v["commit_rank0_s"] = t_split + t_records + t_sums
+        fields = {k: getattr(captured, k) for k in ("step", "tag", "kind", "world_size", "units", "config_sha256")}
+        build = {"model_info": captured.model_info, "contents": captured.contents, "files": listed,
+                 "data_fingerprint": "simulated", "parent_manifest_sha256": captured.parent_manifest_hash}  # fmt: skip
+        v["build_manifest_s"], manifest = timed(lambda: build_manifest(**fields, **build), reps)
+        v["canonical_json_s"], _ = timed(lambda: canonical_json(manifest), reps)
+        v["manifest_sha256_s"], _ = timed(lambda: sha256_hex(manifest_bytes), reps)
+        v["manifest_bytes"] = len(manifest_bytes)
+        v["statement_bytes"] = len(statement)
+        v["sums_bytes"] = len(sums)
+
+        # --- load planning: one rank's resharding plan, rank 0's global plan (who hashes which file)
+        mid = world // 2
+
+        def rank_plan(rank: int) -> list[ReadItem]:
+            md = full_md.state_dict_metadata
+            items = []
+            for t in sample:
+                saved = md[t.key]
+                assert isinstance(saved, TensorStorageMetadata)
+                items += create_read_items_for_chunk_list(t.key, saved, [_chunk(t, world, rank)])
+            return items
+
+        t, _ = timed(lambda: rank_plan(mid), reps)
+        v["load_plan_per_rank_s"] = t * scale
+        load_plans = []
+        for results in item_results:  # same world and layout: each rank reads back its own items
+            items = [
+                ReadItem(LoadItemType.TENSOR, wr.index, torch.Size([0]), wr.index, torch.Size([0]), torch.Size([1]))
+                for wr in results
+            ]
+            load_plans.append(LoadPlan(items))
+        reader = VerifyingReader(root, full_md, to_hash=[d.to_json() for d in listed if d.path.endswith(".distcp")])
+        reader.set_up_storage_reader(full_md, is_coordinator=True)
+        v["load_global_plan_s"], _ = timed(lambda: reader.prepare_global_plan(load_plans), reps)
+
+        # --- resume selection over `keep` committed checkpoints of this W
+        for n in range(keep):
+            d = root / "checkpoints" / f"step-{(n + 1) * 1000}"
+            d.mkdir(parents=True)
+            (d / "manifest.json").write_bytes(manifest_bytes)
+            (d / MANIFEST_HASH_FILE).write_text(f"{manifest_digest}  manifest.json\n")
+        ledger = Ledger(root / "lineage.sqlite")
+        directory = locate(root / "checkpoints")
+        v["resume_select_s"], found = timed(lambda: find_candidates("auto", directory=directory, ledger=ledger), 1)
+        assert len(found.committed) == keep, found
+
+        records_sizes = {"provenance.intoto.json": len(statement), "manifest.json": len(manifest_bytes),
+                         MANIFEST_HASH_FILE: 81, "SHA256SUMS": len(sums)}  # fmt: skip
+        v.update(_object_store([*digests, metadata_digest], records_sizes, world))
+    out.scaled = [
+        "dcp_global_plan_s",
+        "dcp_validate_s",
+        "dcp_finish_s",
+        "dcp_metadata_bytes",
+        "gathered_bytes",
+        "load_plan_per_rank_s",
+    ]
+    return out
+
+
+SAVE_COLUMNS = [
+    ("world", "W", "{:,.0f}"),
+    ("commit_rank0_s", "rank-0 commit (s)", "{:.3f}"),
+    ("build_manifest_s", "build manifest (s)", "{:.3f}"),
+    ("canonical_json_s", "canonical JSON (s)", "{:.3f}"),
+    ("manifest_sha256_s", "manifest SHA-256 (s)", "{:.4f}"),
+    ("manifest_bytes", "manifest", "bytes"),
+    ("statement_bytes", "statement", "bytes"),
+    ("gathered_bytes", "gathered to rank 0 *", "bytes"),
+    ("dcp_global_plan_s", "DCP global plan (s) *", "{:.1f}"),
+    ("dcp_validate_s", "DCP plan validation (s) *", "{:.0f}"),
+    ("dcp_finish_s", "DCP finish (s) *", "{:.1f}"),
+    ("dcp_metadata_bytes", ".metadata *", "bytes"),
+]
+LOAD_COLUMNS = [
+    ("world", "W", "{:,.0f}"),
+    ("metadata_open_per_rank_s", "open .metadata per rank (s) *", "{:.2f}"),
+    ("load_plan_per_rank_s", "load plan per rank (s) *", "{:.2f}"),
+    ("load_global_plan_s", "rank-0 load global plan (s)", "{:.3f}"),
+    ("resume_select_s", "resume selection (s)", "{:.3f}"),
+    ("objects_per_prefix", "objects per prefix", "{:,.0f}"),
+    ("save_requests", "save requests", "{:,.0f}"),
+    ("save_floor_s", "save floor at 3,500/s (s)", "{:.1f}"),
+    ("load_requests", "load requests", "{:,.0f}"),
+    ("load_floor_s", "load floor at 5,500/s (s)", "{:.1f}"),
+]
+COLUMNS = SAVE_COLUMNS + LOAD_COLUMNS[1:]
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def extrapolate(rows: list[SimulatedSave]) -> None:
+    """Fill each row's ``extrapolated`` fields from the two largest W that measured them (their log-log slope)."""
+    for row in rows:
+        for key in row.extrapolated:
+            have = [r for r in rows if key in r.values and r.world < row.world]
+            if len(have) < 2:
+                row.values[key] = float("nan")
+                continue
+            a, b = have[-2], have[-1]
+            slope = math.log(b.values[key] / a.values[key]) / math.log(b.world / a.world)
+            row.values[key] = b.values[key] * (row.world / b.world) ** slope
+
+
+def markdown(rows: list[SimulatedSave], columns: list[tuple[str, str, str]] = COLUMNS) -> str:
+    """A table of ``columns`` (one row per W); ``~``: extrapolated."""
+    head = "| " + " | ".join(c[1] for c in columns) + " |"
+    lines = [head, "|" + "---:|" * len(columns)]
+    for r in rows:
+        vals = {"world": r.world, **r.values}
+        cells = []
+        for key, _, form in columns:
+            value = vals.get(key, math.nan)
+            cells.append(
+                ("~" if key in r.extrapolated else "") + (human(value) if form == "bytes" else form.format(value))
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def exponents(rows: list[SimulatedSave]) -> dict[str, float]:
+    """Each cost's log-log slope between the smallest and the largest W measured."""
+    lo, hi = rows[0], rows[-1]
+    out = {}
+    for key, a in lo.values.items():
+        if key in hi.extrapolated or key in lo.extrapolated:
+            continue
+        b = hi.values[key]
+        if a > 0 and b > 0:
+            out[key] = math.log(b / a) / math.log(hi.world / lo.world)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="comma-separated world sizes")
+    parser.add_argument("--files", type=int, default=8, help="data files per rank")
+    parser.add_argument("--layers", type=int, default=LLAMA_70B.layers)
+    parser.add_argument("--dcp-layers", type=int, default=1, help="decoder layers the DCP pieces run on (scaled)")
+    parser.add_argument("--keep", type=int, default=3, help="committed checkpoints resume selection chooses from")
+    parser.add_argument(
+        "--validate-max-world", type=int, default=4096, help="largest W whose DCP plan validation (quadratic) runs"
+    )
+    parser.add_argument("--json", type=Path, help="write the measurements here")
+    args = parser.parse_args(argv)
+    rows = []
+    for w in (int(x) for x in args.worlds.split(",")):
+        t = time.perf_counter()
+        rows.append(
+            simulate(
+                w,
+                files=args.files,
+                layers=args.layers,
+                dcp_layers=args.dcp_layers,
+                keep=args.keep,
+                validate_max_world=args.validate_max_world,
+            )
+        )
+        print(f"W={w}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    extrapolate(rows)
+    print(markdown(rows, SAVE_COLUMNS) + "\n\n" + markdown(rows, LOAD_COLUMNS))
+    print("\n~ extrapolated from the two largest W measured (--validate-max-world)")
+    print("\n* scaled from the sampled tensors (--dcp-layers) to all of them by count")
+    if len(rows) > 1:
+        print(
+            "\nlog-log slope, smallest to largest W: " + ", ".join(f"{k} {e:.2f}" for k, e in exponents(rows).items())
+        )
+    if args.json:
+        data = {"load_average": os.getloadavg(), "rows": [dataclasses.asdict(r) for r in rows]}
+        args.json.write_text(json.dumps(data, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
