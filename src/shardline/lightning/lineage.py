@@ -134,7 +134,44 @@ def _remove(strategy: FSDPStrategy | ModelParallelStrategy, filepath: Any) -> No
     coord.rank0_decides(retire_it, None)
 
 
-class LineageFSDPStrategy(FSDPStrategy):
+class _LineageCheckpoints:
+    """The checkpoint hooks both lineage strategies share; ``_model_key`` is where Lightning keeps the model state.
+
+    Note: a mixin placed before the Lightning strategy in the bases, so ``super().load_checkpoint`` is that
+    strategy's own load, run after every rank verified the checkpoint.
+    """
+
+    _model_key: str
+    _verify_level: VerifyLevel
+    _parent: str | None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Save ``checkpoint`` as a committed shardline checkpoint directory at ``filepath`` (a collective)."""
+        self._parent = _save(
+            self._strategy(),
+            checkpoint,
+            filepath,
+            model_key=self._model_key,
+            parent=self._parent,
+            storage_options=storage_options,
+        )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verify the checkpoint on every rank, then load it as the Lightning strategy does."""
+        path, self._parent = _verify(self._strategy(), checkpoint_path, self._verify_level)
+        loaded: dict[str, Any] = super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
+        return loaded
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a pruned checkpoint behind a tombstone row in ``lineage.sqlite`` (a collective)."""
+        _remove(self._strategy(), filepath)
+
+    def _strategy(self) -> FSDPStrategy | ModelParallelStrategy:
+        assert isinstance(self, (FSDPStrategy, ModelParallelStrategy))  # only mixed into those two
+        return self
+
+
+class LineageFSDPStrategy(_LineageCheckpoints, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` whose checkpoints are committed shardline checkpoints (see the module note).
 
     Takes ``FSDPStrategy``'s arguments. Checkpoints are sharded (``state_dict_type="sharded"``, the default
@@ -153,6 +190,8 @@ class LineageFSDPStrategy(FSDPStrategy):
             unknown ``verify`` level.
     """
 
+    _model_key = "model"
+
     def __init__(self, *, verify: VerifyLevel | str = VerifyLevel.FULL, **kwargs: Any) -> None:
         state_dict_type = kwargs.pop("state_dict_type", "sharded")
         if state_dict_type != "sharded":
@@ -165,24 +204,8 @@ class LineageFSDPStrategy(FSDPStrategy):
         self._verify_level = VerifyLevel.parse(verify)
         self._parent: str | None = None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Save ``checkpoint`` as a committed shardline checkpoint directory at ``filepath`` (a collective)."""
-        self._parent = _save(
-            self, checkpoint, filepath, model_key="model", parent=self._parent, storage_options=storage_options
-        )
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Verify the checkpoint on every rank, then load it as ``FSDPStrategy`` does."""
-        path, self._parent = _verify(self, checkpoint_path, self._verify_level)
-        loaded: dict[str, Any] = super().load_checkpoint(path, weights_only=weights_only)
-        return loaded
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a pruned checkpoint behind a tombstone row in ``lineage.sqlite`` (a collective)."""
-        _remove(self, filepath)
-
-
-class LineageModelParallelStrategy(ModelParallelStrategy):
+class LineageModelParallelStrategy(_LineageCheckpoints, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` whose checkpoints are committed shardline checkpoints (see the module
     note).
 
@@ -198,6 +221,8 @@ class LineageModelParallelStrategy(ModelParallelStrategy):
             lineage), or an unknown ``verify`` level.
     """
 
+    _model_key = "state_dict"
+
     def __init__(self, *, verify: VerifyLevel | str = VerifyLevel.FULL, **kwargs: Any) -> None:
         if kwargs.get("save_distributed_checkpoint", True) is not True:
             raise ConfigurationError(
@@ -209,19 +234,3 @@ class LineageModelParallelStrategy(ModelParallelStrategy):
         super().__init__(**kwargs)
         self._verify_level = VerifyLevel.parse(verify)
         self._parent: str | None = None
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Save ``checkpoint`` as a committed shardline checkpoint directory at ``filepath`` (a collective)."""
-        self._parent = _save(
-            self, checkpoint, filepath, model_key="state_dict", parent=self._parent, storage_options=storage_options
-        )
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Verify the checkpoint on every rank, then load it as ``ModelParallelStrategy`` does."""
-        path, self._parent = _verify(self, checkpoint_path, self._verify_level)
-        loaded: dict[str, Any] = super().load_checkpoint(path, weights_only=weights_only)
-        return loaded
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a pruned checkpoint behind a tombstone row in ``lineage.sqlite`` (a collective)."""
-        _remove(self, filepath)
