@@ -25,6 +25,7 @@ from shardline.engine.comm import (
     Work,
 )
 from shardline.engine.grad import clip_grad_norm_
+from shardline.engine.grad_scaler import LossScaling, ShardedGradScaler
 from shardline.engine.guards import ddp_ignored_names
 from shardline.engine.init import materialize
 from shardline.engine.layout import FlatLayout, ParamLayout
@@ -46,11 +47,13 @@ __all__ = [
     "CommStats",
     "FlatLayout",
     "LayerPolicy",
+    "LossScaling",
     "MemoryStats",
     "MixedPrecision",
     "ParamLayout",
     "Residency",
     "ShardUnit",
+    "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
     "StrategyPolicy",

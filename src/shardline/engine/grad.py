@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,28 @@ from torch import nn
 from shardline.engine.registry import subtree_units
 from shardline.errors import ConfigurationError
 
-__all__ = ["clip_grad_norm_"]
+if TYPE_CHECKING:
+    from shardline.engine.unit import ShardUnit
+
+__all__ = ["clip_grad_norm_", "common_dp_root"]
+
+
+def common_dp_root(units: list[ShardUnit], what: str) -> ShardUnit:
+    """The first of ``units``, after checking that they all use the same data-parallel ranks.
+
+    Raises:
+        ConfigurationError: naming the two units whose groups differ and their ranks.
+    """
+    first = units[0]
+    for unit in units[1:]:
+        if not unit.mesh.same_dp_group(first.mesh):
+            raise ConfigurationError(
+                f"{what} needs every unit under the module to use the same data-parallel ranks, but "
+                f"{first.display_name!r} uses {dist.get_process_group_ranks(first.mesh.dp_group)} and "
+                f"{unit.display_name!r} uses {dist.get_process_group_ranks(unit.mesh.dp_group)}. Call it "
+                "on each group of units separately."
+            )
+    return first
 
 
 def clip_grad_norm_(
@@ -33,15 +55,7 @@ def clip_grad_norm_(
         return torch.nn.utils.clip_grad_norm_(
             module.parameters(), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
         )
-    first = units[0]
-    for unit in units[1:]:
-        if not unit.mesh.same_dp_group(first.mesh):
-            raise ConfigurationError(
-                f"clip_grad_norm_ needs every unit under the module to use the same data-parallel ranks, but "
-                f"{first.display_name!r} uses {dist.get_process_group_ranks(first.mesh.dp_group)} and "
-                f"{unit.display_name!r} uses {dist.get_process_group_ranks(unit.mesh.dp_group)}. Call it "
-                "on each group of units separately."
-            )
+    first = common_dp_root(units, "clip_grad_norm_")
     params = [sp.sharded for unit in units for sp in unit.params if sp.sharded.grad is not None]
     owned = [
         sp.sharded.grad
