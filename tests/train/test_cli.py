@@ -122,6 +122,28 @@ def test_the_documented_override_line_runs(tmp_path: Path) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["precision"] == "bf16-mixed"
 
 
+def test_fp16_mixed_precision_runs_with_a_loss_scaler(tmp_path: Path) -> None:
+    proc = shardline_train(
+        "experiment=tiny_gpt",
+        "trainer.devices=2",
+        "trainer.strategy=fsdp",
+        "++trainer.precision=16-mixed",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "trainer.val_batches=1",
+        "trainer.micro_batch_size=4",
+        "data.max_bytes=300000",
+        "data.seq_len=64",
+        *GPT_SMALL,
+        run_root=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((only_run_dir(tmp_path) / "summary.json").read_text())
+    assert summary["precision"] == "16-mixed"
+    assert summary["steps"] == 3, summary
+    assert math.isfinite(summary["final_train_loss"]), summary
+
+
 @pytest.mark.parametrize(
     ("strategy", "extra"),
     [("ddp", []), ("zero2", []), ("zero1", []), ("hsdp", ["trainer.strategy.shard_size=1"])],

@@ -4,7 +4,8 @@ Two knobs, two jobs:
 
 * ``trainer.precision`` decides **autocast** around forward and loss: ``32-true`` runs ops in
   the parameters' dtype, ``bf16-mixed`` runs autocast-eligible ops (matmuls, convolutions) in
-  bf16 while parameters stay as they are.
+  bf16 while parameters stay as they are. ``16-mixed`` does the same in fp16 and adds a
+  :class:`shardline.ShardedGradScaler` (loss scaling; an overflow on any rank skips the step on all).
 * ``trainer.strategy.mixed_precision`` (a :class:`shardline.MixedPrecision`) decides the dtype
   parameters are **gathered and computed in**, the dtype gradients are **reduced in**, and
   the buffers' dtype. It wins for those: with it set, gathered parameters are in its
@@ -28,8 +29,8 @@ from shardline.errors import ConfigurationError
 
 __all__ = ["PRECISIONS", "Precision", "autocast", "bf16_mixed_precision", "check_precision"]
 
-Precision = Literal["32-true", "bf16-mixed"]
-"""``trainer.precision``: no autocast, or autocast to bf16 around forward and loss."""
+Precision = Literal["32-true", "bf16-mixed", "16-mixed"]
+"""``trainer.precision``: no autocast, autocast to bf16, or autocast to fp16 with a loss scaler."""
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
@@ -47,7 +48,8 @@ def check_precision(precision: str) -> Precision:
     if precision not in PRECISIONS:
         raise ConfigurationError(
             f"trainer.precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)} "
-            "(bf16-mixed autocasts forward to bf16; 16-mixed would need loss scaling and is not offered)"
+            "(bf16-mixed autocasts forward to bf16; 16-mixed autocasts to fp16 and scales the loss, for GPUs "
+            "without bf16)"
         )
     return precision  # type: ignore[return-value]
 
@@ -55,8 +57,9 @@ def check_precision(precision: str) -> Precision:
 @contextlib.contextmanager
 def autocast(precision: str, device_type: str) -> Iterator[None]:
     """The autocast context ``trainer.precision`` asks for (a no-op for ``32-true``)."""
-    if precision == "bf16-mixed":
-        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+    if precision in ("bf16-mixed", "16-mixed"):
+        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+        with torch.autocast(device_type=device_type, dtype=dtype):
             yield
     else:
         yield

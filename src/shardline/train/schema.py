@@ -126,7 +126,8 @@ class TrainerConfig:
     """auto (cuda if available, else cpu), cpu or cuda; decides the backend (gloo or nccl)."""
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     precision: str = "32-true"
-    """32-true (no autocast) or bf16-mixed (autocast to bf16 around forward and loss)."""
+    """32-true (no autocast), bf16-mixed (autocast to bf16 around forward and loss) or 16-mixed (autocast to
+    fp16, with a loss scaler whose overflow verdict all ranks share)."""
     max_steps: int = 600
     """Optimizer steps to run."""
     micro_batch_size: int = 8

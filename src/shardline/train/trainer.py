@@ -114,6 +114,7 @@ class _PendingStep:
     comm_mib: float
     scheduler_before: dict[str, Any]
     data_digest: str
+    overflow: torch.Tensor  # 1: fp16 gradients overflowed on some rank, the update was skipped
 
 
 def _peak_mem_mib(device: torch.device) -> float:
@@ -194,12 +195,16 @@ class Trainer:
         self.precision = cfg.trainer.precision
         self.max_steps = cfg.trainer.max_steps
         self._skip = torch.zeros((), device=self.device)  # 1 once a step was not finite: no update after it
+        self._no_overflow = torch.zeros((), device=self.device)
+        self._overflow = self._no_overflow  # the last step's verdict, read with its loss
 
         torch.manual_seed(cfg.trainer.seed)
         self.corpus: Corpus = load_corpus(cfg.data)
         log.info("corpus: %s", self.corpus.describe())
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
+        # 16-mixed: fp16 gradients need loss scaling; an overflow skips the step on every rank (not a divergence).
+        self.scaler = shardline.ShardedGradScaler(self.model) if self.precision == "16-mixed" else None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_lambda(
@@ -374,34 +379,45 @@ class Trainer:
             )
             with sync:
                 loss = self._loss(x, y) / self.accumulate
-                loss.backward()
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             loss_sum += loss.detach()
         self._call("on_after_backward", step + 1)
         loss = self._global_mean(loss_sum)
         max_norm = self.cfg.trainer.gradient_clip_val or math.inf
+        overflow = (self.scaler.unscale_(self.optimizer) if self.scaler is not None else self._no_overflow).clone()
         if self.sharded:
             grad_norm = self._shards.clip_grad_norm_(max_norm)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        bad = torch.logical_not(torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.float32)
+        finite_norm = torch.isfinite(grad_norm) | (overflow > 0)  # an fp16 overflow is the scaler's to handle
+        bad = torch.logical_not(torch.isfinite(loss) & finite_norm).to(torch.float32)
         torch.maximum(self._skip, bad, out=self._skip)  # sticky: no update after a bad step either
         self._call("on_before_optimizer_step", step + 1)
-        self.optimizer.found_inf = self._skip  # type: ignore[attr-defined]  # read by the fused kernel: 1 skips
+        # read by the fused kernel: 1 skips
+        self.optimizer.found_inf = torch.maximum(self._skip, overflow)  # type: ignore[attr-defined]
         self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._overflow = overflow
         return loss, grad_norm.detach().to(self.device, torch.float32)
 
     def _read(self, pending: list[_PendingStep], wall_s: float) -> list[StepMetrics]:
         """One host read for the interval's steps; raises :class:`TrainingDiverged` at the first bad one."""
         if not pending:
             return []
-        values = torch.stack([t for p in pending for t in (p.loss, p.grad_norm)]).tolist()
+        values = torch.stack([t for p in pending for t in (p.loss, p.grad_norm, p.overflow)]).tolist()
         per_step = wall_s / len(pending)
         out: list[StepMetrics] = []
         for i, p in enumerate(pending):
-            loss, grad_norm = values[2 * i], values[2 * i + 1]
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            loss, grad_norm, overflow = values[3 * i], values[3 * i + 1], values[3 * i + 2]
+            if overflow:  # recorded as a NaN norm: the step did not update the weights
+                log.info(
+                    "step %d: fp16 gradients overflowed; the update was skipped and the loss scale lowered", p.step
+                )
+                grad_norm = math.nan
+            if not (math.isfinite(loss) and (overflow or math.isfinite(grad_norm))):
                 self._rewind_scheduler(p.scheduler_before)
                 bad = f"training loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
                 raise TrainingDiverged(
@@ -485,6 +501,7 @@ class Trainer:
                         comm_mib=(shardline.comm_stats(self.model).total_bytes - comm_before) / 2**20,
                         scheduler_before=scheduler_before,
                         data_digest=self.train_batches.digest(step) if self.is_rank0 else "",
+                        overflow=self._overflow,
                     )
                 )
                 self._call("on_train_batch_end", step + 1)
