@@ -62,7 +62,10 @@ def test_the_no_sharding_sentinel_has_one_meaning() -> None:
     [
         ("trainer.accelerator=gpu", r"trainer.accelerator='gpu'; use one of auto, cpu, cuda"),
         ("trainer.init_device=gpu", r"trainer.init_device='gpu'; use one of cpu, meta"),
-        ("trainer.precision=16-mixed", r"trainer.precision='16-mixed' is not supported; use one of 32-true, bf16"),
+        (
+            "trainer.precision=8-mixed",
+            r"trainer.precision='8-mixed' is not supported; use one of 32-true, bf16-mixed, 16-mixed",
+        ),
         ("trainer.strategy.state_dict_type=local", r"state_dict_type='local'; use one of sharded, full"),
         ("trainer.strategy.sharding_strategy=zero5", r"unknown sharding strategy 'zero5'"),
         (
