@@ -152,7 +152,6 @@ class Work(Protocol):
 
     def wait(self) -> bool:
         """Block until the collective has landed."""
-        ...
 
 
 class Collectives(Protocol):

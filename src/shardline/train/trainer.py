@@ -384,17 +384,21 @@ class Trainer:
         self._call("on_after_backward", step + 1)
         loss = self._global_mean(loss_sum)
         max_norm = self.cfg.trainer.gradient_clip_val or math.inf
-        overflow = (self.scaler.unscale_(self.optimizer) if self.scaler is not None else self._no_overflow).clone()
+        # Without a scaler the step is as before: no verdict to copy, and the fused kernel reads the sticky skip flag.
+        overflow = self.scaler.unscale_(self.optimizer).clone() if self.scaler is not None else self._no_overflow
         if self.sharded:
             grad_norm = self._shards.clip_grad_norm_(max_norm)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        finite_norm = torch.isfinite(grad_norm) | (overflow > 0)  # an fp16 overflow is the scaler's to handle
+        finite_norm = torch.isfinite(grad_norm)
+        if self.scaler is not None:
+            finite_norm = finite_norm | (overflow > 0)  # an fp16 overflow is the scaler's to handle
         bad = torch.logical_not(torch.isfinite(loss) & finite_norm).to(torch.float32)
         torch.maximum(self._skip, bad, out=self._skip)  # sticky: no update after a bad step either
         self._call("on_before_optimizer_step", step + 1)
         # read by the fused kernel: 1 skips
-        self.optimizer.found_inf = torch.maximum(self._skip, overflow)  # type: ignore[attr-defined]
+        found_inf = torch.maximum(self._skip, overflow) if self.scaler is not None else self._skip
+        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
