@@ -180,10 +180,16 @@ callbacks:
     assert done.data.tags["checkpoint/step-4/manifest_sha256"] == manifest_sha["step-4"]
     assert done.data.tags["shardline.resumed_from_step"] == "2"
     assert done.data.tags["shardline.run_dir"] == str(run_dir)
-    assert sorted(a.path for a in client.list_artifacts(done.info.run_id)) == ["config.yaml", "summary.json"]
+    assert sorted(a.path for a in client.list_artifacts(done.info.run_id)) == [
+        "checkpoint",
+        "config.yaml",
+        "summary.json",
+    ]
+    assert [a.path for a in client.list_artifacts(done.info.run_id, "checkpoint")] == ["checkpoint/step-4"]
     report = client.download_artifacts(done.info.run_id, "summary.json", str(tmp_path / "dl"))
     assert json.loads(Path(report).read_text()) == summary, "the run's summary, as summary.json holds it"
-    assert [a.path for a in client.list_artifacts(failed.info.run_id)] == ["config.yaml"]
+    assert [a.path for a in client.list_artifacts(failed.info.run_id)] == ["checkpoint", "config.yaml"]
+    assert [a.path for a in client.list_artifacts(failed.info.run_id, "checkpoint")] == ["checkpoint/step-2"]
 
     # W&B: two offline runs in the run directory, read back from W&B's own transaction logs.
     offline = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*")))
@@ -198,8 +204,12 @@ callbacks:
         assert logged == {int(s): float(r["loss"]) for s, r in attempt.items() if r["loss"]}
     assert crashed_wb["summary"]["checkpoint/step-2/manifest_sha256"] == manifest_sha["step-2"]
     assert done_wb["summary"]["checkpoint/step-4/manifest_sha256"] == manifest_sha["step-4"]
-    assert done_wb["artifacts"] == [("run-report", ["config.yaml", "summary.json"])]
-    assert crashed_wb["artifacts"] == []
+    manifest_files = ["files.table.json", "manifest.json"]
+    assert done_wb["artifacts"] == [
+        ("checkpoint-manifest", manifest_files),
+        ("run-report", ["config.yaml", "summary.json"]),
+    ]
+    assert crashed_wb["artifacts"] == [("checkpoint-manifest", manifest_files)]
 
 
 def test_a_missing_tracker_package_is_one_error_naming_the_extra(

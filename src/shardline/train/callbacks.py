@@ -18,7 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from shardline.train.records import LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, attempt_path
+from shardline.checkpoint.provenance.ledger import Ledger
+from shardline.checkpoint.provenance.tracker_record import committed_records
+from shardline.train.records import LEDGER_NAME, LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, attempt_path
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -197,11 +199,16 @@ class MetricsCSV(Callback):
 
 
 class TensorBoard(Callback):
-    """TensorBoard event files under ``<run_dir>/tensorboard`` when the ``[tensorboard]`` extra is installed."""
+    """TensorBoard event files under ``<run_dir>/tensorboard`` when the ``[tensorboard]`` extra is installed: the
+    step metrics as scalars, and each checkpoint committed during the attempt as a markdown table in the text tab
+    (``checkpoint/step-N``: manifest hash, parent, sharding, every file's rank, bytes and SHA-256)."""
 
     def __init__(self, subdir: str = "tensorboard") -> None:
         self.subdir = subdir
         self._writer: SummaryWriter | None = None
+        self._ledger: Ledger | None = None
+        self._ledger_seq = 0
+        self._logged_step: int | None = None
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if not trainer.is_rank0:
@@ -212,12 +219,28 @@ class TensorBoard(Callback):
             log.info("tensorboard is not installed (pip install 'shardline[tensorboard]'); skipping its logs")
             return
         self._writer = SummaryWriter(log_dir=str(Path(trainer.run_dir) / self.subdir))
+        self._ledger = Ledger(Path(trainer.run_dir) / LEDGER_NAME)
+        self._ledger_seq = max((r.seq for r in self._ledger.rows()), default=0) if self._ledger.path.is_file() else 0
+        self._logged_step = trainer.checkpoints.last_saved_step  # the one resumed from is an earlier attempt's
 
     def on_step_end(self, trainer: Trainer, m: StepMetrics) -> None:
         if self._writer is None:
             return
         for name in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib", "comm_mib"):
             self._writer.add_scalar(f"train/{name}", getattr(m, name), m.step)
+        if trainer.checkpoints.last_saved_step != self._logged_step:
+            self._log_checkpoints()
+
+    def _log_checkpoints(self) -> None:
+        """Each checkpoint committed since the last look, as markdown in the text tab (``checkpoint/step-N``)."""
+        if self._writer is None or self._ledger is None or not self._ledger.path.is_file():
+            return
+        rows = [r for r in self._ledger.rows() if r.seq > self._ledger_seq and r.is_commit]
+        if rows:
+            self._ledger_seq = max(r.seq for r in rows)
+            self._logged_step = max(r.step for r in rows)
+        for record in committed_records(self._ledger, rows):
+            self._writer.add_text(record.prefix, record.markdown(), record.step)
 
     def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None:
         if self._writer is not None:
@@ -225,6 +248,7 @@ class TensorBoard(Callback):
 
     def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
         if self._writer is not None:
+            self._log_checkpoints()
             self._writer.close()
             self._writer = None
 

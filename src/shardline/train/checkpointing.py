@@ -115,6 +115,7 @@ class TrainingCheckpoints:
             async_save=self.cfg.async_save,
             keep_last_n=int(self.cfg.keep_last_n),
             files_per_rank=int(self.cfg.files_per_rank),
+            tags=dict(cfg.tracking.tags),
         )
         self.last_saved_step: int | None = None
         self.recorded_global_batch: int | None = None

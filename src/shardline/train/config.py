@@ -63,8 +63,12 @@ CONFIG_MODULE = "shardline.train.conf"
 _STRATEGY_SELECT = re.compile(r"^(?:trainer\.strategy|trainer_strategy)=([A-Za-z_][A-Za-z0-9_-]*)$")
 
 
+_TAG_PREFIX = "tracking.tags."
+
+
 def rewrite_overrides(overrides: Sequence[str], config_dirs: Sequence[str | Path] = ()) -> list[str]:
-    """Turn ``trainer.strategy=NAME`` into the group selection ``trainer_strategy=FILE``.
+    """Turn ``trainer.strategy=NAME`` into the group selection ``trainer_strategy=FILE``, and a run tag
+    ``tracking.tags.KEY=VALUE`` into ``++tracking.tags.KEY=VALUE`` (adds it, or replaces the YAML's).
 
     ``NAME`` is a strategy file's name or a sharding-strategy name or alias (``zero3``,
     ``full_shard``, ``shard_grad_op``...), which selects the shipped file that sets it.
@@ -72,7 +76,14 @@ def rewrite_overrides(overrides: Sequence[str], config_dirs: Sequence[str | Path
     out = []
     for override in overrides:
         match = _STRATEGY_SELECT.match(override)
-        out.append(f"trainer_strategy={strategy_selection(match.group(1), config_dirs)}" if match else override)
+        if match:
+            out.append(f"trainer_strategy={strategy_selection(match.group(1), config_dirs)}")
+        elif override.startswith(_TAG_PREFIX):
+            # Note: tracking.tags is a free mapping, which Hydra's struct mode would refuse a new key of without
+            # the "+" it does not ask for elsewhere; "++" adds the tag or replaces the YAML's value of it.
+            out.append("++" + override)
+        else:
+            out.append(override)
     return out
 
 

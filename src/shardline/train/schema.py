@@ -27,6 +27,7 @@ from hydra.core.config_store import ConfigStore
 
 from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.checkpoint.state.model_state import SAVE_KINDS
 from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
@@ -44,6 +45,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "StrategyConfig",
+    "TrackingConfig",
     "TrainConfig",
     "TrainerConfig",
     "register_schemas",
@@ -272,6 +274,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """What experiment trackers and checkpoints record about the run, besides its config and metrics."""
+
+    tags: dict[str, str] = field(default_factory=dict)
+    """Run tags a team files runs under, e.g. {project: lm, ticket: ABC-1, dataset_licence: cc-by-4.0, owner: ana};
+    on the command line tracking.tags.ticket=ABC-1. Recorded in every checkpoint's manifest and provenance
+    statement (run_tags) and attached to the MLflow / W&B run. Keys: 1-64 letters, digits, _ - . /; values:
+    1-256 printable characters."""
+
+    def __post_init__(self) -> None:
+        check_run_tags(self.tags, where="tracking.tags")
+
+
+@dataclass
 class TrainConfig:
     """Everything ``shardline train`` needs."""
 
@@ -284,6 +300,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Named callbacks {name: {_target_: ..., ...}}; remove one with ~callbacks.NAME."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data (what ``config.yaml`` and each checkpoint's manifest record)."""

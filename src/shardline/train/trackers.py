@@ -10,10 +10,14 @@ Enable one under ``callbacks`` (in an experiment file, or ``+callbacks.mlflow._t
 
 Both record the same things: the resolved config flattened to ``section.key`` parameters, every
 step's metrics (the columns of ``metrics.csv``; the initial evaluation as ``val_loss`` at step
-0), each checkpoint committed during the attempt as ``checkpoint/step-N/manifest_sha256`` (an
-MLflow tag; a W&B summary entry, as W&B tags hold 64 characters), and at the end the run's
-summary (``summary.json``) and resolved config as artifacts. A run that fails is marked failed
-(MLflow ``FAILED``, W&B exit code 1) with what it logged so far.
+0), each checkpoint committed during the attempt (its manifest as an artifact, its sharding
+configuration, lineage parent and size as ``checkpoint/step-N/...`` keys -- MLflow tags, W&B
+summary entries, as W&B tags hold 64 characters -- and its file table of rank, path, bytes and
+SHA-256: :mod:`shardline.checkpoint.provenance.tracker_record`), and at the end the run's
+summary (``summary.json``) and resolved config as artifacts. The run tags (``tracking.tags``)
+are attached to the run (MLflow tags, W&B tags ``KEY:VALUE``), as each checkpoint's manifest
+records them. A run that fails is marked failed (MLflow ``FAILED``, W&B exit code 1) with what
+it logged so far.
 
 Each attempt of a run (the first, and each ``trainer.resume``) is one tracker run, tagged with
 the run directory and the step it resumed from: MLflow never lets a parameter change, and a
@@ -54,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from shardline.checkpoint import Ledger
+from shardline.checkpoint.provenance.tracker_record import FILE_COLUMNS, TrackerRecord, committed_records
 from shardline.errors import ConfigurationError
 from shardline.train.callbacks import Callback
 from shardline.train.records import CONFIG_FILE, LEDGER_NAME, SUMMARY_FILE
@@ -140,8 +145,9 @@ class _Tracker(Callback, abc.ABC):
         """Log one burst of ``(step, {metric: value})`` rows."""
 
     @abc.abstractmethod
-    def _log_checkpoints(self, hashes: dict[str, str]) -> None:
-        """Record each newly committed checkpoint's manifest hash, keyed by its name."""
+    def _log_checkpoints(self, hashes: dict[str, str], records: list[TrackerRecord]) -> None:
+        """Record each newly committed checkpoint: its manifest hash keyed by its name, and its record (one for
+        each checkpoint still readable: retention may have deleted one already)."""
 
     @abc.abstractmethod
     def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
@@ -190,6 +196,7 @@ class _Tracker(Callback, abc.ABC):
             "shardline.experiment": str(trainer.experiment),
             "shardline.world_size": str(trainer.info.world_size),
             "shardline.resumed_from_step": str(trainer.start_step),
+            **run_tags(trainer.cfg),
         }
         from shardline.train.config import to_yaml
 
@@ -265,10 +272,18 @@ class _Tracker(Callback, abc.ABC):
             return
         self._ledger_seq = max(r.seq for r in rows)
         self._tagged_steps.update(r.step for r in rows)
+        assert self._ledger is not None  # rows came from it
         self._submit(
             self._log_checkpoints,
             {f"checkpoint/{Path(r.checkpoint).name}/manifest_sha256": r.manifest_sha256 for r in rows},
+            committed_records(self._ledger, rows),
         )
+
+
+def run_tags(cfg: Any) -> dict[str, str]:
+    """The run tags of a ``shardline train`` config (``tracking.tags``; empty when it has none)."""
+    tracking = getattr(cfg, "tracking", None)
+    return dict(getattr(tracking, "tags", None) or {})
 
 
 def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
@@ -357,10 +372,18 @@ class MLflow(_Tracker):
         for chunk in _chunks(metrics, _MLFLOW_METRICS_BATCH):
             self._client.log_batch(self._run_id, metrics=chunk)
 
-    def _log_checkpoints(self, hashes: dict[str, str]) -> None:
+    def _log_checkpoints(self, hashes: dict[str, str], records: list[TrackerRecord]) -> None:
         from mlflow.entities import RunTag
 
-        self._client.log_batch(self._run_id, tags=[RunTag(k, v) for k, v in hashes.items()])
+        tags = dict(hashes)
+        for record in records:
+            tags.update(record.flat())
+        for chunk in _chunks([RunTag(k, v) for k, v in tags.items()], _MLFLOW_BATCH):
+            self._client.log_batch(self._run_id, tags=chunk)
+        for record in records:
+            # Note: the manifest's own bytes, so the downloaded file's SHA-256 is the manifest hash.
+            self._client.log_text(self._run_id, record.manifest_json.decode("utf-8"), f"{record.prefix}/manifest.json")
+            self._client.log_table(self._run_id, data=record.columns(), artifact_file=f"{record.prefix}/files.json")
 
     def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
         try:
@@ -385,6 +408,12 @@ def _file_store_allowed() -> bool:
 
     flag = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)
     return flag is None or bool(flag.get())
+
+
+def _wandb_tags(tags: dict[str, str]) -> list[str]:
+    """The user's run tags as W&B run tags, ``KEY:VALUE`` (W&B holds 64 characters a tag; the full values are in
+    the run's config as ``tracking.tags.KEY``)."""
+    return [_clip(f"{k}:{v}", 64) for k, v in tags.items() if not k.startswith("shardline.")]
 
 
 def _clip(text: str, limit: int) -> str:
@@ -432,7 +461,7 @@ class WandB(_Tracker):
             entity=self.entity,
             name=self.run_name or run.run_dir.name + (f" resume@{run.start_step}" if run.start_step else ""),
             config=params,
-            tags=[f"resumed@{run.start_step}"] if run.start_step else None,
+            tags=[*_wandb_tags(tags), *([f"resumed@{run.start_step}"] if run.start_step else [])] or None,
             settings=wandb.Settings(silent=True, console="off"),
         )
         self._wb.summary.update(tags)
@@ -442,8 +471,26 @@ class WandB(_Tracker):
         for step, values in rows:
             self._wb.log(values, step=step)
 
-    def _log_checkpoints(self, hashes: dict[str, str]) -> None:
-        self._wb.summary.update(hashes)
+    def _log_checkpoints(self, hashes: dict[str, str], records: list[TrackerRecord]) -> None:
+        import wandb
+
+        summary = dict(hashes)
+        for record in records:
+            summary.update(record.flat())
+        self._wb.summary.update(summary)
+        for record in records:
+            # Note: the table goes in the artifact, not the history: a checkpoint commits (async) after later
+            # steps were logged, and W&B drops history rows for a step below the current one.
+            artifact = wandb.Artifact(
+                f"{self._wb.id}-{record.name}",
+                type="checkpoint-manifest",
+                description=f"manifest {record.manifest_sha256}",
+                metadata={**record.flat(), **{f"run_tags/{k}": v for k, v in record.run_tags.items()}},
+            )
+            with artifact.new_file("manifest.json", mode="xb") as f:
+                f.write(record.manifest_json)
+            artifact.add(wandb.Table(columns=list(FILE_COLUMNS), data=record.rows()), "files")
+            self._wb.log_artifact(artifact)
 
     def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
         import wandb

@@ -121,12 +121,14 @@ def build_manifest(
     files: Sequence[FileDigest],
     created: datetime.datetime | None = None,
     sharding: Mapping[str, Any] | None = None,
+    run_tags: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The manifest dict of one checkpoint (plain JSON data, no floats).
 
     ``sharding`` (how the model or its state dict was sharded: ``state.engines.describe_sharding`` for a model,
     ``state.layout.describe_state_sharding`` for the DCP-native writer) is recorded when given; manifests written
-    before it existed lack the key and stay valid.
+    before it existed lack the key and stay valid. So are non-empty ``run_tags`` (``{key: value}`` strings the run is
+    filed under), as ``run_tags``.
     """
     created = created or datetime.datetime.now(datetime.timezone.utc)
     root = units[-1] if units else None
@@ -161,6 +163,8 @@ def build_manifest(
     }
     if sharding is not None:
         manifest["sharding"] = dict(sharding)
+    if run_tags:
+        manifest["run_tags"] = dict(run_tags)
     return manifest
 
 

@@ -30,6 +30,7 @@ from shardline.checkpoint.format.hf_export import hf_metadata
 from shardline.checkpoint.integrity.copy_check import StagedDigester, StagedTensor
 from shardline.checkpoint.integrity.manifest import describe_units
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.checkpoint.state.engines import describe_sharding, describe_torch_state, detect_engine, torch_state
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind, model_state_dict, param_index
 from shardline.checkpoint.state.optim_state import optimizer_state_dict
@@ -58,6 +59,8 @@ class SaveRequest:
         data_fingerprint: A string identifying the training data, recorded in the manifest.
         kind: ``"sharded"`` (each rank writes its shards; reshardable) or ``"full"`` (gathered, rank 0 writes).
         tag: Recorded in the manifest and, under a manager, in the directory name (``[a-z0-9_]+``).
+        run_tags: ``{key: value}`` strings a team files the run under (ticket, owner...), recorded in the
+            manifest and the provenance statement (:mod:`..provenance.run_tags`).
     """
 
     model: nn.Module
@@ -68,8 +71,10 @@ class SaveRequest:
     data_fingerprint: str | None = None
     kind: SaveKind = "sharded"
     tag: str | None = None
+    run_tags: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
+        check_run_tags(self.run_tags, where="run_tags")
         if self.kind not in SAVE_KINDS:
             raise ConfigurationError(
                 f"checkpoints are saved with kind 'sharded' (default; reshardable) or 'full' (gathered on rank 0), "
@@ -114,6 +119,8 @@ class CapturedCheckpoint:
     it current), or None when they came from the host."""
     sharding: dict[str, Any] = field(default_factory=dict)
     """The manifest's ``sharding`` section: the engine that sharded the model and how (:mod:`..state.engines`)."""
+    run_tags: dict[str, str] = field(default_factory=dict)
+    """The request's run tags (recorded in the manifest and the statement only when there are some)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -315,6 +322,7 @@ def capture(
         staged_digests=digester.digests(sd) if digester is not None else None,
         source_device=source_device,
         sharding=describe_sharding(model, engine),
+        run_tags=check_run_tags(request.run_tags),
     )
 
 

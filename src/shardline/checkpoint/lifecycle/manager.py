@@ -42,11 +42,12 @@ prefix first, so the mistake is one clear error instead of two interleaved check
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -78,6 +79,7 @@ from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRo
 from shardline.checkpoint.provenance.lineage import order
 from shardline.checkpoint.provenance.records import record_commit, record_restart, record_resume
 from shardline.checkpoint.provenance.retention import RetentionPolicy, apply_retention
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import local_path, locate, store_for
 from shardline.errors import (
@@ -126,10 +128,12 @@ class CheckpointManager:
             row in the ledger first (:mod:`.retention`), so the chain still verifies without them.
         files_per_rank: Files each rank writes per checkpoint, each hashed by its own writer thread
             (0, the default: the cores each rank has on its node, at most 8; :mod:`.parallelism`).
+        tags: Run tags (``{"ticket": "ABC-1", "owner": "..."}``), recorded in every checkpoint's
+            manifest and provenance statement (``run_tags``); a request's own ``run_tags`` win per key.
 
     Raises:
         ConfigurationError: ``keep_last_n`` or ``files_per_rank`` is negative; a URL with no
-            ``ledger_path``.
+            ``ledger_path``; a tag that is not a short ``KEY: VALUE`` string pair (:mod:`..provenance.run_tags`).
         StorageAccessError: a URL whose bucket does not exist, credentials are refused, or
             endpoint does not answer.
         LineageError: the ledger's chain does not verify, or committed checkpoints on disk are
@@ -147,7 +151,10 @@ class CheckpointManager:
         keep_last_n: int = 0,
         files_per_rank: int = AUTO,
         storage_options: dict[str, Any] | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> None:
+        self.tags = check_run_tags(tags)
+        """The run tags every save records (checked, sorted by key)."""
         self.retention = RetentionPolicy(keep_last_n=keep_last_n)
         resolve_files_per_rank(files_per_rank)
         self.files_per_rank = files_per_rank
@@ -253,6 +260,8 @@ class CheckpointManager:
                 vs free, and the last good checkpoint (which, like every earlier one, is intact).
         """
         self.wait()
+        if self.tags:
+            request = dataclasses.replace(request, run_tags={**self.tags, **(request.run_tags or {})})
         path = self.path_for(request.step, request.tag)
         tmp = preflight(path, process_group=self._io_group, run=self._run)
         captured = capture_agreed(

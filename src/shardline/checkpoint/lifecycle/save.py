@@ -470,6 +470,7 @@ def _records(
             parent_manifest_sha256=captured.parent_manifest_hash,
             world_size=captured.world_size,
             units=captured.units,
+            run_tags=captured.run_tags,
         )
     )
     statement_digest = sha256_hex(statement)
@@ -488,6 +489,7 @@ def _records(
         files=files,
         created=created,
         sharding=captured.sharding or None,
+        run_tags=captured.run_tags,
     )
     data = canonical_json(manifest)
     return statement, statement_digest, files, data, sha256_hex(data)

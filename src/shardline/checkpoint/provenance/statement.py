@@ -175,10 +175,14 @@ def build_statement(
     parent_manifest_sha256: str | None,
     world_size: int,
     units: Sequence[Mapping[str, Any]],
+    run_tags: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The in-toto Statement v1 of a checkpoint whose data files are ``files`` (``{path, sha256, ...}``)."""
+    """The in-toto Statement v1 of a checkpoint whose data files are ``files`` (``{path, sha256, ...}``).
+
+    Non-empty ``run_tags`` are recorded as ``predicate.run_tags`` (statements without them stay as before).
+    """
     subject = [{"name": str(f["path"]), "digest": {"sha256": str(f["sha256"])}} for f in files]
-    predicate = {
+    predicate: dict[str, Any] = {
         "checkpoint": {"step": int(step), "tag": tag, "state_dict_kind": kind, "created_at": created_at},
         "training_config": {
             "sha256": config_sha256,
@@ -195,6 +199,8 @@ def build_statement(
             "strategies": {str(u["name"]) or "<root>": str(u["strategy"]) for u in units},
         },
     }
+    if run_tags:
+        predicate["run_tags"] = dict(run_tags)
     return {
         "_type": STATEMENT_TYPE,
         "subject": sorted(subject, key=lambda s: s["name"]),
