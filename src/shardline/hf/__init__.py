@@ -5,7 +5,15 @@
 same behaviour. See docs/hf_trainer.md.
 """
 
+from shardline.hf.diagnostics import DiagnosticsCallback
 from shardline.hf.options import resolve_mixed_precision, resolve_wrap_policy
 from shardline.hf.trainer import ShardlineTrainer, ShardlineTrainerMixin, sharded
 
-__all__ = ["ShardlineTrainer", "ShardlineTrainerMixin", "resolve_mixed_precision", "resolve_wrap_policy", "sharded"]
+__all__ = [
+    "DiagnosticsCallback",
+    "ShardlineTrainer",
+    "ShardlineTrainerMixin",
+    "resolve_mixed_precision",
+    "resolve_wrap_policy",
+    "sharded",
+]

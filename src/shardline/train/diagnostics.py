@@ -10,30 +10,21 @@ steps it records memory at four points of each step (``batch_start``, ``after_ba
 ``before_optimizer_step``, ``batch_end``): the engine's accounting with its peak during the
 phase that just ended, and the process's peak RSS (or CUDA peak) during it. The table goes to
 each rank's log and rank 0's ``memory_phases.csv``.
+
+What is measured and how it reads is :class:`shardline.diagnostics.probe.DiagnosticsProbe`'s,
+which the Lightning and HF Trainer callbacks drive too; this callback prints and writes it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import csv
 import logging
 from typing import TYPE_CHECKING
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 
-from shardline.diagnostics.summaries import (
-    PhaseMemory,
-    comm_table,
-    peak_rss_bytes,
-    policy_summary,
-    precision_summary,
-    rank_summary,
-    reset_peak_rss,
-    unit_summary,
-)
-from shardline.engine import CommCounter, count_collectives, memory_stats, reset_peak_memory_stats, subtree_units
+from shardline.diagnostics.probe import DiagnosticsProbe, Setup
+from shardline.diagnostics.summaries import PhaseMemory
 from shardline.train.callbacks import Callback
 from shardline.train.records import MEMORY_PHASES_FILE, attempt_path
 
@@ -52,88 +43,65 @@ class Diagnostics(Callback):
         self, memory_steps: int = 3, dominant_unit_fraction: float = 0.5, uneven_tolerance: float = 0.25
     ) -> None:
         self.memory_steps = memory_steps
-        self.dominant_unit_fraction = dominant_unit_fraction
-        self.uneven_tolerance = uneven_tolerance
-        self.rows: list[PhaseMemory] = []
-        self._counter: CommCounter | None = None
-        self._counting: contextlib.AbstractContextManager[CommCounter] | None = None
-        self.setup_lines: list[str] = []
-        self.warnings: list[str] = []
+        self.probe = DiagnosticsProbe(
+            memory_steps=memory_steps, dominant_unit_fraction=dominant_unit_fraction, uneven_tolerance=uneven_tolerance
+        )
         self._console = Console(highlight=False, soft_wrap=True)
+
+    @property
+    def rows(self) -> list[PhaseMemory]:
+        return self.probe.rows
+
+    @property
+    def setup_lines(self) -> list[str]:
+        return self.probe.lines + self.probe.rank_lines
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.probe.warnings
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: Trainer) -> None:
-        cfg, model = trainer.cfg, trainer.model
-        units = subtree_units(model)
+        cfg = trainer.cfg
         strategy = cfg.trainer.strategy
-        lines = [f"strategy {strategy.name} ({strategy.sharding_strategy}), world size {trainer.info.world_size}"]
-        if units:
-            lines += unit_summary(units, trainer.info.world_size)
-        precision_lines, precision_warnings = precision_summary(cfg.trainer.precision, trainer.policies.mixed_precision)
-        lines += precision_lines
-        lines += policy_summary(model, units, trainer.policies.wrap, trainer.policies.checkpointing)
-        lines.append(f"checkpoint state-dict kind: {strategy.state_dict_type}")
-        rank_lines, rank_warnings = rank_summary(
-            trainer.info.rank,
-            trainer.info.world_size,
-            model,
-            units,
-            dominant_fraction=self.dominant_unit_fraction,
-            uneven_tolerance=self.uneven_tolerance,
+        setup = Setup(
+            rank=trainer.info.rank,
+            world_size=trainer.info.world_size,
+            strategy=f"{strategy.name} ({strategy.sharding_strategy})",
+            precision=cfg.trainer.precision,
+            mixed_precision=trainer.policies.mixed_precision,
+            wrap=trainer.policies.wrap,
+            checkpointing=trainer.policies.checkpointing,
+            state_dict_type=strategy.state_dict_type,
         )
-        self.setup_lines = lines + rank_lines
-        self.warnings = precision_warnings + rank_warnings
+        self.probe.describe(trainer.model, setup, first_step=trainer.start_step)
         for line in self.setup_lines:
             log.info("diagnostics: %s", line)
         for warning in self.warnings:
             log.warning("%s", warning)
         if trainer.is_rank0:
             self._console.print("[bold]diagnostics[/]")
-            for line in lines + rank_lines:
+            for line in self.setup_lines:
                 self._console.print("  " + escape(line))
-        reset_peak_memory_stats(trainer.model)
-        reset_peak_rss()
 
     # ------------------------------------------------------------------ per-phase memory
     def _mark(self, trainer: Trainer, step: int, phase: str) -> None:
-        if step > trainer.start_step + self.memory_steps:
-            return
-        stats = memory_stats(trainer.model, optimizer=trainer.optimizer)
-        measured = stats.sharded_params + stats.sharded_grads + stats.optimizer_state + stats.unsharded_grads
-        cuda = None
-        if trainer.device.type == "cuda":
-            cuda = torch.cuda.max_memory_allocated(trainer.device)
-            torch.cuda.reset_peak_memory_stats(trainer.device)
-        row = PhaseMemory(
-            step=step,
-            phase=phase,
-            engine_bytes=stats.total,
-            engine_peak_bytes=measured + stats.peak_unsharded_params + stats.peak_comm_buffers,
-            peak_rss_bytes=peak_rss_bytes(),
-            cuda_peak_bytes=cuda,
-        )
-        self.rows.append(row)
-        reset_peak_memory_stats(trainer.model)
-        reset_peak_rss()
-        if phase == "batch_end" and step == trainer.start_step + self.memory_steps:
+        row = self.probe.mark(trainer.model, step, phase, optimizer=trainer.optimizer, device=trainer.device)
+        if row is not None and phase == "batch_end" and self.probe.window_closes(step):
             self._log_memory_table(trainer)
 
     def on_train_batch_start(self, trainer: Trainer, step: int) -> None:
         self._mark(trainer, step, "batch_start")
         if step == trainer.start_step + 1:  # itemize the first step's collectives
-            self._counting = count_collectives(trainer.model)
-            self._counter = self._counting.__enter__()
+            self.probe.start_counting(trainer.model)
 
     def on_after_backward(self, trainer: Trainer, step: int) -> None:
         self._mark(trainer, step, "after_backward")
 
     def on_before_optimizer_step(self, trainer: Trainer, step: int) -> None:
         self._mark(trainer, step, "before_optimizer_step")
-        if self._counting is not None and self._counter is not None:
-            self._counting.__exit__(None, None, None)
-            self._counting = None
-            for line in comm_table(self._counter.records):
-                log.info("diagnostics: %s", line)
+        for line in self.probe.stop_counting():
+            log.info("diagnostics: %s", line)
 
     def on_train_batch_end(self, trainer: Trainer, step: int) -> None:
         self._mark(trainer, step, "batch_end")  # right after the step (on_step_end waits for the read)
@@ -143,23 +111,7 @@ class Diagnostics(Callback):
             self._log_memory_table(trainer)
 
     def _log_memory_table(self, trainer: Trainer) -> None:
-        log.info("diagnostics: memory per phase (peak = during the phase that ends at this point)")
-        for row in self.rows:
-            log.info("diagnostics: %s", row.line())
+        for line in self.probe.memory_lines():
+            log.info("diagnostics: %s", line)
         if trainer.is_rank0:
-            path = attempt_path(trainer.run_dir, MEMORY_PHASES_FILE)
-            with open(path, "w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(["step", "phase", "engine_mib", "engine_peak_mib", "peak_rss_mib", "cuda_peak_mib"])
-                for r in self.rows:
-                    cuda = "" if r.cuda_peak_bytes is None else f"{r.cuda_peak_bytes / 2**20:.3f}"
-                    writer.writerow(
-                        [
-                            r.step,
-                            r.phase,
-                            f"{r.engine_bytes / 2**20:.3f}",
-                            f"{r.engine_peak_bytes / 2**20:.3f}",
-                            f"{r.peak_rss_bytes / 2**20:.3f}",
-                            cuda,
-                        ]
-                    )
+            self.probe.write_memory_csv(attempt_path(trainer.run_dir, MEMORY_PHASES_FILE))

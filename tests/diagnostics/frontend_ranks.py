@@ -1,0 +1,58 @@
+"""Rank functions: the diagnostics callbacks of Lightning and HF Trainer, each logging to an MLflow run in a local
+store (the test reads it back with MLflow's own client)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+
+def lightning_fit(rank: int, world: int, root: str) -> dict[str, Any]:
+    """4 optimizer steps of the Lightning test model under ShardlineStrategy, with an MLFlowLogger."""
+    warnings.filterwarnings("ignore")
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from shardline.lightning import DiagnosticsCallback, ShardlineStrategy
+    from tests.lightning.ranks import _loader, lit_module
+    from tests.lightning.reference import Block
+
+    logger = MLFlowLogger(experiment_name="lit", tracking_uri=f"sqlite:///{root}/mlflow.db", save_dir=None)
+    callback = DiagnosticsCallback(memory_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ShardlineStrategy(auto_wrap_policy=[Block]),
+        max_steps=4,
+        callbacks=[callback],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        default_root_dir=root,
+    )
+    trainer.fit(lit_module(), _loader(8, rank, world))
+    return {"run_id": logger.run_id, "lines": callback.probe.lines, "text": callback.probe.text()}
+
+
+def hf_train(rank: int, world: int, root: str) -> dict[str, Any]:
+    """4 steps of a tiny Llama under ShardlineTrainer with report_to=["mlflow"]."""
+    import os
+
+    warnings.filterwarnings("ignore")
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
+    os.environ["MLFLOW_EXPERIMENT_NAME"] = "hf"
+    os.environ["DISABLE_MLFLOW_INTEGRATION"] = "FALSE"
+    from shardline.hf import DiagnosticsCallback, ShardlineTrainer
+    from tests.hf.trainer_script import Tokens, llama, targs
+
+    callback = DiagnosticsCallback(memory_steps=2)
+    args = targs(__import__("pathlib").Path(root), "out", report_to=["mlflow"])
+    trainer = ShardlineTrainer(model=llama(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    trainer.train()
+    import mlflow
+
+    run = mlflow.last_active_run()
+    return {"run_id": run.info.run_id if run else None, "lines": callback.probe.lines, "text": callback.probe.text()}

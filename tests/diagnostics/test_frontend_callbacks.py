@@ -1,0 +1,75 @@
+"""``shardline.lightning.DiagnosticsCallback`` and ``shardline.hf.DiagnosticsCallback``: ``shardline train``'s
+diagnostics (what was resolved, per-rank share, memory per phase, the first step's collectives) under Lightning and
+HF Trainer, read back from the MLflow run each front end's tracker wrote (MLflow's own client)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from shardline.testing import run_distributed
+from tests.diagnostics import frontend_ranks
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("mlflow", "lightning", "transformers")),
+    reason="needs the [mlflow], [lightning] and [hf] extras",
+)
+
+
+def _read_back(root: Path, run_id: str, tmp_path: Path) -> tuple[str, dict[str, dict[int, float]]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    text = Path(client.download_artifacts(run_id, "diagnostics.txt", str(tmp_path))).read_text()
+    run = client.get_run(run_id)
+    history = {
+        key: {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        for key in run.data.metrics
+        if key.startswith("diagnostics/")
+    }
+    return text, history
+
+
+def test_lightning_callback_logs_the_train_diagnostics_to_its_logger(tmp_path: Path) -> None:
+    (out,) = run_distributed(frontend_ranks.lightning_fit, 1, args=(str(tmp_path),), timeout=120)
+    text, history = _read_back(tmp_path, out["run_id"], tmp_path / "dl")
+    assert text == out["text"]
+    assert "strategy shardline (full_shard), world size 1" in text
+    assert "3 units over 1 ranks" in text
+    assert "wrap policy layer_policy(Block) matched 2 modules: 2 x Block" in text
+    assert "checkpoint state-dict kind: sharded" in text
+    assert "[rank 0] 3 units, 0 activation-checkpointed modules" in text
+    assert "collectives in one step:" in text
+    assert "memory per phase" in text
+    phases = ("batch_start", "after_backward", "before_optimizer_step", "batch_end")
+    for phase in phases:
+        assert set(history[f"diagnostics/peak_rss_mib/{phase}"]) == {1, 2}, phase
+        assert all(v > 0 for v in history[f"diagnostics/peak_rss_mib/{phase}"].values())
+        assert set(history[f"diagnostics/engine_mib/{phase}"]) == {1, 2}
+    folder = next(tmp_path.rglob("memory_phases.csv")).parent
+    with open(folder / "memory_phases.csv", newline="") as f:
+        rows = [(int(r["step"]), r["phase"]) for r in csv.DictReader(f)]
+    assert rows == [(s, p) for s in (1, 2) for p in phases]
+    assert (folder / "diagnostics.txt").read_text() == text
+
+
+def test_hf_callback_logs_the_train_diagnostics_to_the_mlflow_run_report_to_started(tmp_path: Path) -> None:
+    (out,) = run_distributed(frontend_ranks.hf_train, 1, args=(str(tmp_path),), timeout=120)
+    assert out["run_id"], "report_to=['mlflow'] opened a run"
+    text, history = _read_back(tmp_path, out["run_id"], tmp_path / "dl")
+    assert text == out["text"]
+    assert "strategy ShardlineTrainer (full_shard), world size 1" in text
+    assert "3 units over 1 ranks" in text
+    assert "wrap policy layer_policy(LlamaDecoderLayer) matched 2 modules: 2 x LlamaDecoderLayer" in text
+    assert "trainer.precision=32-true: no autocast" in text
+    assert "collectives in one step:" in text
+    assert "memory per phase" in text
+    for phase in ("batch_start", "before_optimizer_step", "batch_end"):
+        assert set(history[f"diagnostics/peak_rss_mib/{phase}"]) == {1, 2}, phase
+    with open(tmp_path / "out" / "memory_phases.csv", newline="") as f:
+        assert [(int(r["step"]), r["phase"]) for r in csv.DictReader(f)] == [
+            (s, p) for s in (1, 2) for p in ("batch_start", "before_optimizer_step", "batch_end")
+        ]
