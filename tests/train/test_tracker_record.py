@@ -1,5 +1,5 @@
-"""What MLflow, W&B and TensorBoard show for each checkpoint of a ``shardline train`` run, and the run tags that
-find it from either side: read back with MLflow's own client, from W&B's offline transaction log (its own
+"""What MLflow, W&B and TensorBoard show for each checkpoint of a ``shardline train`` run, the run tags that
+find it from either side, and the diagnostics that go with the run: read back with MLflow's own client, from W&B's offline transaction log (its own
 protobuf records) and with TensorBoard's own event reader."""
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ def tracked_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "tracking.tags.ticket=ABC-1",
                 "tracking.tags.owner=bob",  # the command line wins over the YAML
                 "~callbacks.loss_plot",
-                "~callbacks.diagnostics",
                 "+callbacks.mlflow._target_=shardline.train.trackers.MLflow",
                 "+callbacks.wandb._target_=shardline.train.trackers.WandB",
             ]
@@ -131,6 +130,15 @@ def test_mlflow_finds_the_run_by_ticket_and_shows_each_checkpoint(tracked_run: P
         assert table["columns"] == ["rank", "path", "bytes", "sha256"]
         assert sorted(table["data"], key=lambda r: r[1]) == _files(manifest)
 
+    # The diagnostics callback's findings (shardline train's on-screen diagnostics) go to the run too.
+    text = Path(client.download_artifacts(run.info.run_id, "diagnostics.txt", str(tmp_path))).read_text()
+    assert "wrap policy layer_policy(Block) matched 2 modules: 2 x Block" in text
+    assert "[rank 0] 3 units" in text
+    assert "memory per phase" in text
+    for phase in ("batch_start", "after_backward", "before_optimizer_step", "batch_end"):
+        history = client.get_metric_history(run.info.run_id, f"diagnostics/peak_rss_mib/{phase}")
+        assert sorted(m.step for m in history) == [1, 2], phase
+
 
 def test_wandb_offline_run_holds_the_tags_and_a_manifest_artifact_per_checkpoint(tracked_run: Path) -> None:
     (log_file,) = (Path(p) for p in glob.glob(str(tracked_run / "wandb" / "offline-run-*" / "run-*.wandb")))
@@ -143,6 +151,8 @@ def test_wandb_offline_run_holds_the_tags_and_a_manifest_artifact_per_checkpoint
     for r in records:
         if r.WhichOneof("record_type") == "summary":
             summary.update({u.key: json.loads(u.value_json) for u in r.summary.update})
+    assert "wrap policy layer_policy(Block) matched 2 modules" in summary["diagnostics"]
+    assert summary["diagnostics/peak_rss_mib/batch_end"] > 0
     artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
     manifests = _manifests(tracked_run)
     for name, (raw, manifest, digest) in manifests.items():

@@ -43,7 +43,10 @@ from shardline.engine import (
     subtree_units,
 )
 
-__all__ = ["MEMORY_COLUMNS", "DiagnosticsProbe", "Setup", "policies_from_model"]
+__all__ = ["DIAGNOSTICS_FILE", "MEMORY_COLUMNS", "DiagnosticsProbe", "Setup", "policies_from_model"]
+
+DIAGNOSTICS_FILE = "diagnostics.txt"
+"""What a tracker's copy of :meth:`DiagnosticsProbe.text` is named."""
 
 MEMORY_COLUMNS = ("step", "phase", "engine_mib", "engine_peak_mib", "peak_rss_mib", "cuda_peak_mib")
 """The columns of ``memory_phases.csv``."""

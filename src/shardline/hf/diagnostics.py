@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from shardline.diagnostics.probe import DiagnosticsProbe, Setup, policies_from_model
+from shardline.diagnostics.probe import DIAGNOSTICS_FILE, DiagnosticsProbe, Setup, policies_from_model
 from shardline.diagnostics.summaries import PhaseMemory
 from shardline.engine import subtree_units
 
@@ -40,7 +40,6 @@ __all__ = ["DIAGNOSTICS_FILE", "DiagnosticsCallback"]
 
 log = logging.getLogger("shardline.hf")
 
-DIAGNOSTICS_FILE = "diagnostics.txt"
 MEMORY_FILE = "memory_phases.csv"
 
 

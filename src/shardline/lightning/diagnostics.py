@@ -28,13 +28,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from shardline.diagnostics.probe import DiagnosticsProbe, Setup, policies_from_model
+from shardline.diagnostics.probe import DIAGNOSTICS_FILE, DiagnosticsProbe, Setup, policies_from_model
 
 __all__ = ["DIAGNOSTICS_FILE", "DiagnosticsCallback"]
 
 log = logging.getLogger("shardline.lightning")
 
-DIAGNOSTICS_FILE = "diagnostics.txt"
 MEMORY_FILE = "memory_phases.csv"
 
 

@@ -16,7 +16,9 @@ summary entries, as W&B tags hold 64 characters -- and its file table of rank, p
 SHA-256: :mod:`shardline.checkpoint.provenance.tracker_record`), and at the end the run's
 summary (``summary.json``) and resolved config as artifacts. The run tags (``tracking.tags``)
 are attached to the run (MLflow tags, W&B tags ``KEY:VALUE``), as each checkpoint's manifest
-records them. A run that fails is marked failed (MLflow ``FAILED``, W&B exit code 1) with what
+records them. With the diagnostics callback on, its text goes along as ``diagnostics.txt`` (an
+MLflow artifact; a W&B summary entry) and its memory per phase as ``diagnostics/...`` metrics.
+A run that fails is marked failed (MLflow ``FAILED``, W&B exit code 1) with what
 it logged so far.
 
 Each attempt of a run (the first, and each ``trainer.resume``) is one tracker run, tagged with
@@ -59,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from shardline.checkpoint import Ledger
 from shardline.checkpoint.provenance.tracker_record import FILE_COLUMNS, TrackerRecord, committed_records
+from shardline.diagnostics.probe import DIAGNOSTICS_FILE, DiagnosticsProbe
 from shardline.errors import ConfigurationError
 from shardline.train.callbacks import Callback
 from shardline.train.records import CONFIG_FILE, LEDGER_NAME, SUMMARY_FILE
@@ -150,6 +153,10 @@ class _Tracker(Callback, abc.ABC):
         each checkpoint still readable: retention may have deleted one already)."""
 
     @abc.abstractmethod
+    def _log_diagnostics(self, text: str, rows: list[tuple[int, dict[str, float]]]) -> None:
+        """Attach the diagnostics callback's findings: its text, and memory per phase as ``(step, metrics)`` rows."""
+
+    @abc.abstractmethod
     def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
         """Attach the summary and config, and close the run as finished or failed."""
 
@@ -229,6 +236,10 @@ class _Tracker(Callback, abc.ABC):
             return
         try:
             self._flush(trainer, force=True)
+            probe = _diagnostics(trainer)
+            if probe is not None and probe.lines:
+                rows = [(r.step, probe.memory_metrics(r)) for r in probe.rows]
+                self._submit(self._log_diagnostics, probe.text(), rows)
             self._submit(self._finish, self._run, summary.to_dict(), None)
         finally:
             self._active = False
@@ -278,6 +289,15 @@ class _Tracker(Callback, abc.ABC):
             {f"checkpoint/{Path(r.checkpoint).name}/manifest_sha256": r.manifest_sha256 for r in rows},
             committed_records(self._ledger, rows),
         )
+
+
+def _diagnostics(trainer: Any) -> DiagnosticsProbe | None:
+    """The probe of the run's diagnostics callback (``callbacks.diagnostics``), if it has one."""
+    for callback in getattr(trainer, "callbacks", None) or []:
+        probe = getattr(callback, "probe", None)
+        if isinstance(probe, DiagnosticsProbe):
+            return probe
+    return None
 
 
 def run_tags(cfg: Any) -> dict[str, str]:
@@ -385,6 +405,10 @@ class MLflow(_Tracker):
             self._client.log_text(self._run_id, record.manifest_json.decode("utf-8"), f"{record.prefix}/manifest.json")
             self._client.log_table(self._run_id, data=record.columns(), artifact_file=f"{record.prefix}/files.json")
 
+    def _log_diagnostics(self, text: str, rows: list[tuple[int, dict[str, float]]]) -> None:
+        self._client.log_text(self._run_id, text, DIAGNOSTICS_FILE)
+        self._log_metrics(rows)
+
     def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
         try:
             if summary is not None:
@@ -491,6 +515,10 @@ class WandB(_Tracker):
                 f.write(record.manifest_json)
             artifact.add(wandb.Table(columns=list(FILE_COLUMNS), data=record.rows()), "files")
             self._wb.log_artifact(artifact)
+
+    def _log_diagnostics(self, text: str, rows: list[tuple[int, dict[str, float]]]) -> None:
+        # Note: summary entries, not history: the rows are of the first steps, which W&B's history is past.
+        self._wb.summary.update({"diagnostics": text, **{k: v for _, values in rows for k, v in values.items()}})
 
     def _finish(self, run: RunInfo, summary: dict[str, Any] | None, failed: BaseException | None) -> None:
         import wandb
