@@ -285,10 +285,15 @@ class _Tracker(Callback, abc.ABC):
         self._tagged_steps.update(r.step for r in rows)
         assert self._ledger is not None  # rows came from it
         self._submit(
-            self._log_checkpoints,
+            self._log_committed,
             {f"checkpoint/{Path(r.checkpoint).name}/manifest_sha256": r.manifest_sha256 for r in rows},
-            committed_records(self._ledger, rows),
+            self._ledger,
+            rows,
         )
+
+    def _log_committed(self, hashes: dict[str, str], ledger: Ledger, rows: list[Any]) -> None:
+        # Note: on the background thread: reading each manifest may be a request to an object store.
+        self._log_checkpoints(hashes, committed_records(ledger, rows))
 
 
 def _diagnostics(trainer: Any) -> DiagnosticsProbe | None:
