@@ -8,10 +8,11 @@ from typing import Any
 
 
 def lightning_fit(rank: int, world: int, root: str) -> dict[str, Any]:
-    """4 optimizer steps of the Lightning test model under ShardlineStrategy, with an MLFlowLogger."""
+    """4 optimizer steps of the Lightning test model under ShardlineStrategy, with an MLFlowLogger and a
+    TensorBoardLogger."""
     warnings.filterwarnings("ignore")
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import MLFlowLogger
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
 
     from shardline.lightning import DiagnosticsCallback, ShardlineStrategy
     from tests.lightning.ranks import _loader, lit_module
@@ -25,7 +26,7 @@ def lightning_fit(rank: int, world: int, root: str) -> dict[str, Any]:
         strategy=ShardlineStrategy(auto_wrap_policy=[Block]),
         max_steps=4,
         callbacks=[callback],
-        logger=logger,
+        logger=[logger, TensorBoardLogger(save_dir=root, name="tb")],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

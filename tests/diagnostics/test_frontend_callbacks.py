@@ -1,6 +1,7 @@
 """``shardline.lightning.DiagnosticsCallback`` and ``shardline.hf.DiagnosticsCallback``: ``shardline train``'s
 diagnostics (what was resolved, per-rank share, memory per phase, the first step's collectives) under Lightning and
-HF Trainer, read back from the MLflow run each front end's tracker wrote (MLflow's own client)."""
+HF Trainer, read back from the MLflow run each front end's tracker wrote (MLflow's own client; Lightning's
+TensorBoard logger with TensorBoard's own event reader)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from shardline.testing import run_distributed
 from tests.diagnostics import frontend_ranks
 
 pytestmark = pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in ("mlflow", "lightning", "transformers")),
+    any(importlib.util.find_spec(m) is None for m in ("mlflow", "lightning", "transformers", "tensorboard")),
     reason="needs the [mlflow], [lightning] and [hf] extras",
 )
 
@@ -54,6 +55,13 @@ def test_lightning_callback_logs_the_train_diagnostics_to_its_logger(tmp_path: P
         rows = [(int(r["step"]), r["phase"]) for r in csv.DictReader(f)]
     assert rows == [(s, p) for s in (1, 2) for p in phases]
     assert (folder / "diagnostics.txt").read_text() == text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent), size_guidance={"tensors": 0})
+    events.Reload()
+    (entry,) = events.Tensors("diagnostics/text_summary")
+    assert entry.tensor_proto.string_val[0].decode() == "```\n" + text + "```"
+    assert sorted(e.step for e in events.Scalars("diagnostics/peak_rss_mib/batch_end")) == [1, 2]
 
 
 def test_hf_callback_logs_the_train_diagnostics_to_the_mlflow_run_report_to_started(tmp_path: Path) -> None:
