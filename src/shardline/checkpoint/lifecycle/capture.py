@@ -58,6 +58,9 @@ class SaveRequest:
         data_fingerprint: A string identifying the training data, recorded in the manifest.
         kind: ``"sharded"`` (each rank writes its shards; reshardable) or ``"full"`` (gathered, rank 0 writes).
         tag: Recorded in the manifest and, under a manager, in the directory name (``[a-z0-9_]+``).
+        metrics: What the run measured at ``step`` (``{"val_loss": 2.31}``): a
+            :class:`~shardline.checkpoint.CheckpointManager` records them in the checkpoint's commit
+            row, where best-k retention (``keep_best_k``, ``monitor``) and ``shardline lineage`` read them.
     """
 
     model: nn.Module
@@ -68,6 +71,7 @@ class SaveRequest:
     data_fingerprint: str | None = None
     kind: SaveKind = "sharded"
     tag: str | None = None
+    metrics: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in SAVE_KINDS:
@@ -83,6 +87,11 @@ class SaveRequest:
             )
         if self.tag is not None and (not isinstance(self.tag, str) or not TAG_PATTERN.match(self.tag)):
             raise ConfigurationError(f"checkpoint tag must match [a-z0-9_]+, got {self.tag!r}")
+        for name, value in (self.metrics or {}).items():
+            if not isinstance(name, str) or not name or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigurationError(
+                    f"metrics must map metric names to numbers (e.g. {{'val_loss': 2.31}}), got {name!r}: {value!r}"
+                )
 
 
 @dataclass(frozen=True)
