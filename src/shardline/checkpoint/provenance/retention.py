@@ -35,7 +35,9 @@ other branch. So after an explicit resume from step-300 while step-400 and step-
 branch point step-300 is one of the newest of the live branch and is kept, while the abandoned
 step-400/500 are the oldest and go first (each with its tombstone). Tagged ones
 (``step-N-on_exception``) are kept: they are records of something that went wrong, not
-periodic saves. The checkpoint just committed is never deleted.
+periodic saves. The checkpoint just committed is never deleted. With a best-k policy
+(:mod:`.best`), the k regular checkpoints with the best recorded value of the monitored metric,
+and always the newest regular one, are kept too: the union with ``keep_last_n``.
 """
 
 from __future__ import annotations
