@@ -112,13 +112,19 @@ def test_keep_best_k_in_a_directory_keeps_the_best_and_the_newest_across_a_resta
     }
 
 
-def test_keep_last_n_and_keep_best_k_keep_the_union(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True])
+def test_keep_last_n_and_keep_best_k_keep_the_union(tmp_path: Path, async_save: bool) -> None:
     directory = tmp_path / "checkpoints"
     model, opt = _model()
-    manager = ckpt.CheckpointManager(directory, keep_last_n=2, keep_best_k=1, monitor="val_loss", mode="max")
+    manager = ckpt.CheckpointManager(
+        directory, keep_last_n=2, keep_best_k=1, monitor="val_loss", mode="max", async_save=async_save
+    )
     for step, value in [(1, 0.1), (2, 0.9), (3, 0.2), (4, 0.3), (5, 0.4)]:
         _save(manager, model, opt, step, value)
+    manager.close()
     assert _kept(directory) == [2, 4, 5], "the best (max: step-2) and the newest two"
+    rows = [r for r in ckpt.Ledger(directory / "lineage.sqlite").rows() if r.is_commit]
+    assert [json.loads(r.detail)["metrics"]["val_loss"] for r in rows] == ["0.1", "0.9", "0.2", "0.3", "0.4"]
 
 
 def test_keep_best_k_in_a_bucket(s3_env: S3Server, tmp_path: Path, capsys) -> None:
