@@ -53,6 +53,7 @@ TRAINER_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_save_optimizer_and_scheduler": ("output_dir",),
     "_load_from_checkpoint": ("resume_from_checkpoint",),
     "_load_optimizer_and_scheduler": ("checkpoint",),
+    "_load_best_model": (),
 }
 """Each Trainer method ``shardline.hf`` overrides, with the leading parameters its override reads."""
 

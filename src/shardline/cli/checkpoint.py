@@ -150,6 +150,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
+    from shardline.checkpoint.provenance.best import best_marks
     from shardline.checkpoint.provenance.ledger import Ledger
     from shardline.checkpoint.provenance.lineage import (
         audit,
@@ -192,6 +193,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         )
     except (ShardlineError, OSError) as e:
         return fail(args, e)
+    best = best_marks(report.rows)  # the checkpoints the run's best-k retention keeps as best
     if args.json:
         out = report.to_json()
         if not args.no_check_checkpoints:
@@ -199,6 +201,9 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         for row in out["rows"]:
             if row["seq"] in statements:
                 row["provenance"] = statements[row["seq"]]
+            if row["seq"] in best:
+                ranked, policy = best[row["seq"]]
+                row["kept_as_best"] = {"place": ranked.place, "monitor": policy.monitor, "value": ranked.value}
         emit_json(out)
         return 0 if report.ok else 1
     commits = sum(1 for r in report.rows if r.is_commit)
@@ -211,6 +216,9 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         flags = " (recovered after a crash)" if row.recovered else ""
         if adoption(row) is not None:
             flags += " (adopted: written by another tool, hashes taken after the fact)"
+        if row.seq in best:
+            ranked, policy = best[row.seq]
+            flags += f" (kept as best #{ranked.place} of {policy.keep_best_k}: {policy.monitor}={ranked.value:.6g})"
         tag = f" [{row.tag}]" if row.tag else ""
         print(
             f"  #{row.seq:<3} step {row.step:>9,}{tag}  {row.checkpoint}  manifest {row.manifest_sha256[:12]}  "

@@ -1,8 +1,7 @@
 """What ``ShardlineTrainer`` decides before sharding: the wrap policy, mixed precision, refused arguments.
 
 Note: why these checks run at construction. Trainer and Accelerate act on several arguments
-only inside ``train()`` (``fsdp=``, ``deepspeed=``, ``torch_compile``,
-``load_best_model_at_end``): found there, they would fail after the data and
+only inside ``train()`` (``fsdp=``, ``deepspeed=``, ``torch_compile``): found there, they would fail after the data and
 model were set up, or -- worse -- wrap the sharded model a second time. Every argument that
 cannot work with a shardline-sharded model is collected here and reported in one error when
 the trainer is built.
@@ -114,11 +113,6 @@ def refused_arguments(args: TrainingArguments) -> list[str]:
         problems.append(
             "torch_compile=True: compiling the whole sharded model through Trainer is not supported by "
             "ShardlineTrainer yet; remove torch_compile"
-        )
-    if getattr(args, "load_best_model_at_end", False):
-        problems.append(
-            "load_best_model_at_end=True: ShardlineTrainer does not reload a best checkpoint yet; remove it and "
-            "resume from the checkpoint state.best_model_checkpoint names (trainer.train(resume_from_checkpoint=...))"
         )
     if getattr(args, "push_to_hub", False):
         problems.append(

@@ -11,14 +11,15 @@ and callbacks are Trainer's own. Checkpoints are shardline checkpoints
 Note: the Trainer methods overridden. Public: ``create_accelerator_and_postprocess`` (to adapt
 the accelerator it creates), ``train`` (to settle which checkpoint it resumes and move the
 later ones aside first, :mod:`shardline.hf.resume`) and ``save_model``. Trainer has no public
-hook for what a checkpoint holds, so four underscore methods are overridden, each as a whole
+hook for what a checkpoint holds, so five underscore methods are overridden, each as a whole
 and each small: ``_save_checkpoint`` (marks that ``save_model`` is writing a checkpoint, runs
 Trainer's own, then records in the ledger the checkpoints Trainer's rotation deleted),
 ``_save_optimizer_and_scheduler`` (nothing: both are in the shardline checkpoint),
 ``_load_from_checkpoint`` (only checks that the folder holds a shardline checkpoint: the
-optimizer does not exist yet at that point of ``train()``) and
+optimizer does not exist yet at that point of ``train()``),
 ``_load_optimizer_and_scheduler`` (verifies and loads model, optimizer and scheduler
-together).
+together) and ``_load_best_model`` (``load_best_model_at_end``: verifies and loads the model of
+the checkpoint Trainer chose as best).
 
 Note: one integration across transformers releases. Each override names only the leading
 parameters it reads and passes everything else on (``*args, **kwargs``), so releases that add
@@ -173,7 +174,11 @@ class ShardlineTrainerMixin(_TrainerBase):
                 that holds checkpoints (the message lists the ways on).
         """
         resume = prepare_resume(self._output_dir, resume_from_checkpoint)
-        return super().train(resume, *args, **kwargs)
+        output = super().train(resume, *args, **kwargs)
+        # With load_best_model_at_end and save_total_limit=1, Trainer deletes the last checkpoint-N as train() ends.
+        if self._shardline_run_dir is not None:
+            record_rotations(self._shardline_run_dir, "deleted by Trainer (save_total_limit)")
+        return output
 
     def _save_checkpoint(self, model: nn.Module, trial: Any, *args: Any, **kwargs: Any) -> None:
         self._shardline_saving = True
@@ -216,6 +221,17 @@ class ShardlineTrainerMixin(_TrainerBase):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
+        """``load_best_model_at_end``: the model of Trainer's best checkpoint (``state.best_model_checkpoint``, chosen
+        by ``metric_for_best_model``) -- its shardline checkpoint, verified first, loaded into the sharded model
+        (every rank), at the world size of this run."""
+        best = self.state.best_model_checkpoint
+        if best is None:
+            return
+        load_training_checkpoint(
+            best, model=self._sharded_model, optimizer=None, scheduler=None, verify=self._shardline_verify
+        )
 
     def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
         """Nothing: the optimizer and scheduler are in the shardline checkpoint ``save_model`` wrote."""

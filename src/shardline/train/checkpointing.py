@@ -33,6 +33,7 @@ from shardline.checkpoint.provenance.ledger import Ledger
 from shardline.checkpoint.state.model_state import SaveKind
 from shardline.checkpoint.storage.stores import local_path
 from shardline.errors import CheckpointNotFoundError
+from shardline.train.best_checkpoints import measured
 from shardline.train.preemption import PREEMPTED
 from shardline.train.records import CHECKPOINTS_DIR, LEDGER_NAME, METRICS_FILE, checkpoint_location
 from shardline.train.schema import TrainConfig
@@ -114,6 +115,9 @@ class TrainingCheckpoints:
             storage_options=dict(self.cfg.storage_options or {}),
             async_save=self.cfg.async_save,
             keep_last_n=int(self.cfg.keep_last_n),
+            keep_best_k=int(self.cfg.keep_best_k),
+            monitor=self.cfg.monitor or None,
+            mode=self.cfg.mode,
             files_per_rank=int(self.cfg.files_per_rank),
             tags=dict(cfg.tracking.tags),
         )
@@ -233,6 +237,7 @@ class TrainingCheckpoints:
                 data_fingerprint=trainer.corpus.fingerprint,
                 tag=tag,
                 kind=self.kind,
+                metrics=measured(trainer, step),
             )
         )
         self.last_saved_step = step

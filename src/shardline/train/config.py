@@ -32,6 +32,7 @@ from shardline.checkpoint.provenance.retention import RetentionPolicy
 from shardline.checkpoint.storage.stores import local_path
 from shardline.engine import ShardingStrategy, hybrid_degrees
 from shardline.errors import ConfigurationError, error_chain
+from shardline.train.best_checkpoints import check_best_k
 from shardline.train.config_layers import (
     DEFAULT_EXPERIMENT,
     ConfigPlan,
@@ -376,6 +377,7 @@ def validate(cfg: TrainConfig, *, launched: bool | None = None) -> None:
             f"checkpoint.every_n_steps must be >= 0 (0 disables), got {cfg.checkpoint.every_n_steps}"
         )
     RetentionPolicy(keep_last_n=cfg.checkpoint.keep_last_n)  # a negative count is an error before any worker starts
+    check_best_k(cfg)
     resume = cfg.trainer.resume
     local = local_path(str(resume)) if resume is not None and not is_auto_resume(resume) else None
     if local is not None and not local.is_dir():  # a URL is checked with the run's credentials, by the launcher

@@ -255,6 +255,14 @@ class CheckpointConfig:
     keep_last_n: int = 0
     """Keep only the newest N regular checkpoints (0: keep all); older ones are deleted after a newer one commits,
     each recorded by a tombstone row in the ledger."""
+    keep_best_k: int = 0
+    """Also keep the K checkpoints with the best `monitor` value (0: none kept as best); with keep_last_n, the
+    union is kept, and always the newest checkpoint (to resume from). Deletions leave tombstone rows as above."""
+    monitor: str = ""
+    """The metric that ranks checkpoints for keep_best_k: val_loss (the validation loss of the saved step; a
+    checkpoint saved at a step without an evaluation has none and is never kept as best) or loss (training loss)."""
+    mode: str = "min"
+    """min (lower is better, e.g. a loss) or max (higher is better)."""
     verify: str = VerifyLevel.FULL.value
     """On resume: full (every byte hashed against the manifest), or the opt-ins sizes (file sizes only) and none;
     an opt-in is printed and recorded in the ledger."""

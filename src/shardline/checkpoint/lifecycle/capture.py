@@ -61,6 +61,9 @@ class SaveRequest:
         tag: Recorded in the manifest and, under a manager, in the directory name (``[a-z0-9_]+``).
         run_tags: ``{key: value}`` strings a team files the run under (ticket, owner...), recorded in the
             manifest and the provenance statement (:mod:`..provenance.run_tags`).
+        metrics: What the run measured at ``step`` (``{"val_loss": 2.31}``): a
+            :class:`~shardline.checkpoint.CheckpointManager` records them in the checkpoint's commit
+            row, where best-k retention (``keep_best_k``, ``monitor``) and ``shardline lineage`` read them.
     """
 
     model: nn.Module
@@ -72,6 +75,7 @@ class SaveRequest:
     kind: SaveKind = "sharded"
     tag: str | None = None
     run_tags: Mapping[str, str] | None = None
+    metrics: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         check_run_tags(self.run_tags, where="run_tags")
@@ -88,6 +92,11 @@ class SaveRequest:
             )
         if self.tag is not None and (not isinstance(self.tag, str) or not TAG_PATTERN.match(self.tag)):
             raise ConfigurationError(f"checkpoint tag must match [a-z0-9_]+, got {self.tag!r}")
+        for name, value in (self.metrics or {}).items():
+            if not isinstance(name, str) or not name or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigurationError(
+                    f"metrics must map metric names to numbers (e.g. {{'val_loss': 2.31}}), got {name!r}: {value!r}"
+                )
 
 
 @dataclass(frozen=True)

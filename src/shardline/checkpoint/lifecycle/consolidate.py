@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from shardline._version import __version__
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.format.dcp_io import (
+    CONFIG_KEY,
     MODEL_KEY,
     TRAINER_KEY,
     MetadataReader,
@@ -40,6 +41,7 @@ from shardline.checkpoint.format.dcp_io import (
 )
 from shardline.checkpoint.format.hf_export import export_layout
 from shardline.checkpoint.format.safetensors_io import SafetensorsWriter, TensorSpec
+from shardline.checkpoint.format.tokenizer_export import ExportedTokenizer, tokenizer_files
 from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.storage.fsutil import fsync_dir
@@ -185,7 +187,10 @@ def consolidate(
     gets ``config.json`` and ``generation_config.json``, so ``from_pretrained(out)`` loads it;
     of a PEFT model, the base model is written that way, and ``adapters=True`` writes the
     adapter instead (``adapter_model.safetensors`` + ``adapter_config.json`` for
-    ``PeftModel.from_pretrained``). See :mod:`shardline.checkpoint.format.hf_export`.
+    ``PeftModel.from_pretrained``). See :mod:`shardline.checkpoint.format.hf_export`. A checkpoint
+    saved by ``shardline train`` also gets the tokenizer the run trained with (``data.tokenizer``;
+    for bytes, a ``tokenizers`` file that encodes the same), so ``AutoTokenizer.from_pretrained(out)``
+    works: :mod:`shardline.checkpoint.format.tokenizer_export`.
 
     Args:
         verify: ``"full"`` (default: every file hashed against the manifest before anything is
@@ -256,6 +261,12 @@ def consolidate(
     scalars = set(model_info.get("scalars", []))
     state = _trainer_state(reader, metadata) if (manifest or {}).get("contents", {}).get("trainer_state") else {}
     layout = export_layout(strip_wrapper_prefixes([k for k, _ in stored]), state, adapters=adapters)
+    tokenizer = ExportedTokenizer()
+    if not single_file and not adapters and (manifest or {}).get("contents", {}).get("config"):
+        tokenizer = tokenizer_files(_config(reader, metadata))
+        if tokenizer.note:
+            warnings.warn(f"exporting {src}: {tokenizer.note}", CheckpointWarning, stacklevel=2)
+    note = "; ".join(n for n in (layout.note, tokenizer.note) if n) or None
     names = layout.names
     # Tied names as exported: an alias is reported when both it and its target are part of this export.
     aliases = {names[a]: names[t] for a, t in tied.items() if a in names and t in names}
@@ -295,6 +306,7 @@ def consolidate(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
             ).encode()
         extra.update(layout.extra_files)
+        extra.update({k: v for k, v in tokenizer.files.items() if k not in extra})
         for name, data in extra.items():
             (tmp / name).write_bytes(data)
             files.append({"path": name, "bytes": len(data), "sha256": sha256_hex(data)})
@@ -337,7 +349,7 @@ def consolidate(
         source_manifest_hash=digest,
         step=step,
         aliases=aliases,
-        note=layout.note,
+        note=note,
         verified=level.value,
     )
 
@@ -384,6 +396,21 @@ def _trainer_state(reader: MetadataReader, metadata: Metadata) -> dict[str, Any]
         dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     state: dict[str, Any] = decode_state(target[TRAINER_KEY])  # a trainer state is saved as a dict
     return state
+
+
+def _config(reader: MetadataReader, metadata: Metadata) -> dict[str, Any] | None:
+    """The training config the checkpoint records (None without one, or one that is not a JSON object)."""
+    if CONFIG_KEY not in key_paths(metadata):
+        return None
+    target: dict[str, Any] = {CONFIG_KEY: None}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    try:
+        config = json.loads(target[CONFIG_KEY])
+    except (TypeError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _write_shards(

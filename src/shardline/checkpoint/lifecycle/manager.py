@@ -17,7 +17,8 @@ Note: the manager composes, it does not contain. It wires:
 * **quarantine** (:mod:`.quarantine`): a checkpoint that fails verification on ``auto`` is moved
   aside, recorded first;
 * the **async writer** (:mod:`.async_writer`): one background write at a time on its own group;
-* **retention** (:mod:`~shardline.checkpoint.provenance.retention`): ``keep_last_n`` behind
+* **retention** (:mod:`~shardline.checkpoint.provenance.retention`): ``keep_last_n`` and best-k
+  (``keep_best_k`` by a recorded metric, :mod:`~shardline.checkpoint.provenance.best`) behind
   tombstone rows, after every rank agreed on a commit, on rank 0 alone (a failure is a warning);
 * the **ledger rows** (:mod:`.rows`).
 
@@ -73,6 +74,7 @@ from shardline.checkpoint.lifecycle.resume import (
     no_resume,
 )
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, capture_agreed, preflight, write_and_commit
+from shardline.checkpoint.provenance.best import BestPolicy, metrics_detail
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint as CommittedCheckpoint
 from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, scan, step_recorded
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow
@@ -126,14 +128,21 @@ class CheckpointManager:
         keep_last_n: Keep only the newest N regular checkpoints (0, the default, keeps all). Older
             ones are deleted only after a newer one has committed, each recorded by a ``tombstone``
             row in the ledger first (:mod:`.retention`), so the chain still verifies without them.
+        keep_best_k: Also keep the K checkpoints with the best ``monitor`` value (0, the default: none kept as
+            best). Each save's ``SaveRequest.metrics`` are recorded in its commit row; a checkpoint without a
+            value for ``monitor`` is never kept as best. With ``keep_last_n`` the union is kept, and always the
+            newest regular checkpoint (:mod:`~shardline.checkpoint.provenance.best`).
+        monitor: The metric that ranks checkpoints for ``keep_best_k`` (e.g. ``"val_loss"``).
+        mode: ``"min"`` (lower is better, the default) or ``"max"``.
         files_per_rank: Files each rank writes per checkpoint, each hashed by its own writer thread
             (0, the default: the cores each rank has on its node, at most 8; :mod:`.parallelism`).
         tags: Run tags (``{"ticket": "ABC-1", "owner": "..."}``), recorded in every checkpoint's
             manifest and provenance statement (``run_tags``); a request's own ``run_tags`` win per key.
 
     Raises:
-        ConfigurationError: ``keep_last_n`` or ``files_per_rank`` is negative; a URL with no
-            ``ledger_path``; a tag that is not a short ``KEY: VALUE`` string pair (:mod:`..provenance.run_tags`).
+        ConfigurationError: ``keep_last_n``, ``keep_best_k`` or ``files_per_rank`` is negative; ``mode``
+            is not min/max; ``keep_best_k`` without ``monitor``; a URL with no ``ledger_path``; a tag
+            that is not a short ``KEY: VALUE`` string pair (:mod:`..provenance.run_tags`).
         StorageAccessError: a URL whose bucket does not exist, credentials are refused, or
             endpoint does not answer.
         LineageError: the ledger's chain does not verify, or committed checkpoints on disk are
@@ -152,10 +161,14 @@ class CheckpointManager:
         files_per_rank: int = AUTO,
         storage_options: dict[str, Any] | None = None,
         tags: Mapping[str, str] | None = None,
+        keep_best_k: int = 0,
+        monitor: str | None = None,
+        mode: str = "min",
     ) -> None:
         self.tags = check_run_tags(tags)
         """The run tags every save records (checked, sorted by key)."""
-        self.retention = RetentionPolicy(keep_last_n=keep_last_n)
+        best = BestPolicy(keep_best_k=keep_best_k, monitor=monitor, mode=mode)
+        self.retention = RetentionPolicy(keep_last_n=keep_last_n, best=best)
         resolve_files_per_rank(files_per_rank)
         self.files_per_rank = files_per_rank
         self.storage_options = dict(storage_options or {})
@@ -183,6 +196,7 @@ class CheckpointManager:
         self._last: CheckpointInfo | None = None
         self._last_good: Location | None = None
         self._unrecorded: list[CheckpointInfo] = []  # committed saves whose ledger row may be missing
+        self._metrics: dict[Location, dict[str, str]] = {}  # each save's metrics, as its commit row records them
         self._rank = coord.group_rank(process_group)
         self._writer = AsyncWriter(process_group, enabled=self.async_save)  # a collective when async
         self._io_group = self._writer.group
@@ -263,6 +277,7 @@ class CheckpointManager:
         if self.tags:
             request = dataclasses.replace(request, run_tags={**self.tags, **(request.run_tags or {})})
         path = self.path_for(request.step, request.tag)
+        self._metrics[path] = metrics_detail(request.metrics or {})
         tmp = preflight(path, process_group=self._io_group, run=self._run)
         captured = capture_agreed(
             request,
@@ -354,12 +369,27 @@ class CheckpointManager:
         while self._unrecorded:  # saves whose publish failed: each recorded before its child
             missed = self._unrecorded[0]
             if missed.manifest_hash not in self.ledger.manifest_hashes():
-                record_commit(self.ledger, missed, recovered=True)
+                record_commit(self.ledger, missed, recovered=True, **self._measured(missed))
             self._unrecorded.pop(0)
         if info.tag is None:
             self.store.write_latest(self.directory, info.path)
         self.observer.on_phase(SavePhase.AFTER_LATEST, 0)
-        record_commit(self.ledger, info, recovered=False)
+        record_commit(self.ledger, info, recovered=False, **self._measured(info))
+
+    def _measured(self, info: CheckpointInfo) -> dict[str, Any]:
+        """What ``info``'s commit row records besides the commit: the save's metrics and the best-k policy."""
+        metrics = self._metrics.pop(info.path, {})
+        best = self.retention.best
+        if not best.active:
+            return {"metrics": metrics}
+        if best.monitor not in metrics and info.tag is None:
+            log.warning(
+                "%s has no %s value (SaveRequest.metrics): it is never kept as best (%s)",
+                info.path.name,
+                best.monitor,
+                best.describe(),
+            )
+        return {"metrics": metrics, "keep_best": best.to_json()}
 
     def _retain(self, info: CheckpointInfo) -> None:
         """Rank 0, after every rank agreed on the commit: apply retention. A failure is a warning (the checkpoint
@@ -374,7 +404,7 @@ class CheckpointManager:
             )
         except Exception as e:
             message = (
-                f"retention (keep_last_n={self.retention.keep_last_n}) after {info.path.name} failed: "
+                f"retention ({self.retention.describe()}) after {info.path.name} failed: "
                 f"{type(e).__name__}: {e}. The checkpoint is committed and recorded and the chain is intact; "
                 "older checkpoints were kept and the next save retries."
             )

@@ -62,12 +62,26 @@ class Committed(Protocol):
     def world_size(self) -> int: ...
 
 
-def commit_row(ledger: Ledger, checkpoint: Committed, *, recovered: bool, statement: bool = True) -> dict[str, Any]:
+def commit_row(
+    ledger: Ledger,
+    checkpoint: Committed,
+    *,
+    recovered: bool,
+    statement: bool = True,
+    metrics: Mapping[str, str] | None = None,
+    keep_best: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The fields of ``checkpoint``'s commit row (keyword arguments of :meth:`.Ledger.append`).
 
     With ``statement``, ``detail`` names the checkpoint's provenance statement and that file's SHA-256
     (the one the save reported, else the one read from the checkpoint), so the ledger chains the statements.
+    ``metrics`` (each value as text) and the best-k policy ``keep_best`` go into ``detail`` when given
+    (:mod:`.best`).
     """
+    detail = _statement_link(checkpoint) if statement else None
+    extra = {"metrics": dict(metrics) if metrics else None, "keep_best": dict(keep_best) if keep_best else None}
+    if any(v is not None for v in extra.values()):
+        detail = {**(detail or {}), **{key: value for key, value in extra.items() if value is not None}}
     return {
         "step": checkpoint.step,
         "tag": checkpoint.tag,
@@ -76,17 +90,28 @@ def commit_row(ledger: Ledger, checkpoint: Committed, *, recovered: bool, statem
         "parent_manifest_sha256": checkpoint.parent_manifest_hash,
         "world_size": checkpoint.world_size,
         "recovered": recovered,
-        "detail": _statement_link(checkpoint) if statement else None,
+        "detail": detail,
     }
 
 
-def record_commit(ledger: Ledger, checkpoint: Committed, *, recovered: bool, statement: bool = True) -> LedgerRow:
+def record_commit(
+    ledger: Ledger,
+    checkpoint: Committed,
+    *,
+    recovered: bool,
+    statement: bool = True,
+    metrics: Mapping[str, str] | None = None,
+    keep_best: Mapping[str, Any] | None = None,
+) -> LedgerRow:
     """Append the commit row of ``checkpoint`` (see :func:`commit_row`).
 
     Note: ``statement=False`` is for the Lightning strategy's and the Hugging Face Trainer's rows, which have
     never linked the statement; their rows keep the shape they always had.
     """
-    return ledger.append(**commit_row(ledger, checkpoint, recovered=recovered, statement=statement))
+    fields = commit_row(
+        ledger, checkpoint, recovered=recovered, statement=statement, metrics=metrics, keep_best=keep_best
+    )
+    return ledger.append(**fields)
 
 
 def record_adoption(ledger: Ledger, checkpoint: Committed, *, at: str, hashes: str) -> LedgerRow:
@@ -140,6 +165,7 @@ def record_tombstone(
     reason: str,
     held: Mapping[str, Any] | None = None,
     keep_last_n: int | None = None,
+    keep_best_k: int | None = None,
     newer: str | None = None,
     moved_to: str | None = None,
     commit_row: int | None = None,
@@ -148,7 +174,7 @@ def record_tombstone(
 
     ``of`` is that checkpoint as found on disk, or its commit row; the row repeats its step, tag and hashes.
     The detail holds ``checkpoint`` and ``reason``, and each of these that is given: what it ``held`` (files,
-    bytes, its statement and signature), the retention policy that deleted it (``keep_last_n``, and the
+    bytes, its statement and signature), the retention policy that deleted it (``keep_last_n``, ``keep_best_k``, and the
     ``newer`` checkpoint whose commit triggered it), where it was ``moved_to``, and its ``commit_row``.
     """
     if isinstance(of, LedgerRow):
@@ -156,7 +182,13 @@ def record_tombstone(
     else:
         manifest, parent = of.manifest_hash, of.parent_manifest_hash
     detail: dict[str, Any] = {"checkpoint": checkpoint, "reason": reason}
-    facts = {"keep_last_n": keep_last_n, "newer": newer, "moved_to": moved_to, "commit_row": commit_row}
+    facts = {
+        "keep_last_n": keep_last_n,
+        "keep_best_k": keep_best_k,
+        "newer": newer,
+        "moved_to": moved_to,
+        "commit_row": commit_row,
+    }
     detail.update({key: value for key, value in facts.items() if value is not None})
     detail.update(held or {})
     return ledger.append(

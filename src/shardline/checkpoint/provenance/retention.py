@@ -35,7 +35,9 @@ other branch. So after an explicit resume from step-300 while step-400 and step-
 branch point step-300 is one of the newest of the live branch and is kept, while the abandoned
 step-400/500 are the oldest and go first (each with its tombstone). Tagged ones
 (``step-N-on_exception``) are kept: they are records of something that went wrong, not
-periodic saves. The checkpoint just committed is never deleted.
+periodic saves. The checkpoint just committed is never deleted. With a best-k policy
+(:mod:`.best`), the k regular checkpoints with the best recorded value of the monitored metric,
+and always the newest regular one, are kept too: the union with ``keep_last_n``.
 """
 
 from __future__ import annotations
@@ -45,11 +47,12 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
+from shardline.checkpoint.provenance.best import BestPolicy, best_kept
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint, scan
 from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import live_branch, order
@@ -74,9 +77,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionPolicy:
-    """Which checkpoints to keep: the newest ``keep_last_n`` regular ones (0 keeps every checkpoint)."""
+    """Which checkpoints to keep: the newest ``keep_last_n`` regular ones, and the ``best`` k by a metric
+    (:mod:`.best`); both 0 keeps every checkpoint. Together they keep the union, plus the newest regular one."""
 
     keep_last_n: int = 0
+    best: BestPolicy = field(default_factory=BestPolicy)
 
     def __post_init__(self) -> None:
         n = self.keep_last_n
@@ -88,7 +93,12 @@ class RetentionPolicy:
     @property
     def active(self) -> bool:
         """Whether this policy ever deletes anything."""
-        return self.keep_last_n > 0
+        return self.keep_last_n > 0 or self.best.active
+
+    def describe(self) -> str:
+        """``checkpoint.keep_last_n=2``, with the best-k policy when there is one."""
+        text = f"checkpoint.keep_last_n={self.keep_last_n}"
+        return f"{text}, {self.best.describe()}" if self.best.active else text
 
 
 def signature_path_for(checkpoint: Location) -> Location:
@@ -177,7 +187,8 @@ def apply_retention(
     branch = live_branch(newest_ckpt, committed, rows)
     regular = [c for c in committed if c.tag is None]
     regular = [c for c in regular if c.manifest_hash not in branch] + [c for c in regular if c.manifest_hash in branch]
-    keep = {c.path for c in regular[-policy.keep_last_n :]} | {just_committed}
+    newest_n = regular[-policy.keep_last_n :] if policy.keep_last_n else regular[-1:]  # the newest, for a resume
+    keep = {c.path for c in newest_n} | set(best_kept(regular, rows, policy.best)) | {just_committed}  # a union
     appended: list[LedgerRow] = []
     newest = rel(just_committed)
     for ckpt in regular:
@@ -191,8 +202,9 @@ def apply_retention(
                     ledger,
                     of=ckpt,
                     checkpoint=name,
-                    reason=f"retention: checkpoint.keep_last_n={policy.keep_last_n} after {newest} committed",
+                    reason=f"retention: {policy.describe()} after {newest} committed",
                     keep_last_n=policy.keep_last_n,
+                    keep_best_k=policy.best.keep_best_k or None,
                     newer=newest,
                     held=_what_it_held(ckpt),
                 )
@@ -203,9 +215,7 @@ def apply_retention(
         except OSError as e:  # recorded already; the next pass retries, training goes on
             log.warning("retention: could not delete %s (%s); the next save retries", ckpt.path, e)
             continue
-        log.info(
-            "retention: deleted %s (keep_last_n=%d); a tombstone row records it", ckpt.path.name, policy.keep_last_n
-        )
+        log.info("retention: deleted %s (%s); a tombstone row records it", ckpt.path.name, policy.describe())
     return appended
 
 
