@@ -167,7 +167,7 @@ def _refuse_early(root: Location, *, subfolders: bool) -> tuple[dict[str, int], 
             "nothing was written."
         )
     for folder in folders:
-        inner = sorted(folder.iterdir(), key=lambda c: c.name)
+        inner: list[Location] = sorted(folder.iterdir(), key=lambda c: c.name)
         inside = {c.name for c in inner}
         held = sorted(inside & set(DERIVED_FILES))
         if held:
