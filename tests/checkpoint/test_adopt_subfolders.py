@@ -20,7 +20,13 @@ import shardline.checkpoint as ckpt
 from shardline import cli
 from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.provenance.records import adoption
-from shardline.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError, IntegrityError
+from shardline.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    IntegrityError,
+)
 from tests.checkpoint import adopt_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,6 +76,18 @@ def test_trainer_folder_is_adopted_with_every_file_hashed_and_verifies(folder: P
     assert (row.checkpoint, row.manifest_sha256, row.parent_manifest_sha256) == ("checkpoint-3", digest, PARENT)
     assert adoption(row) is not None
     assert cli.main(["verify", str(folder)]) == 0
+
+
+def test_load_and_consolidate_say_the_layout_is_not_theirs_rather_than_damaged(folder: Path, tmp_path: Path) -> None:
+    ckpt.adopt(folder, subfolders=True)
+    for attempt in (
+        lambda: ckpt.consolidate(folder, tmp_path / "export"),
+        lambda: ckpt.load(folder, model=adopt_ranks.tiny()),
+    ):
+        with pytest.raises(CheckpointError, match=r"DCP checkpoints in subfolders.*Resume it with the Trainer") as info:
+            attempt()
+        assert not isinstance(info.value, IntegrityError)  # not reported (nor quarantined) as damage
+    assert ckpt.verify_checkpoint(folder).ok
 
 
 @pytest.mark.parametrize(

@@ -210,7 +210,8 @@ def _adopt(folder: Path, run: Path, step: int, parent: str | None) -> str:
     if not folder.is_dir():
         raise CheckpointNotFoundError(
             f"LineageCallback found no {folder} after Trainer's save at step {step}: is output_dir on a file "
-            "system every rank sees, and was the checkpoint written there (not moved by another callback)?"
+            "system every rank sees, and was the checkpoint written there (not moved by another callback; "
+            "hyperparameter search's run-N folders are not supported)?"
         )
     if not any(child.is_dir() for child in folder.iterdir()):
         raise ConfigurationError(
