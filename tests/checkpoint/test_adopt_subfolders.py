@@ -8,6 +8,7 @@ real Trainer's folder is adopted by tests/hf/test_lineage_callback.py.
 from __future__ import annotations
 
 import json
+import uuid
 import warnings
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from shardline.errors import (
     IntegrityError,
 )
 from tests.checkpoint import adopt_ranks
+from tests.checkpoint.conftest import S3_BUCKET
+from tests.checkpoint.seaweed import S3Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,3 +144,20 @@ def test_cli_adopts_a_trainer_folder(folder: Path, capsys: pytest.CaptureFixture
     out = json.loads(capsys.readouterr().out)
     assert (out["step"], out["files"]) == (3, 7)  # two DCP folders of two files, three loose
     assert ckpt.verify_checkpoint(folder).ok
+
+
+def test_a_trainer_folder_in_an_object_store_is_adopted_and_a_changed_object_fails_verify(
+    s3_server: S3Server, folder: Path, tmp_path: Path
+) -> None:
+    options = s3_server.storage_options()
+    prefix = f"{S3_BUCKET}/adopt-{uuid.uuid4().hex[:12]}/checkpoint-3"
+    fs = s3_server.filesystem()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fs.put_file(str(file), f"{prefix}/{file.relative_to(folder).as_posix()}")
+    url = f"s3://{prefix}"
+    done = ckpt.adopt(url, ledger=tmp_path, subfolders=True, storage_options=options)
+    assert (done.step, done.world_size, done.files) == (3, 1, 7)
+    assert ckpt.verify_checkpoint(url, storage_options=options).ok
+    fs.pipe_file(f"{prefix}/optimizer_0/__0_0.distcp", b"changed")
+    report = ckpt.verify_checkpoint(url, storage_options=options)
+    assert [(p.path, p.kind) for p in report.problems] == [("optimizer_0/__0_0.distcp", "altered")]
