@@ -49,7 +49,7 @@ def test_sharding_conflicts_are_one_error_at_construction(tmp_path: Path, monkey
         ShardlineTrainer(model=tiny_llama(), args=args)
     message = str(info.value)
     assert message.startswith("ShardlineTrainer cannot train with these TrainingArguments:")
-    for fix in ("remove fsdp=", "remove torch_compile"):
+    for fix in ("remove fsdp=", "LineageCallback()", "remove torch_compile"):
         assert fix in message, message
     assert "load_best_model_at_end" not in message, "supported: the best checkpoint is loaded at the end"
     # deepspeed= needs the deepspeed package to build TrainingArguments at all: checked on the value.

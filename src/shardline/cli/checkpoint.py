@@ -257,7 +257,13 @@ def _cmd_adopt(args: argparse.Namespace) -> int:
     from shardline.checkpoint.lifecycle.summary import human_bytes
 
     try:
-        done = adopt(args.checkpoint, step=args.step, ledger=args.ledger, storage_options=storage_options(args))
+        done = adopt(
+            args.checkpoint,
+            step=args.step,
+            ledger=args.ledger,
+            storage_options=storage_options(args),
+            subfolders=args.subfolders,
+        )
     except (ShardlineError, OSError) as e:
         return fail(args, e)
     if args.json:
@@ -427,6 +433,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="LEDGER",
         help="the ledger to record it in (a lineage.sqlite file, or the run directory holding one; default: "
         "lineage.sqlite beside the checkpoint; required for an object-store prefix)",
+    )
+    adopt.add_argument(
+        "--subfolders",
+        action="store_true",
+        help="the DCP checkpoints are in its subfolders, beside loose files (a Hugging Face Trainer's checkpoint-N "
+        "under FSDP: pytorch_model_fsdp_0/, optimizer_0/, trainer_state.json...); every file is hashed",
     )
     adopt.add_argument("--json", action="store_true", help="machine-readable output")
     add_storage_options(adopt)

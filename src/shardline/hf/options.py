@@ -102,7 +102,9 @@ def refused_arguments(args: TrainingArguments) -> list[str]:
     if getattr(args, "fsdp", None):
         problems.append(
             f"fsdp={args.fsdp!r}: shardline already shards the model (FSDP would shard it a second time); remove "
-            "fsdp= and fsdp_config=, and choose the strategy with ShardlineTrainer(sharding_strategy=...)"
+            "fsdp= and fsdp_config=, and choose the strategy with ShardlineTrainer(sharding_strategy=...). To keep "
+            "Trainer's own FSDP, use transformers.Trainer with callbacks=[shardline.hf.LineageCallback()]: its "
+            "checkpoints are adopted at each save and verified before a resume (docs/foreign-engines.md)"
         )
     if getattr(args, "deepspeed", None):
         problems.append(

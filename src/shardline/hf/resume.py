@@ -47,7 +47,15 @@ from shardline.checkpoint.provenance.records import record_tombstone
 from shardline.checkpoint.storage.fsutil import fsync_dir, is_tmp_name, tmp_in_use
 from shardline.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, IntegrityError
 
-__all__ = ["ABANDONED_DIR", "CHECKPOINT_DIR", "describe_incomplete", "kind_of", "prepare_resume"]
+__all__ = [
+    "ABANDONED_DIR",
+    "CHECKPOINT_DIR",
+    "checkpoints_in",
+    "describe_incomplete",
+    "kind_of",
+    "move_to_abandoned",
+    "prepare_resume",
+]
 
 log = logging.getLogger(__name__)
 
@@ -160,24 +168,25 @@ def _choose(run: Path, resume: str | Literal[True]) -> Path:
     return folder
 
 
-def _tombstone_for(ledger: Ledger, run: Path, folder: Path, reason: str, moved_to: Path) -> None:
-    """Rank 0: the ``tombstone`` row of ``folder``'s shardline checkpoint, if the ledger records it (once)."""
-    if not ledger.path.is_file() or not (folder / CHECKPOINT_DIR / MANIFEST).is_file():
+def _tombstone_for(ledger: Ledger, run: Path, folder: Path, reason: str, moved_to: Path, inner: str) -> None:
+    """Rank 0: the ``tombstone`` row of ``folder``'s shardline checkpoint (``folder/inner``), if the ledger records
+    it (once)."""
+    if not ledger.path.is_file() or not (folder / inner / MANIFEST).is_file():
         return
-    name = os.path.relpath(folder / CHECKPOINT_DIR, run)
+    name = os.path.relpath(folder / inner, run)
     rows = ledger.rows()
     commit = next((r for r in reversed(rows) if r.is_commit and r.checkpoint == name), None)
     if commit is None:
         return  # not in the chain: nothing to account for
     digest = commit.manifest_sha256
     try:
-        if read_manifest(folder / CHECKPOINT_DIR)[1] != digest:
+        if read_manifest(folder / inner)[1] != digest:
             return  # the disk holds another checkpoint than the row records: `shardline lineage` reports it
     except IntegrityError as e:  # damaged: still the recorded checkpoint's place, moved aside all the same
         reason = f"{reason} (its manifest does not read: {e})"
     if any(r.event == TOMBSTONE and r.checkpoint == name and r.manifest_sha256 == digest for r in rows):
         return  # recorded by a train() a crash interrupted before its move
-    moved = os.path.relpath(moved_to / CHECKPOINT_DIR, run)
+    moved = os.path.relpath(moved_to / inner, run)
     reason = f"{reason}; moved aside to {moved}"
     record_tombstone(ledger, of=commit, checkpoint=name, reason=reason, moved_to=moved, commit_row=commit.seq)
 
@@ -192,10 +201,11 @@ def _aside(run: Path, folder: Path) -> Path:
     return target
 
 
-def _move(run: Path, folder: Path, reason: str) -> None:
-    """Rank 0: record (if its shardline part is in the ledger), then move ``folder`` to ``abandoned/``."""
+def move_to_abandoned(run: Path, folder: Path, reason: str, *, inner: str = CHECKPOINT_DIR) -> None:
+    """Rank 0: record (if its shardline part, ``folder/inner``, is in the ledger), then move ``folder`` to
+    ``abandoned/``. ``inner`` is ``""`` where the whole folder is under lineage (adopted by ``LineageCallback``)."""
     target = _aside(run, folder)
-    _tombstone_for(Ledger(run / LEDGER_NAME), run, folder, reason, target)
+    _tombstone_for(Ledger(run / LEDGER_NAME), run, folder, reason, target, inner)
     if not target.parent.is_dir():
         target.parent.mkdir()
         fsync_dir(run)
@@ -235,9 +245,9 @@ def _decide(output_dir: str, resume: str | Literal[True] | None) -> str | None:
     back_to = "step 0" if chosen is None else chosen.name if chosen.parent == run else str(chosen)
     for folder in later:
         if kind_of(folder) == INCOMPLETE:
-            _move(run, folder, describe_incomplete(folder))
+            move_to_abandoned(run, folder, describe_incomplete(folder))
         else:
-            _move(run, folder, f"abandoned: training went back to {back_to} (step {start})")
+            move_to_abandoned(run, folder, f"abandoned: training went back to {back_to} (step {start})")
     return None if chosen is None else str(chosen)
 
 

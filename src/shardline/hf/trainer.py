@@ -102,7 +102,8 @@ class ShardlineTrainerMixin(_TrainerBase):
             problems.append(
                 "the Accelerate configuration enables FSDP or DeepSpeed (e.g. accelerate launch --config_file with "
                 "distributed_type FSDP/DEEPSPEED); shardline shards the model itself: use a config with "
-                "distributed_type MULTI_GPU (one process per device; see docs/hf_trainer.md)"
+                "distributed_type MULTI_GPU (one process per device; see docs/hf_trainer.md), or keep the FSDP "
+                "config with transformers.Trainer and callbacks=[shardline.hf.LineageCallback()]"
             )
         if getattr(self, "model_init", None) is not None:
             problems.append(

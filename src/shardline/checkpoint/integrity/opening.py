@@ -50,7 +50,7 @@ from shardline.checkpoint.integrity.verify import (
 from shardline.checkpoint.storage.fsutil import is_tmp_name
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
-from shardline.errors import CheckpointNotFoundError, IntegrityError
+from shardline.errors import CheckpointError, CheckpointNotFoundError, IntegrityError
 
 __all__ = [
     "CheckedManifest",
@@ -216,6 +216,14 @@ def read_checked_metadata(checked: CheckedManifest) -> Metadata:
     try:
         data = file.read_bytes()
     except FileNotFoundError:
+        nested = [str(e["path"]) for e in checked.entries() if str(e["path"]).endswith(f"/{DCP_METADATA}")]
+        if nested:  # not damage: a folder adopted with subfolders=True
+            raise CheckpointError(
+                f"{checked.path} holds its DCP checkpoints in subfolders ({', '.join(sorted(nested))}; a Trainer's "
+                "checkpoint-N adopted with its files): load and consolidate read one DCP checkpoint at the top of "
+                "a directory. Resume it with the Trainer that wrote it (LineageCallback verifies it first); "
+                f"`shardline verify {checked.path}` checks it."
+            ) from None
         raise integrity_error(checked.path, [FileProblem(DCP_METADATA, "missing", "the DCP metadata file")]) from None
     if checked.manifest is not None:
         entry = next((e for e in checked.entries() if e["path"] == DCP_METADATA), None)

@@ -238,13 +238,20 @@ def _sums_manifest_line(path: Location) -> str | None:
     return None
 
 
-def _unexpected(path: Location, expected: set[str]) -> list[FileProblem]:
+def _unexpected(path: Location, expected: set[str], prefix: str = "") -> list[FileProblem]:
+    """Files and folders at ``path`` the manifest does not list; a folder it lists files in (an adopted
+    Trainer checkpoint's DCP subfolders) is looked into."""
     out = []
     children: Iterator[Location] = path.iterdir()
     for child in sorted(children):
-        if child.name not in expected:
-            what = "directory" if child.is_dir() else f"{child.stat().st_size} bytes"
-            out.append(FileProblem(child.name, "unexpected", f"not listed in the manifest ({what})"))
+        name = prefix + child.name
+        if name in expected:
+            continue
+        if child.is_dir() and any(e.startswith(f"{name}/") for e in expected):
+            out.extend(_unexpected(child, expected, f"{name}/"))
+            continue
+        what = "directory" if child.is_dir() else f"{child.stat().st_size} bytes"
+        out.append(FileProblem(name, "unexpected", f"not listed in the manifest ({what})"))
     return out
 
 

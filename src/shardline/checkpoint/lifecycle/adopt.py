@@ -27,6 +27,13 @@ mixed precision, the training config and data, the parent; the world size is inf
 data file names (``__RANK_N.distcp``, DCP's own naming) and left 0 when they do not follow it.
 No provenance statement is written: its claims (the code version, the runtime) would be this
 process's, not those of the code that wrote the files.
+
+``subfolders=True`` takes a directory whose DCP checkpoints are in its subfolders, beside loose
+files -- a Hugging Face Trainer's ``checkpoint-N`` under Accelerate's FSDP: ``pytorch_model_fsdp_0/``
+and ``optimizer_0/`` (each with its own ``.metadata``), ``trainer_state.json``, ``scheduler.pt``,
+``rng_state_R.pth``. The same steps run on each subfolder (every one must be a finished DCP
+checkpoint, holding no folder of its own); every file is hashed into the one manifest, listed by
+its path below the directory (``optimizer_0/__0_0.distcp``), the loose files as extra files.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +73,7 @@ from shardline.checkpoint.integrity.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
+from shardline.checkpoint.integrity.verify import check_expected_hash
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, step_of
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.records import record_adoption
@@ -89,7 +97,9 @@ ADOPTED_HASHES = (
 """What an adopted checkpoint's hashes prove, in the words its manifest and ledger row record."""
 _UNKNOWN = ("units", "mixed_precision", "config", "data_fingerprint", "parent")
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_TRAINER_NAME = re.compile(r"^checkpoint-(\d+)$")  # a Hugging Face Trainer's checkpoint-N
 _SHOW = 8
+_ACCELERATE_OPTIM_KEY = "optimizer"  # the key Accelerate's FSDP save puts the optimizer state under
 
 
 @dataclass(frozen=True)
@@ -111,8 +121,9 @@ class AdoptedCheckpoint:
     parent_manifest_hash: str | None = None
 
 
-def _refuse_early(root: Location) -> dict[str, int]:
-    """Step 1: ``{name: size}`` of the files at ``root``, or the refusal naming what is wrong."""
+def _refuse_early(root: Location, *, subfolders: bool) -> tuple[dict[str, int], list[str]]:
+    """Step 1: ``{path: size}`` of the files at ``root`` (paths below it, ``/``-separated) and the folders holding
+    DCP checkpoints (``""`` for ``root`` itself), or the refusal naming what is wrong."""
     where = describe(root)
     if not root.is_dir():
         raise CheckpointNotFoundError(f"cannot adopt {where}: {store_for(root).absent}")
@@ -130,6 +141,53 @@ def _refuse_early(root: Location) -> dict[str, int]:
             "(left by an adoption that was interrupted, or files of your own). Move them out of the directory, "
             "then adopt again; nothing was written."
         )
+    folders = [c for c in children if c.is_dir()]
+    sizes = {c.name: int(c.stat().st_size) for c in children if not c.is_dir()}
+    if not subfolders:
+        dcp_folders = [f.name for f in folders if (f / DCP_METADATA).is_file()]
+        hint = (
+            f" Its subfolders {', '.join(dcp_folders[:_SHOW])} hold DCP checkpoints (a Trainer's checkpoint-N?): "
+            "pass subfolders=True (--subfolders) to adopt them with the files beside them."
+            if dcp_folders
+            else ""
+        )
+        _require_metadata(where, names, hint)
+        if folders:
+            raise CheckpointError(
+                f"cannot adopt {where}: it holds subdirectories ({', '.join(f.name for f in folders[:_SHOW])}), "
+                "which a checkpoint's manifest cannot list; move them out, then adopt again (or, for a folder "
+                "of DCP checkpoints such as a Trainer's checkpoint-N, pass subfolders=True / --subfolders); "
+                "nothing was written."
+            )
+        return sizes, [""]
+    if not folders:
+        raise CheckpointNotFoundError(
+            f"cannot adopt {where} with subfolders: it has no subfolder (contents: "
+            f"{', '.join(sorted(names)[:_SHOW]) or 'empty'}); adopt a plain DCP directory without subfolders=True; "
+            "nothing was written."
+        )
+    for folder in folders:
+        inner: list[Location] = sorted(folder.iterdir(), key=lambda c: c.name)
+        inside = {c.name for c in inner}
+        held = sorted(inside & set(DERIVED_FILES))
+        if held:
+            raise CheckpointExistsError(
+                f"cannot adopt {where}: its subfolder {folder.name} holds {', '.join(held)}"
+                f" (a shardline checkpoint, or an interrupted adoption); check it with `shardline verify {folder}`; "
+                "nothing was written."
+            )
+        _require_metadata(f"{where}'s subfolder {folder.name}", inside)
+        deeper = [c.name for c in inner if c.is_dir()]
+        if deeper:
+            raise CheckpointError(
+                f"cannot adopt {where}: its subfolder {folder.name} holds folders ({', '.join(deeper[:_SHOW])}); "
+                "only one level of DCP subfolders is adopted; move them out; nothing was written."
+            )
+        sizes.update({f"{folder.name}/{c.name}": int(c.stat().st_size) for c in inner})
+    return sizes, ([""] if DCP_METADATA in names else []) + [f.name for f in folders]
+
+
+def _require_metadata(where: str, names: set[str], hint: str = "") -> None:
     if DCP_METADATA not in names:
         unfinished = (
             f" it has {DCP_METADATA}.tmp: a save that never finished;" if f"{DCP_METADATA}.tmp" in names else ""
@@ -138,15 +196,8 @@ def _refuse_early(root: Location) -> dict[str, int]:
         raise CheckpointNotFoundError(
             f"cannot adopt {where}: it has no {DCP_METADATA}, so it is not a finished torch.distributed.checkpoint "
             f"directory;{unfinished} contents: {shown}. Adopt the directory a completed dcp.save wrote; nothing "
-            "was written."
+            f"was written.{hint}"
         )
-    folders = [c.name for c in children if c.is_dir()]
-    if folders:
-        raise CheckpointError(
-            f"cannot adopt {where}: it holds subdirectories ({', '.join(folders[:_SHOW])}), which a checkpoint's "
-            "manifest cannot list; move them out, then adopt again; nothing was written."
-        )
-    return {c.name: int(c.stat().st_size) for c in children}
 
 
 def _check_chunks(where: str, metadata: Metadata, sizes: Mapping[str, int]) -> set[str]:
@@ -183,29 +234,28 @@ def _check_chunks(where: str, metadata: Metadata, sizes: Mapping[str, int]) -> s
     return {str(info.relative_path) for info in storage.values()}
 
 
-def _hash_all(root: Location, sizes: Mapping[str, int], metadata_digest: str) -> list[FileDigest]:
-    """Step 3: every file's SHA-256 (``.metadata``'s from the bytes that were unpickled)."""
-    names = sorted(n for n in sizes if n != DCP_METADATA)
+def _hash_all(root: Location, sizes: Mapping[str, int], metadata_digests: Mapping[str, str]) -> list[FileDigest]:
+    """Step 3: every file's SHA-256 (each ``.metadata``'s from the bytes that were unpickled)."""
+    names = sorted(n for n in sizes if n not in metadata_digests)
     threads = max(1, min(len(names), available_cores()))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardline-adopt") as pool:
         hashed = list(pool.map(lambda name: sha256_file(root / name), names))
-    digests = [FileDigest(path=DCP_METADATA, rank=0, bytes=sizes[DCP_METADATA], sha256=metadata_digest)]
+    digests = [FileDigest(path=n, rank=0, bytes=sizes[n], sha256=d) for n, d in sorted(metadata_digests.items())]
     for name, (size, digest) in zip(names, hashed, strict=True):
         if size != sizes[name]:
             raise CheckpointError(
                 f"cannot adopt {describe(root)}: {name} changed while it was being adopted ({sizes[name]} bytes "
                 f"listed, {size} hashed); is something still writing there? Nothing was written."
             )
-        match = _RANK_FILE.match(name)
+        match = _RANK_FILE.match(name.rpartition("/")[2])
         digests.append(FileDigest(path=name, rank=int(match[1]) if match else 0, bytes=size, sha256=digest))
     return digests
 
 
-def _describe_state(metadata: Metadata) -> tuple[dict[str, Any], dict[str, bool]]:
-    """The manifest's ``model`` (shapes and dtypes of the model's tensors) and ``contents``, from the metadata."""
+def _model_state(metadata: Metadata) -> dict[str, list[Any]]:
+    """``{name: [shape, dtype]}`` of the model's tensors in ``metadata`` (under ``model``, else at the top)."""
     paths = key_paths(metadata)
-    tops = {p[0] for p in paths.values()}
-    nested = MODEL_KEY in tops
+    nested = MODEL_KEY in {p[0] for p in paths.values()}
     state: dict[str, list[Any]] = {}
     for key, path in paths.items():
         md = metadata.state_dict_metadata[key]
@@ -215,6 +265,15 @@ def _describe_state(metadata: Metadata) -> tuple[dict[str, Any], dict[str, bool]
             state[str(path[1])] = [list(md.size), str(md.properties.dtype).removeprefix("torch.")]
         elif not nested and len(path) == 1:
             state[str(path[0])] = [list(md.size), str(md.properties.dtype).removeprefix("torch.")]
+    return state
+
+
+def _describe_state(metadatas: Sequence[Metadata]) -> tuple[dict[str, Any], dict[str, bool]]:
+    """The manifest's ``model`` (shapes and dtypes of the model's tensors) and ``contents``, from the metadata
+    of each DCP folder adopted (a Trainer's checkpoint has one for the model and one for the optimizer)."""
+    state: dict[str, list[Any]] = {}
+    for metadata in metadatas:
+        state.update(_model_state(metadata))
     numel = 0
     for shape, _ in state.values():
         n = 1
@@ -230,15 +289,17 @@ def _describe_state(metadata: Metadata) -> tuple[dict[str, Any], dict[str, bool]
         "state": state,
     }
 
-    def is_bytes(top: str) -> bool:
-        return any(
-            p[0] == top and isinstance(metadata.state_dict_metadata[k], BytesStorageMetadata) for k, p in paths.items()
-        )
-
+    tops: set[Any] = set()
+    byte_tops: set[Any] = set()
+    for metadata in metadatas:
+        for key, path in key_paths(metadata).items():
+            tops.add(path[0])
+            if isinstance(metadata.state_dict_metadata[key], BytesStorageMetadata):
+                byte_tops.add(path[0])
     contents = {
         "model": bool(state),
-        "optimizer": OPTIM_KEY in tops,
-        "trainer_state": TRAINER_KEY in tops and is_bytes(TRAINER_KEY),
+        "optimizer": OPTIM_KEY in tops or _ACCELERATE_OPTIM_KEY in tops,
+        "trainer_state": TRAINER_KEY in byte_tops,
         "per_rank_state": PER_RANK_KEY in tops,
         "config": CONFIG_KEY in tops,
     }
@@ -272,37 +333,48 @@ def adopt(
     step: int | None = None,
     ledger: Ledger | str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    subfolders: bool = False,
+    parent_manifest_hash: str | None = None,
 ) -> AdoptedCheckpoint:
     """Bring the DCP checkpoint at ``path`` (written by another tool) under lineage, in place (see the module note).
 
     Args:
         path: A directory written by ``torch.distributed.checkpoint.save`` (or an ``s3://`` prefix holding one).
-        step: The training step to record; default: from the name (``step-N`` or ``step-N-TAG``).
+        step: The training step to record; default: from the name (``step-N``, ``step-N-TAG``, or a
+            Trainer's ``checkpoint-N``).
         ledger: The ledger to record it in (a :class:`Ledger`, its file, or a run directory holding
             ``lineage.sqlite``); default for a local directory: ``lineage.sqlite`` beside it, where a
             ``CheckpointManager`` on its parent keeps its ledger -- or, for ``RUN/checkpoints/step-N``
             without one there, ``RUN/lineage.sqlite`` if it exists (a training run's). Required for an
             object-store prefix.
         storage_options: Options of the fsspec file system of a URL ``path`` (default: the AWS environment).
+        subfolders: ``path`` holds its DCP checkpoints in subfolders, beside loose files (a Hugging
+            Face Trainer's ``checkpoint-N`` under FSDP); see the module note.
+        parent_manifest_hash: The manifest hash of the checkpoint this one continues (recorded as
+            its parent in the manifest and the ledger row); default: unknown.
 
     Returns:
         The adopted checkpoint; its manifest and ledger row say its hashes were taken after the fact.
 
     Raises:
         CheckpointExistsError: it already has a ``manifest.json`` (or a file named like a commit record).
-        CheckpointNotFoundError: no such directory, or no ``.metadata`` (not a finished DCP checkpoint).
+        CheckpointNotFoundError: no such directory, or no ``.metadata`` (not a finished DCP checkpoint;
+            with ``subfolders``: a subfolder without one, or no subfolder).
         IntegrityError: a file ``.metadata`` names is missing or shorter than its chunks need.
-        ConfigurationError: no step given and none in the name; no ledger for an object-store prefix.
+        ConfigurationError: no step given and none in the name; no ledger for an object-store prefix;
+            a ``parent_manifest_hash`` that is not a SHA-256 in hex.
         LineageError: the ledger cannot be read.
         PublishError: it was committed, but its ledger row could not be written (``info`` is the checkpoint).
         Nothing is written when any error but the last is raised.
     """
+    parent_manifest_hash = check_expected_hash(parent_manifest_hash, where="parent_manifest_hash")
     root = locate(path, storage_options=storage_options).absolute()
     store = store_for(root)
     store.check_access(root)
     where = describe(root)
     match = CHECKPOINT_NAME.match(root.name)
-    step = step if step is not None else step_of(root.name)
+    trainer_name = _TRAINER_NAME.match(root.name)
+    step = step if step is not None else (int(trainer_name[1]) if trainer_name else step_of(root.name))
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ConfigurationError(
             f"cannot adopt {where}: its name does not say the training step (step-N) and none was given "
@@ -317,17 +389,29 @@ def adopt(
         )
     if book.path.is_file():
         book.rows()  # a ledger that cannot be read fails here, before anything is written
-    sizes = _refuse_early(store.snapshot(root))
-    raw = read_checkpoint_file(root / DCP_METADATA)
-    sizes = {**sizes, DCP_METADATA: len(raw)}
-    metadata = unpickle_metadata(raw, root / DCP_METADATA)
-    named = _check_chunks(where, metadata, sizes)
-    digests = _hash_all(root, sizes, sha256_hex(raw))
-    ranks = [_RANK_FILE.match(name) for name in sizes]
+    sizes, folders = _refuse_early(store.snapshot(root), subfolders=subfolders)
+    named: set[str] = set()
+    metadatas: list[Metadata] = []
+    metadata_digests: dict[str, str] = {}
+    for folder in folders:  # step 2, for each DCP checkpoint ("": the directory itself)
+        prefix = f"{folder}/" if folder else ""
+        meta_path = prefix + DCP_METADATA
+        raw = read_checkpoint_file(root / meta_path)
+        sizes[meta_path] = len(raw)
+        metadata_digests[meta_path] = sha256_hex(raw)
+        metadatas.append(unpickle_metadata(raw, root / meta_path))
+        inside = {n.removeprefix(prefix): size for n, size in sizes.items() if n.startswith(prefix)}
+        if not folder:
+            inside = {n: size for n, size in inside.items() if "/" not in n}
+        where_dcp = f"{where}'s subfolder {folder}" if folder else where
+        named |= {prefix + n for n in _check_chunks(where_dcp, metadatas[-1], inside)}
+    digests = _hash_all(root, sizes, metadata_digests)
+    ranks = [_RANK_FILE.match(name.rpartition("/")[2]) for name in sizes]
     world_size = max(int(m[1]) for m in ranks if m) + 1 if ranks and any(ranks) else 0
     created = datetime.datetime.now(datetime.timezone.utc)
-    model, contents = _describe_state(metadata)
-    extra = tuple(sorted(set(sizes) - named - {DCP_METADATA}))
+    model, contents = _describe_state(metadatas)
+    extra = tuple(sorted(set(sizes) - named - set(metadata_digests)))
+    unknown = [u for u in _UNKNOWN if not (u == "parent" and parent_manifest_hash)]
     manifest = build_manifest(
         step=step,
         tag=tag,
@@ -338,7 +422,7 @@ def adopt(
         contents=contents,
         config_sha256=None,
         data_fingerprint=None,
-        parent_manifest_sha256=None,
+        parent_manifest_sha256=parent_manifest_hash,
         files=digests,
         created=created,
     )
@@ -346,7 +430,7 @@ def adopt(
         "at": manifest["created_at"],
         "by": f"shardline {__version__}",
         "hashes": ADOPTED_HASHES,
-        "unknown": list(_UNKNOWN),
+        "unknown": unknown,
         "world_size": "inferred from the data file names (__RANK_N.distcp)" if world_size else "unknown",
         "versions": "of the process that adopted it; DCP metadata does not record those of the writer",
         "extra_files": list(extra),
@@ -369,6 +453,7 @@ def adopt(
         total_bytes=sum(d.bytes for d in digests),
         extra_files=extra,
         ledger=book.path,
+        parent_manifest_hash=parent_manifest_hash,
     )
     try:
         record_adoption(book, adopted, at=manifest["created_at"], hashes=ADOPTED_HASHES)
