@@ -59,7 +59,7 @@ def install_scaler(accelerator: Accelerator, model: nn.Module, policy: LossScali
         raise ConfigurationError(f"loss_scaling must be a shardline.LossScaling or None, got {type(policy).__name__}")
     replaced = getattr(accelerator, "scaler", None)
     scaler = TrainerGradScaler(model, policy=policy)
-    accelerator.scaler = scaler  # type: ignore[assignment]
+    accelerator.scaler = scaler
     log.info(
         "fp16: loss scaling by shardline's ShardedGradScaler (overflow verdict agreed by every rank)%s",
         f", in place of Accelerate's {type(replaced).__name__}" if replaced is not None else "",
