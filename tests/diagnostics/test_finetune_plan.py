@@ -149,3 +149,25 @@ def test_adapter_state_matches_the_engines_accounting(tmp_path: Path) -> None:
     for what, planned, got in (("gradients", planned_grads, measured["grads"]),
                                ("optimizer state", planned_optimizer, measured["optimizer"])):  # fmt: skip
         assert abs(planned - got) <= 0.10 * got, f"{what}: planned {planned:,} B, the engine holds {got:,} B"
+
+
+def test_estimate_takes_the_same_inputs_for_the_train_configs_gpt(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardline.train.build import build_model
+    from shardline.train.config import compose_config, to_train_config
+
+    overrides = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "data.seq_len=32"]
+    gpt = build_model(to_train_config(compose_config(overrides)), device="meta").config
+    flags = ["--lora-rank", "4", "--quantize", "nf4", "--world-size", "2", "--json"]
+    assert main(["estimate", *overrides, *flags]) == 0
+    on_device = json.loads(capsys.readouterr().out)
+    assert main(["estimate", *overrides, *flags, "--offload"]) == 0
+    offloaded = json.loads(capsys.readouterr().out)
+    # All linear layers of a GPT block: q, k, v, o (dim -> dim) and the MLP's up and down (dim <-> ffn).
+    ffn = gpt.dim * gpt.mlp_ratio
+    assert on_device["trainable_params"] == gpt.n_layers * 4 * (4 * 2 * gpt.dim + 2 * (gpt.dim + ffn))
+    sharded = on_device["frozen_shard"] + on_device["adapter_states"]
+    assert on_device["host_bytes"] == 0
+    assert offloaded["host_bytes"] == sharded
+    assert on_device["device_bytes"] - offloaded["device_bytes"] == sharded
+    assert main(["estimate", *overrides, "--quantize", "nf4"]) == 2
+    assert "describe a LoRA fine-tune: give --lora-rank too" in capsys.readouterr().err

@@ -38,6 +38,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from shardline.diagnostics.plan.architecture import ActivationCheckpointing, Architecture
 from shardline.diagnostics.plan.cost import USABLE_MEMORY_FRACTION, Cluster, Training, accumulation_steps
 from shardline.diagnostics.plan.memory import plan_memory
@@ -48,7 +50,9 @@ __all__ = [
     "ALL_LINEAR",
     "DEFAULT_HOST_LINK_GBPS",
     "FineTune",
+    "FineTuneMemory",
     "FineTunePlan",
+    "finetune_memory",
     "lora_params",
     "nf4_bits_per_param",
     "parse_base_bits",
@@ -210,6 +214,66 @@ def _frozen_bytes(arch: Architecture, base_bits: float) -> tuple[float, float]:
     return arch.n_layers * block + arch.root_params * _BF16, block
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FineTuneMemory:
+    """One rank's bytes for a :class:`FineTune`: the components, and where they live."""
+
+    trainable_params: int
+    frozen_shard: int
+    adapter_states: int
+    gathered: int
+    activations: int
+    offload: bool
+
+    @property
+    def sharded(self) -> int:
+        """Frozen shard and adapter state: on the host under offload, else on the device."""
+        return self.frozen_shard + self.adapter_states
+
+    @property
+    def device_bytes(self) -> int:
+        """Peak on the device during a step."""
+        return self.gathered + self.activations + (0 if self.offload else self.sharded)
+
+    @property
+    def host_bytes(self) -> int:
+        """Held in host memory (offload only)."""
+        return self.sharded if self.offload else 0
+
+
+def finetune_memory(
+    arch: Architecture,
+    *,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    finetune: FineTune,
+    ac: ActivationCheckpointing = ActivationCheckpointing.FULL,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> FineTuneMemory:
+    """One rank's memory for ``finetune`` of ``arch`` over ``world_size`` ranks (see the module docstring)."""
+    if world_size < 1:
+        raise ConfigurationError(f"world size must be >= 1, got {world_size}")
+    trainable = lora_params(arch, rank=finetune.lora_rank, targets=finetune.lora_targets)
+    tensors = 2 * len(parse_targets(arch, finetune.lora_targets)) * arch.n_layers  # A and B per adapted layer
+    frozen, block = _frozen_bytes(arch, finetune.base_bits)
+    adapter_block = trainable / arch.n_layers * _BF16
+    largest = max(i * o for i, o in _linear_shapes(arch).values()) * _BF16 if finetune.base_bits < 16 else 0
+    activations = plan_memory(
+        arch, strategy=ShardingStrategy.FULL_SHARD, world_size=world_size, micro_batch=micro_batch,
+        seq_len=seq_len, ac=ac, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+    ).activations  # fmt: skip
+    return FineTuneMemory(
+        trainable_params=trainable,
+        frozen_shard=round(frozen / world_size),
+        adapter_states=round(trainable * _ADAM_STATE_BYTES / world_size) + 4 * tensors,
+        gathered=round(arch.root_params * _BF16 + 2 * (block + adapter_block) + largest),
+        activations=activations,
+        offload=finetune.offload,
+    )
+
+
 def plan_finetune(
     arch: Architecture,
     *,
@@ -223,22 +287,13 @@ def plan_finetune(
     world = cluster.world_size
     accum = accumulation_steps(cluster, training, micro_batch)
     device = cluster.device
-    trainable = lora_params(arch, rank=finetune.lora_rank, targets=finetune.lora_targets)
-    targets = parse_targets(arch, finetune.lora_targets)
-    tensors = 2 * len(targets) * arch.n_layers  # A and B per adapted layer
-    frozen, block = _frozen_bytes(arch, finetune.base_bits)
-    frozen_shard = round(frozen / world)
-    adapter_states = round(trainable * _ADAM_STATE_BYTES / world) + 4 * tensors
-    adapter_block = trainable / arch.n_layers * _BF16
-    largest = max(i * o for i, o in _linear_shapes(arch).values()) * _BF16 if finetune.base_bits < 16 else 0
-    gathered = round(arch.root_params * _BF16 + 2 * (block + adapter_block) + largest)
-    activations = plan_memory(
-        arch, strategy=ShardingStrategy.FULL_SHARD, world_size=world, micro_batch=micro_batch,
-        seq_len=training.seq_len, ac=ac, param_dtype=training.param_dtype, reduce_dtype=training.reduce_dtype,
-    ).activations  # fmt: skip
-    sharded = frozen_shard + adapter_states
-    device_bytes = gathered + activations + (0 if finetune.offload else sharded)
-    host_bytes = sharded if finetune.offload else 0
+    memory = finetune_memory(
+        arch, world_size=world, micro_batch=micro_batch, seq_len=training.seq_len, finetune=finetune, ac=ac,
+        param_dtype=training.param_dtype, reduce_dtype=training.reduce_dtype,
+    )  # fmt: skip
+    trainable, frozen_shard = memory.trainable_params, memory.frozen_shard
+    frozen, _ = _frozen_bytes(arch, finetune.base_bits)
+    device_bytes, host_bytes = memory.device_bytes, memory.host_bytes
 
     eff = device.efficiency
     rate = device.peak_tflops * 1e12 * eff.compute
@@ -262,9 +317,9 @@ def plan_finetune(
         grad_accum=accum,
         trainable_params=trainable,
         frozen_shard=frozen_shard,
-        adapter_states=adapter_states,
-        gathered=gathered,
-        activations=activations,
+        adapter_states=memory.adapter_states,
+        gathered=memory.gathered,
+        activations=memory.activations,
         device_bytes=device_bytes,
         host_bytes=host_bytes,
         host_bytes_per_node=host_bytes * min(world, cluster.gpus_per_node),
