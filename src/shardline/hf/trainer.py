@@ -327,5 +327,5 @@ class ShardlineTrainer(ShardlineTrainerMixin, Trainer):
     Raises:
         ConfigurationError: TrainingArguments that cannot work with sharding (``fsdp=``,
             ``deepspeed=``, ``torch_compile``...; all named in one message), or no wrap policy
-            for a model that declares no ``_no_split_modules``.
+            for a model that declares no ``_no_split_modules``, or ``loss_scaling=`` without fp16.
     """
