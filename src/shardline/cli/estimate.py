@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
@@ -16,7 +18,10 @@ from shardline.errors import ShardlineError
 from shardline.train.build import build_model, build_policies
 from shardline.train.config import compose_config, resolve_accelerator, to_train_config
 
-__all__ = ["register", "run"]
+if TYPE_CHECKING:
+    from shardline.diagnostics.plan.finetune import FineTuneMemory
+
+__all__ = ["finetune", "register", "run"]
 
 _ROWS = (
     ("sharded_params", "parameters (this rank's masters, fp32)"),
@@ -86,8 +91,82 @@ def render(est: MemoryEstimate, console: Console) -> None:
     console.print(units)
 
 
+def finetune(
+    overrides: Sequence[str], *, lora_rank: int, lora_targets: str, quantize: str, offload: bool,
+    world_size: int | None = None,
+) -> FineTuneMemory:  # fmt: skip
+    """``--lora-rank``: one rank's memory for a LoRA / QLoRA fine-tune of the config's GPT (docs/planning.md)."""
+    from shardline.diagnostics.plan import ActivationCheckpointing, from_gpt_config
+    from shardline.diagnostics.plan.finetune import FineTune, finetune_memory, parse_base_bits
+    from shardline.errors import ConfigurationError
+    from shardline.models.gpt import GPT
+
+    cfg = to_train_config(compose_config(overrides))
+    model = build_model(cfg, device="meta")
+    if not isinstance(model, GPT):
+        raise ConfigurationError(
+            f"--lora-rank estimates shardline's GPT; the config's model is a {type(model).__name__} (for an HF "
+            "model use shardline plan --hf-config PATH --lora-rank R)"
+        )
+    checkpointing = build_policies(cfg).checkpointing is not None
+    return finetune_memory(
+        from_gpt_config(model.config, name="GPT"),
+        world_size=world_size or cfg.trainer.devices * cfg.trainer.num_nodes,
+        micro_batch=cfg.trainer.micro_batch_size,
+        seq_len=cfg.data.seq_len,
+        finetune=FineTune(
+            lora_rank=lora_rank, lora_targets=lora_targets, base_bits=parse_base_bits(quantize), offload=offload
+        ),
+        ac=ActivationCheckpointing.FULL if checkpointing else ActivationCheckpointing.NONE,
+    )
+
+
+def _render_finetune(mem: FineTuneMemory, console: Console) -> None:
+    table = Table(title=f"Estimated memory per rank: LoRA fine-tune, {mem.trainable_params:,} trainable parameters",
+                  title_justify="left")  # fmt: skip
+    table.add_column("component")
+    table.add_column("bytes", justify="right")
+    table.add_column("where", justify="right")
+    sharded_at = "host" if mem.offload else "device"
+    for label, value, where in (
+        ("frozen base (this rank's shard)", mem.frozen_shard, sharded_at),
+        ("adapters: fp32 master, gradient, AdamW state", mem.adapter_states, sharded_at),
+        ("gathered units and dequantized weight (peak)", mem.gathered, "device"),
+        ("activations (one micro-batch)", mem.activations, "device"),
+    ):
+        table.add_row(label, _mib(value), where)
+    table.add_row("[bold]peak on the device[/]", _mib(mem.device_bytes), "device")
+    table.add_row("[bold]host memory[/]", _mib(mem.host_bytes), "host")
+    console.print(table)
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
+    if args.lora_rank is None and (args.lora_targets or args.quantize or args.offload):
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            "[bold red]error:[/] --lora-targets, --quantize and --offload describe a LoRA fine-tune: give --lora-rank "
+            "too (e.g. --lora-rank 16)"
+        )
+        return 2
+    if args.lora_rank is not None:
+        try:
+            mem = finetune(
+                args.overrides,
+                lora_rank=args.lora_rank,
+                lora_targets=args.lora_targets or "all-linear",
+                quantize=args.quantize or "none",
+                offload=args.offload,
+                world_size=args.world_size,
+            )
+        except ShardlineError as exc:
+            Console(stderr=True, highlight=False, soft_wrap=True).print("[bold red]error:[/]", escape(str(exc)))
+            return 2
+        if args.json:
+            print(json.dumps({**dataclasses.asdict(mem), "device_bytes": mem.device_bytes,
+                              "host_bytes": mem.host_bytes}, indent=2))  # fmt: skip
+        else:
+            _render_finetune(mem, console)
+        return 0
     try:
         est = run(args.overrides, world_size=args.world_size)
     except ShardlineError as exc:
@@ -111,4 +190,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="the same overrides as shardline train")
     parser.add_argument("--world-size", type=int, help="ranks to estimate for (default: devices x num_nodes)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--lora-rank", type=int, help="a LoRA fine-tune with adapters of this rank (docs/planning.md)")
+    parser.add_argument("--lora-targets", help="adapted layers: all-linear (default) or e.g. q_proj,v_proj")
+    parser.add_argument("--quantize", help="frozen base: none (bf16, default), nf4 (4.127 bits), or bits per weight")
+    parser.add_argument("--offload", action="store_true", help="sharded parameters and optimizer state in host RAM")
     parser.set_defaults(func=_cmd_estimate, positionals_into="overrides")

@@ -21,6 +21,7 @@ from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
     from shardline.diagnostics.plan import Architecture, Cluster, Prediction
+    from shardline.diagnostics.plan.finetune import FineTunePlan
     from shardline.train.schema import TrainConfig
 
 __all__ = ["register"]
@@ -32,7 +33,11 @@ examples:
       --strategy full_shard --micro-batch 2 --ac full --json
   shardline plan model.dim=1024 model.n_layers=8 model.n_heads=16 --seq-len 128 --calibrate \\
       --save-calibration cal.json --precision fp32 --global-batch 4
+  shardline plan --hf-config llama2-70b/config.json --gpu RTX-4090 --gpus-per-node 2 --seq-len 2048 \\
+      --lora-rank 64 --quantize nf4 --offload      # QLoRA: which micro-batches fit, host RAM, step time
 """
+
+_FINETUNE_FLAGS = ("lora_targets", "quantize", "offload", "host_link_gbps")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -157,6 +162,57 @@ def run(args: argparse.Namespace) -> tuple[list[Prediction], Cluster, str]:
     return found[: args.top], cluster, title
 
 
+def _finetune(args: argparse.Namespace) -> tuple[list[FineTunePlan], Cluster, str]:
+    """``--lora-rank``: the fine-tune plan for each micro-batch asked (default 1, 2, 4, 8, 16)."""
+    from shardline.diagnostics.plan import ActivationCheckpointing, Training
+    from shardline.diagnostics.plan.finetune import DEFAULT_HOST_LINK_GBPS, FineTune, parse_base_bits, plan_finetune
+    from shardline.engine import ShardingStrategy
+    from shardline.errors import ConfigurationError
+
+    if args.strategy and ShardingStrategy.parse(args.strategy) is not ShardingStrategy.FULL_SHARD:
+        raise ConfigurationError(f"--lora-rank plans a FULL_SHARD fine-tune; leave out --strategy {args.strategy}")
+    arch, train_cfg = _architecture(args)
+    cluster = _cluster(args)
+    seq_len = args.seq_len or (train_cfg.data.seq_len if train_cfg is not None else None)
+    if not seq_len:
+        raise ConfigurationError("no sequence length: give --seq-len (e.g. --seq-len 2048)")
+    bits = parse_base_bits(args.quantize or "none")
+    finetune = FineTune(lora_rank=args.lora_rank, lora_targets=args.lora_targets or "all-linear", base_bits=bits,
+                        offload=args.offload, host_link_gbps=args.host_link_gbps or DEFAULT_HOST_LINK_GBPS)  # fmt: skip
+    ac = ActivationCheckpointing.parse(args.ac or "full")
+    plans = []
+    for mb in (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8, 16):
+        training = Training(seq_len=seq_len, global_batch=args.global_batch or mb * cluster.world_size,
+                            param_dtype=_DTYPES[args.precision], reduce_dtype=_DTYPES[args.reduce_dtype])  # fmt: skip
+        plans.append(plan_finetune(arch, cluster=cluster, training=training, micro_batch=mb, finetune=finetune, ac=ac))
+    base = "bf16" if bits == 16 else f"{bits:.3f}-bit"
+    title = (
+        f"{arch.name}: {arch.num_params / 1e9:.3g}B parameters ({base} base), LoRA r={args.lora_rank} "
+        f"({plans[0].trainable_params / 1e6:,.1f}M trainable), seq {seq_len}, AC {ac.value}"
+        + (f", offload at {finetune.host_link_gbps:g} Gb/s" if args.offload else "")
+    )
+    return plans, cluster, title
+
+
+def _print_finetune(plans: Sequence[FineTunePlan], cluster: Cluster, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    device = cluster.device
+    table = Table(title=f"{title}\n{cluster.nodes} x {cluster.gpus_per_node} {device.name} ({device.memory_gib:g} GiB)",
+                  title_justify="left")  # fmt: skip
+    for column in ("micro-batch", "fits", "device GiB", "host GiB/rank", "host GiB/node", "step s", "tokens/s/GPU",
+                   "compute s", "transfers s", "host copies s"):  # fmt: skip
+        table.add_column(column, justify="right")
+    gib = 2**30
+    for p in plans:
+        table.add_row(str(p.micro_batch), "yes" if p.fits else "no", f"{p.device_bytes / gib:.1f}",
+                      f"{p.host_bytes / gib:.1f}", f"{p.host_bytes_per_node / gib:.1f}", f"{p.step_time_s:.2f}",
+                      f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.compute_s:.2f}", f"{p.transfer_s:.2f}",
+                      f"{p.copy_s:.2f}")  # fmt: skip
+    Console(highlight=False, soft_wrap=True, width=200).print(table)
+
+
 def _print_table(predictions: Sequence[Prediction], cluster: Cluster, title: str) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -178,6 +234,13 @@ def _print_table(predictions: Sequence[Prediction], cluster: Cluster, title: str
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.lora_rank is not None:
+        return _cmd_finetune(args)
+    given = [f"--{name.replace('_', '-')}" for name in _FINETUNE_FLAGS if getattr(args, name)]
+    if given:
+        print(f"error: {', '.join(given)} describe a LoRA fine-tune: give --lora-rank too (e.g. --lora-rank 16)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         predictions, cluster, title = run(args)
         if args.plot:
@@ -194,6 +257,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    try:
+        plans, cluster, title = _finetune(args)
+    except ShardlineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([p.as_dict() for p in plans], indent=2))
+    else:
+        _print_finetune(plans, cluster, title)
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``plan`` to the ``shardline`` command."""
     parser = subparsers.add_parser(
@@ -207,7 +283,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="shardline train overrides (its GPT)")
     parser.add_argument("--hf-config", metavar="PATH", help="an HF config.json: Llama, Mistral, Qwen2, GPT-2, GPT-NeoX")
-    parser.add_argument("--gpu", help="a known device: A100-40GB, A100-80GB, H100-SXM, H100-PCIe, H100-96GB, H200, L4")
+    parser.add_argument(
+        "--gpu",
+        help="a known device: A100-40GB, A100-80GB, H100-SXM, H100-PCIe, H100-96GB, H200, L4, RTX-3090, RTX-4090",
+    )
     parser.add_argument("--peak-tflops", type=float, help="or describe it: dense bf16 peak, TFLOP/s")
     parser.add_argument("--memory-gib", type=float, help="and its memory, GiB")
     parser.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
@@ -233,4 +312,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--top", type=int, default=10, help="rows of the ranking shown (default 10)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--plot", metavar="PNG", help="also draw the time split of each configuration")
+    tune = parser.add_argument_group("fine-tuning on small GPUs (docs/planning.md)")
+    tune.add_argument("--lora-rank", type=int, help="plan a LoRA fine-tune with adapters of this rank")
+    tune.add_argument("--lora-targets", help="adapted layers: all-linear (default) or e.g. q_proj,v_proj")
+    tune.add_argument("--quantize", help="frozen base: none (bf16, default), nf4 (4.127 bits), or bits per weight")
+    tune.add_argument("--offload", action="store_true", help="sharded parameters and optimizer state in host RAM")
+    tune.add_argument("--host-link-gbps", type=float, help="host <-> device copies, Gb/s per device (default 200)")
     parser.set_defaults(func=_cmd_plan, positionals_into="overrides")

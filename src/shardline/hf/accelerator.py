@@ -4,8 +4,8 @@
 matter for a sharded model: ``prepare``/``prepare_model`` (which wraps a model in torch DDP
 whenever several processes train), ``no_sync`` (gradient accumulation: Trainer enters it for
 every micro-batch but the last) and ``clip_grad_norm_`` (``max_grad_norm``, and the grad norm
-Trainer logs). :func:`for_sharded_model` gives the Trainer's accelerator a subclass whose three
-public methods, for the sharded model only:
+Trainer logs). :func:`for_sharded_model` gives the Trainer's accelerator a subclass whose
+public methods below act, for the sharded model only:
 
 * ``prepare_model``: no DDP (shardline reduces gradients itself and refuses to be wrapped) and
   no device move (the shards are placed), but autocast for ``bf16``/``fp16`` exactly as
@@ -13,7 +13,10 @@ public methods, for the sharded model only:
   everything but the wrap;
 * ``no_sync``: shardline's ``no_sync`` (no gradient collective until the last micro-batch);
 * ``clip_grad_norm_``: the true global norm of the whole model (one all-reduce), not the norm
-  of this rank's shards, after unscaling fp16 gradients as Accelerate does.
+  of this rank's shards, after unscaling fp16 gradients as Accelerate does;
+* ``unscale_gradients``: with shardline's loss scaler in ``accelerator.scaler``
+  (:mod:`shardline.hf.scaler`), that scaler's ``unscale_`` -- on every device, CPU included,
+  where Accelerate unscales only under its native fp16 autocast.
 
 Note: why a subclass made at run time. Trainer builds the accelerator itself (in
 ``create_accelerator_and_postprocess``) from many arguments and launcher settings; swapping the
@@ -31,7 +34,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from shardline.engine import ShardedModule, clip_grad_norm_
+from shardline.engine import ShardedGradScaler, ShardedModule, clip_grad_norm_
 from shardline.errors import ConfigurationError
 
 __all__ = ["ShardedModelAccelerator", "for_sharded_model"]
@@ -77,8 +80,23 @@ class ShardedModelAccelerator:
                 f"clip_grad_norm_ was given {len(given & mine)} of the sharded model's {len(mine)} parameters; "
                 "a subset's norm cannot be computed from shards. Clip all of model.parameters() (the global norm)."
             )
-        self.unscale_gradients()  # type: ignore[attr-defined]
+        self.unscale_gradients()
         return clip_grad_norm_(model, max_norm, norm_type)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None) -> None:
+        """Accelerate's ``unscale_gradients``; with shardline's scaler, its ``unscale_`` (one verdict for all ranks)."""
+        scaler = getattr(self, "scaler", None)
+        if not isinstance(scaler, ShardedGradScaler):
+            super().unscale_gradients(optimizer)  # type: ignore[misc]
+            return
+        if optimizer is None:
+            optimizers = list(getattr(self, "_optimizers", []))
+        else:
+            optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for opt in optimizers:
+            while hasattr(opt, "optimizer"):  # Accelerate's AcceleratedOptimizer, around the torch optimizer
+                opt = opt.optimizer
+            scaler.unscale_(opt)
 
 
 _CLASSES: dict[type, type] = {}

@@ -5,7 +5,8 @@ Layout of a periodic save (``save_steps``), inside Trainer's own ``checkpoint-N/
     checkpoint-N/
       shardline/            a shardline checkpoint: DCP shards of the model and optimizer, hashed
                             while written, manifest.json + manifest.sha256, the learning-rate
-                            scheduler and the run's TrainingArguments, chained to its parent
+                            scheduler, the fp16 loss scaler and the run's TrainingArguments,
+                            chained to its parent
       trainer_state.json    Trainer's own (step, log history, callbacks' state)
       rng_state_R.pth       Trainer's own, one per rank
     lineage.sqlite          shardline's hash-chained ledger of the run (beside the checkpoint-N)
@@ -29,6 +30,7 @@ checkpoint is removed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import uuid
@@ -47,6 +49,7 @@ from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.provenance import records
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
 from shardline.checkpoint.provenance.retention import record_deletions
+from shardline.engine import ShardedGradScaler
 from shardline.errors import CheckpointNotFoundError
 from shardline.hf.resume import CHECKPOINT_DIR, INCOMPLETE, PLAIN, describe_incomplete, kind_of
 
@@ -61,6 +64,9 @@ __all__ = [
 ]
 
 SCHEDULER_KEY = "lr_scheduler"
+SCALER_KEY = "grad_scaler"
+log = logging.getLogger("shardline.hf")
+
 LEDGER_FILE = LEDGER_NAME  # the name shardline's ledger has beside every run's checkpoints
 
 
@@ -73,8 +79,10 @@ def save_training_checkpoint(
     step: int,
     config: Mapping[str, Any],
     parent_manifest_hash: str | None,
+    scaler: ShardedGradScaler | None = None,
 ) -> ckpt.CheckpointInfo:
-    """Write ``output_dir/shardline`` (a collective): model shards, optimizer (if given) and scheduler state.
+    """Write ``output_dir/shardline`` (a collective): model shards, optimizer (if given), scheduler and
+    fp16 loss scaler state (scale and growth counter, the same on every rank).
 
     The commit is recorded in ``lineage.sqlite`` in ``output_dir``'s parent (the run directory).
     """
@@ -82,6 +90,8 @@ def save_training_checkpoint(
     state: dict[str, Any] = {"trainer": "transformers.Trainer"}
     if scheduler is not None and optimizer is not None:
         state[SCHEDULER_KEY] = scheduler.state_dict()
+    if scaler is not None:
+        state[SCALER_KEY] = scaler.state_dict()
     info = ckpt.save(
         path,
         model=model,
@@ -145,8 +155,11 @@ def load_training_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     scheduler: LRScheduler | None,
     verify: ckpt.VerifyLevel | str,
+    scaler: ShardedGradScaler | None = None,
 ) -> str:
-    """Verify and load ``checkpoint_dir/shardline`` into the model (and optimizer, scheduler); its manifest hash.
+    """Verify and load ``checkpoint_dir/shardline`` into the model (and optimizer, scheduler, fp16 loss
+    scaler); its manifest hash. A checkpoint saved without a loss scaler's state (before fp16 training
+    saved it, or by a run in another precision) leaves ``scaler`` as it starts, and says so in the log.
 
     Raises:
         CheckpointNotFoundError: ``checkpoint_dir`` holds no shardline checkpoint (e.g. it was
@@ -158,6 +171,16 @@ def load_training_checkpoint(
     state = ckpt.load(target, model=model, optimizer=optimizer if has_optimizer else None, verify=verify, strict=True)
     if scheduler is not None and has_optimizer and SCHEDULER_KEY in state:
         scheduler.load_state_dict(state[SCHEDULER_KEY])
+    if scaler is not None and has_optimizer:
+        if SCALER_KEY in state:
+            scaler.load_state_dict(state[SCALER_KEY])
+        else:
+            log.info(
+                "%s holds no loss-scaler state (saved before fp16 runs recorded it, or by a run in another "
+                "precision): the loss scale starts fresh at %s",
+                target,
+                scaler.get_scale(),
+            )
     return digest
 
 

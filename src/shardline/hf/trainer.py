@@ -17,9 +17,11 @@ Trainer's own, then records in the ledger the checkpoints Trainer's rotation del
 ``_save_optimizer_and_scheduler`` (nothing: both are in the shardline checkpoint),
 ``_load_from_checkpoint`` (only checks that the folder holds a shardline checkpoint: the
 optimizer does not exist yet at that point of ``train()``),
-``_load_optimizer_and_scheduler`` (verifies and loads model, optimizer and scheduler
-together) and ``_load_best_model`` (``load_best_model_at_end``: verifies and loads the model of
-the checkpoint Trainer chose as best).
+``_load_optimizer_and_scheduler`` (verifies and loads model, optimizer, scheduler and the fp16
+loss scaler together) and ``_load_best_model`` (``load_best_model_at_end``: verifies and loads the
+model of the checkpoint Trainer chose as best). Under transformers 5, ``_save_scaler`` and
+``_load_scaler`` do nothing: the loss scaler's state is in the shardline checkpoint
+(:mod:`shardline.hf.scaler`); they read no parameter, so no signature is checked for them.
 
 Note: one integration across transformers releases. Each override names only the leading
 parameters it reads and passes everything else on (``*args, **kwargs``), so releases that add
@@ -43,7 +45,7 @@ from transformers import Trainer
 import shardline.checkpoint as ckpt
 from shardline._transformers_compat import SUPPORTED_TRANSFORMERS, check_trainer_class
 from shardline.distributed import init_distributed
-from shardline.engine import MixedPrecision, ShardedModule, ShardingStrategy, original_class, wrap
+from shardline.engine import LossScaling, MixedPrecision, ShardedModule, ShardingStrategy, original_class, wrap
 from shardline.errors import ConfigurationError
 from shardline.hf.accelerator import for_sharded_model
 from shardline.hf.checkpoints import (
@@ -55,6 +57,7 @@ from shardline.hf.checkpoints import (
 )
 from shardline.hf.options import WrapPolicyLike, refused_arguments, resolve_mixed_precision, resolve_wrap_policy
 from shardline.hf.resume import prepare_resume
+from shardline.hf.scaler import TrainerGradScaler, install_scaler, wants_scaler
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "ShardlineTrainer", "ShardlineTrainerMixin", "sharded"]
 
@@ -85,6 +88,7 @@ class ShardlineTrainerMixin(_TrainerBase):
         mixed_precision: MixedPrecision | None = None,
         reshard_after_forward: bool | int | None = None,
         verify: ckpt.VerifyLevel | str = ckpt.VerifyLevel.FULL,
+        loss_scaling: LossScaling | None = None,
         **kwargs: Any,
     ) -> None:
         self._shardline_strategy = ShardingStrategy.parse(sharding_strategy)
@@ -92,6 +96,7 @@ class ShardlineTrainerMixin(_TrainerBase):
         self._shardline_saving = False
         self._shardline_parent: str | None = None
         self._shardline_run_dir: str | None = None
+        self._shardline_scaler: TrainerGradScaler | None = None
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         training_args = bound.arguments.get("args")
         if training_args is not None:
@@ -112,7 +117,15 @@ class ShardlineTrainerMixin(_TrainerBase):
             )
         _refuse(problems, type(self).__name__)
         self._shardline_mixed_precision = resolve_mixed_precision(self.args, mixed_precision)
+        fp16 = wants_scaler(bool(self.args.fp16), self._shardline_mixed_precision)
+        if loss_scaling is not None and not fp16:
+            raise ConfigurationError(
+                f"loss_scaling= is set but {type(self).__name__} computes no fp16 gradients; it applies with fp16=True "
+                "(or mixed_precision=MixedPrecision(param_dtype=torch.float16)): set one, or remove loss_scaling="
+            )
         self._shard(auto_wrap_policy, reshard_after_forward)
+        if fp16:  # before train() prepares the optimizer: AcceleratedOptimizer takes the accelerator's scaler
+            self._shardline_scaler = install_scaler(self.accelerator, self._sharded_model, loss_scaling)
 
     @property
     def _sharded_model(self) -> nn.Module:
@@ -208,6 +221,7 @@ class ShardlineTrainerMixin(_TrainerBase):
                 model=self._sharded_model,
                 optimizer=_inner_optimizer(self.optimizer) if include_optimizer else None,
                 scheduler=self.lr_scheduler if include_optimizer else None,
+                scaler=self._shardline_scaler if include_optimizer else None,
                 step=int(self.state.global_step),
                 config=self.args.to_sanitized_dict(),
                 parent_manifest_hash=self._shardline_parent,
@@ -237,6 +251,12 @@ class ShardlineTrainerMixin(_TrainerBase):
     def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
         """Nothing: the optimizer and scheduler are in the shardline checkpoint ``save_model`` wrote."""
 
+    def _save_scaler(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the fp16 loss scaler's state is in the shardline checkpoint ``save_model`` wrote."""
+
+    def _load_scaler(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: ``_load_optimizer_and_scheduler`` restored the loss scaler from the shardline checkpoint."""
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, *args: Any, **kwargs: Any) -> None:
         """Only check that it is a shardline checkpoint: the model is loaded with the optimizer, later."""
         require_checkpoint(resume_from_checkpoint)
@@ -249,6 +269,7 @@ class ShardlineTrainerMixin(_TrainerBase):
             model=self._sharded_model,
             optimizer=_inner_optimizer(self.optimizer),
             scheduler=self.lr_scheduler,
+            scaler=self._shardline_scaler,
             verify=self._shardline_verify,
         )
 
@@ -315,9 +336,13 @@ class ShardlineTrainer(ShardlineTrainerMixin, Trainer):
         reshard_after_forward: As for ``shardline.fully_shard`` (``None``: the strategy's default).
         verify: Checks before a checkpoint is resumed: ``"full"`` (every byte hashed against the
             manifest first), or the opt-ins ``"sizes"`` and ``"none"``.
+        loss_scaling: How the fp16 loss scale starts and moves (a ``shardline.LossScaling``;
+            default: ``torch.amp.GradScaler``'s values). With ``fp16=True`` the loss is scaled by
+            shardline's ``ShardedGradScaler``: an overflow on any rank's gradient shard skips
+            the step, and backs off the scale, on every rank.
 
     Raises:
         ConfigurationError: TrainingArguments that cannot work with sharding (``fsdp=``,
             ``deepspeed=``, ``torch_compile``...; all named in one message), or no wrap policy
-            for a model that declares no ``_no_split_modules``.
+            for a model that declares no ``_no_split_modules``, or ``loss_scaling=`` without fp16.
     """

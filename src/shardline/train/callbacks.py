@@ -45,9 +45,11 @@ METRIC_FIELDS = (
     "attempt",
     "world_size",
     "data_digest",
+    "skipped",
 )
 """``metrics.csv``'s columns. ``world_size`` is the ranks that ran the step; ``data_digest`` names the step's
-global batch (its samples, in order) and is the same for a step at every world size."""
+global batch (its samples, in order) and is the same for a step at every world size; ``skipped`` is True for a
+step whose fp16 gradients overflowed (no update; its ``grad_norm`` is empty)."""
 
 
 class Callback:
@@ -136,9 +138,10 @@ class ProgressBar(Callback):
             self._progress.update(self._task, completed=m.step, loss=f"{m.loss:.4f}", tps=f"{m.tokens_per_s:,.0f}")
         elif trainer.is_rank0 and (m.step % trainer.cfg.trainer.log_every_n_steps == 0 or m.step == 1):
             remaining = (trainer.max_steps - m.step) * m.step_time_s
+            norm = "skipped (fp16 overflow)" if m.grad_norm is None else f"{m.grad_norm:.3f}"
             self._console.print(
                 f"step {m.step:>6}/{trainer.max_steps}  loss {m.loss:.4f}  lr {m.lr:.2e}  "
-                f"grad norm {m.grad_norm:.3f}  {m.tokens_per_s:,.0f} tok/s  ETA {remaining:.0f}s"
+                f"grad norm {norm}  {m.tokens_per_s:,.0f} tok/s  ETA {remaining:.0f}s"
             )
 
     def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None:
@@ -227,7 +230,8 @@ class TensorBoard(Callback):
         if self._writer is None:
             return
         for name in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib", "comm_mib"):
-            self._writer.add_scalar(f"train/{name}", getattr(m, name), m.step)
+            if getattr(m, name) is not None:  # grad_norm of a skipped step
+                self._writer.add_scalar(f"train/{name}", getattr(m, name), m.step)
         if trainer.checkpoints.last_saved_step != self._logged_step:
             self._log_checkpoints()
 

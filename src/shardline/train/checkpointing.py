@@ -6,7 +6,8 @@ directory or an object-store URL ``s3://BUCKET/PREFIX`` (see
 ``RUN_DIR/lineage.sqlite`` (local, also for a bucket). The trainer state saved with each checkpoint is everything the
 next step depends on besides the model and optimizer: the step (batches are a function of the
 seed and the step, so the step *is* the data position), the LR scheduler, the validation
-history, and every rank's RNG states. Resuming at the same world size therefore continues
+history, the fp16 loss scaler (``16-mixed``: scale and growth counter), and every rank's RNG
+states. Resuming at the same world size therefore continues
 bit-identically to a run that never stopped.
 
 Note: which failures get an ``on_exception`` checkpoint. Saving is a collective, so it is only
@@ -41,6 +42,9 @@ from shardline.train.schema import TrainConfig
 __all__ = ["TrainingCheckpoints", "TrainingDiverged", "find_resumable_run", "restart_cause"]
 
 log = logging.getLogger("shardline.train")
+
+SCALER_KEY = "grad_scaler"
+"""The trainer state's entry for the loss scaler (``trainer.precision=16-mixed``)."""
 
 
 class TrainingDiverged(FloatingPointError):
@@ -159,6 +163,7 @@ class TrainingCheckpoints:
                 trainer.corpus.fingerprint[:12],
             )
         trainer.scheduler.load_state_dict(state["scheduler"])
+        self._restore_scaler(trainer, state, step)
         trainer.val_history = [(int(s), float(v)) for s, v in state.get("val_history", [])]
         per_rank = state.get("per_rank")
         if per_rank is not None:
@@ -169,6 +174,24 @@ class TrainingCheckpoints:
         log.info("resumed from step %d", step)
         self._record_restart(trainer, step)
         return step
+
+    @staticmethod
+    def _restore_scaler(trainer: Any, state: dict[str, Any], step: int) -> None:
+        """The loss scaler's scale and growth counter (``16-mixed``); a checkpoint without them starts it fresh."""
+        scaler = getattr(trainer, "scaler", None)
+        if scaler is None:
+            return
+        saved = state.get(SCALER_KEY)
+        if saved is not None:
+            scaler.load_state_dict(saved)
+            return
+        if trainer.is_rank0:
+            log.info(
+                "the checkpoint of step %d holds no loss-scaler state (saved before 16-mixed runs recorded it, or by "
+                "a run in another precision): the loss scale starts fresh at %s",
+                step,
+                scaler.get_scale(),
+            )
 
     def _record_restart(self, trainer: Any, step: int) -> None:
         """The ledger's ``restart`` row: world size before and after, the cause as far as it is known."""
@@ -223,6 +246,9 @@ class TrainingCheckpoints:
             "val_history": [[s, v] for s, v in trainer.val_history],
             "per_rank": {"rng": capture_rng_state()},
         }
+        scaler = getattr(trainer, "scaler", None)
+        if scaler is not None:  # the same on every rank: the overflow verdict is agreed
+            state[SCALER_KEY] = scaler.state_dict()
         return state
 
     def save(self, trainer: Any, step: int, *, tag: str | None = None) -> None:

@@ -60,12 +60,17 @@ _EVAL_SEED = 0x5EED
 
 @dataclass
 class StepMetrics:
-    """What one optimizer step measured (``val_loss`` only at evaluation steps)."""
+    """What one optimizer step measured (``val_loss`` only at evaluation steps).
+
+    ``skipped``: the update was not applied -- fp16 gradients overflowed on some rank and the loss
+    scale was lowered (``16-mixed``); ``loss`` is the one measured, ``grad_norm`` None (that norm
+    is not a number, and NaN is not valid JSON).
+    """
 
     step: int
     loss: float
     lr: float
-    grad_norm: float
+    grad_norm: float | None
     tokens_per_s: float
     step_time_s: float
     peak_mem_mib: float
@@ -73,6 +78,7 @@ class StepMetrics:
     val_loss: float | None = None
     world_size: int = 0
     data_digest: str = ""
+    skipped: bool = False
 
 
 @dataclass
@@ -139,7 +145,7 @@ def _read_metrics(path: Path, *, upto: int) -> list[StepMetrics]:
                     step=step,
                     loss=float(row["loss"]),
                     lr=float(row["lr"]),
-                    grad_norm=float(row["grad_norm"]),
+                    grad_norm=float(row["grad_norm"]) if row["grad_norm"] else None,
                     tokens_per_s=float(row["tokens_per_s"]),
                     step_time_s=float(row["step_time_s"]),
                     peak_mem_mib=float(row["peak_mem_mib"]),
@@ -147,6 +153,7 @@ def _read_metrics(path: Path, *, upto: int) -> list[StepMetrics]:
                     val_loss=float(row["val_loss"]) if row["val_loss"] else None,
                     world_size=int(row.get("world_size") or 0),
                     data_digest=row.get("data_digest") or "",
+                    skipped=row.get("skipped") == "True",
                 )
     return [out[step] for step in sorted(out)]
 
@@ -416,11 +423,10 @@ class Trainer:
         out: list[StepMetrics] = []
         for i, p in enumerate(pending):
             loss, grad_norm, overflow = values[3 * i], values[3 * i + 1], values[3 * i + 2]
-            if overflow:  # recorded as a NaN norm: the step did not update the weights
+            if overflow:  # recorded as skipped, without a norm: the step did not update the weights
                 log.info(
                     "step %d: fp16 gradients overflowed; the update was skipped and the loss scale lowered", p.step
                 )
-                grad_norm = math.nan
             if not (math.isfinite(loss) and (overflow or math.isfinite(grad_norm))):
                 self._rewind_scheduler(p.scheduler_before)
                 bad = f"training loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
@@ -436,13 +442,14 @@ class Trainer:
                     step=p.step,
                     loss=loss,
                     lr=p.lr,
-                    grad_norm=grad_norm,
+                    grad_norm=None if overflow else grad_norm,
                     tokens_per_s=self.tokens_per_step / per_step if per_step > 0 else math.inf,
                     step_time_s=per_step,
                     peak_mem_mib=p.peak_mem_mib,
                     comm_mib=p.comm_mib,
                     world_size=self.info.world_size,
                     data_digest=p.data_digest,
+                    skipped=bool(overflow),
                 )
             )
         return out

@@ -165,6 +165,26 @@ DEVICES: dict[str, Device] = {
         _gpu("H100-96GB", 989, 94.5, 2400, 450, 400, _HOP, _GRAND_TETON),
         _gpu("H200", 989, 140.4, 4800, 450, 400, _HOP, "H200 SXM 141GB, NVLink 4, NDR InfiniBand"),
         _gpu("L4", 121, 22.5, 300, 32, 100, _ADA, "L4 24GB, PCIe Gen4 x16 between GPUs"),
+        _gpu(
+            "RTX-3090",
+            71,
+            23.5,
+            936,
+            32,
+            100,
+            _AMP,
+            "GeForce RTX 3090 24GB: bf16 with fp32 accumulate, no NVLink assumed (PCIe Gen4 x16 between GPUs)",
+        ),
+        _gpu(
+            "RTX-4090",
+            165.2,
+            23.5,
+            1008,
+            32,
+            100,
+            _ADA,
+            "GeForce RTX 4090 24GB: bf16 with fp32 accumulate, PCIe Gen4 x16 between GPUs",
+        ),
     )
 }
 

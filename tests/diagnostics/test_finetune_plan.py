@@ -1,0 +1,173 @@
+"""``shardline plan --lora-rank``: QLoRA / LoRA / offload terms, by hand on a small config, against the engine's
+own accounting of adapter state, and the question users ask -- a 70B QLoRA on 2 x 24 GB -- against Answer.AI's
+published runs (docs/planning.md, "Fine-tuning on small GPUs")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardline
+from shardline.cli import main
+from shardline.diagnostics.plan import Architecture, Cluster, Training, get_device, load_hf_config, plan_memory
+from shardline.diagnostics.plan.architecture import ActivationCheckpointing
+from shardline.diagnostics.plan.finetune import FineTune, lora_params, nf4_bits_per_param, plan_finetune
+from shardline.engine import ShardingStrategy
+from shardline.errors import ConfigurationError
+from shardline.testing import run_distributed
+
+LLAMA2_70B = Path(__file__).parent / "plan_configs" / "llama2_70b.json"
+# Answer.AI, benchmarks_03_2024.md (github.com/AnswerDotAI/fsdp_qlora): Llama-2 70B QLoRA, CPU offload, batch 2
+# per GPU, context 2048, 1,024 samples on two GPUs (256 steps): 11,795 s on 2 x RTX 3090, 4,399 s on 2 x RTX 4090;
+# peak memory 14.92 GiB per GPU.
+PUBLISHED_STEP_S = {"RTX-3090": 11_795 / 256, "RTX-4090": 4_399 / 256}
+PUBLISHED_PEAK_GIB = 14.92
+
+
+def test_nf4_bits_per_weight() -> None:
+    # 4-bit codes; one scale per 64 weights: fp32 (32 bits), or 8 bits with one fp32 scale per 256 of those.
+    assert nf4_bits_per_param(double_quant=False) == 4.5
+    assert nf4_bits_per_param() == 4 + 8 / 64 + 32 / (64 * 256)
+    assert round(nf4_bits_per_param(), 3) == 4.127
+
+
+TINY = Architecture(name="tiny", vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                    gated_mlp=True, rms_norm=True, bias=False, tied_embeddings=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_terms_by_hand_on_a_small_config(offload: bool) -> None:
+    cluster = Cluster(device=get_device("RTX-4090"), nodes=1, gpus_per_node=2)
+    training = Training(seq_len=16, global_batch=2)
+    tune = FineTune(lora_rank=4, lora_targets="q_proj,v", base_bits=nf4_bits_per_param(double_quant=False),
+                    offload=offload)  # fmt: skip
+    plan = plan_finetune(TINY, cluster=cluster, training=training, micro_batch=1, finetune=tune)
+    # LoRA r=4 on q (64 -> 64) and v (64 -> 32): 4*(64+64) + 4*(64+32) = 896 per block, 2 blocks.
+    assert plan.trainable_params == 1792
+    # fp32 master + gradient + two AdamW moments = 16 B each, over 2 ranks; a 4 B step per tensor (2 x 2 x 2).
+    assert plan.adapter_states == 1792 * 16 // 2 + 4 * 8
+    # A block's linear weights: attention 64*(64+64+32+32) = 12,288, MLP 3*64*128 = 24,576 -> 36,864 at 4.5
+    # bits = 20,736 B, plus two RMSNorm weights in bf16 (256 B). Root: embedding 6,400 + head 6,400 + norm 64
+    # parameters in bf16 = 25,728 B. Frozen total 2*20,992 + 25,728 = 67,712 B, 33,856 B per rank.
+    assert plan.frozen_shard == 33_856
+    # Gathered: the root, two blocks with their adapters in bf16 (1,792 B each), one dequantized gate (64x128 bf16).
+    assert plan.gathered == 25_728 + 2 * (20_992 + 1_792) + 64 * 128 * 2
+    acts = plan_memory(TINY, strategy=ShardingStrategy.FULL_SHARD, world_size=2, micro_batch=1, seq_len=16,
+                       ac=ActivationCheckpointing.FULL).activations  # fmt: skip
+    assert plan.activations == acts > 0
+    sharded = 33_856 + 1792 * 8 + 32
+    assert plan.device_bytes == plan.gathered + acts + (0 if offload else sharded)
+    assert (plan.host_bytes, plan.host_bytes_per_node) == ((sharded, 2 * sharded) if offload else (0, 0))
+    # Offload adds the copies: the frozen shard twice (both gathers) and the adapters' fp32 gradient shard.
+    copies = (2 * 33_856 + 1792 * 4 / 2) / (200e9 / 8)
+    assert plan.copy_s == (pytest.approx(copies) if offload else 0.0)
+
+
+def test_a_70b_qlora_on_two_24gb_cards() -> None:
+    """Fits with offload (micro-batch 2, sequence 2048) and not without; step time near Answer.AI's."""
+    arch = load_hf_config(LLAMA2_70B)
+    training = Training(seq_len=2048, global_batch=4)
+    qlora = FineTune(lora_rank=64, base_bits=nf4_bits_per_param(), offload=True)
+    for gpu, published in PUBLISHED_STEP_S.items():
+        cluster = Cluster(device=get_device(gpu), nodes=1, gpus_per_node=2)
+        plan = plan_finetune(arch, cluster=cluster, training=training, micro_batch=2, finetune=qlora)
+        device_gib = plan.device_bytes / 2**30
+        print(f"\n{gpu}: step {plan.step_time_s:.1f} s vs published {published:.1f} s; device {device_gib:.1f} GiB vs "
+              f"published peak {PUBLISHED_PEAK_GIB} GiB; host {plan.host_bytes_per_node / 2**30:.1f} GiB per node")  # fmt: skip
+        assert plan.fits
+        assert abs(plan.step_time_s / published - 1) <= 0.25, (gpu, plan.step_time_s, published)
+        # Below the published peak *reserved* memory (the allocator's cache and the CUDA context come on top):
+        # docs/planning.md states the gap.
+        assert 0.5 * PUBLISHED_PEAK_GIB <= device_gib <= PUBLISHED_PEAK_GIB
+        assert plan.host_bytes_per_node < 128 * 2**30  # the published rigs had 128 GB of RAM
+        on_device = FineTune(lora_rank=64, base_bits=nf4_bits_per_param(), offload=False)
+        one = Training(seq_len=2048, global_batch=2)
+        assert not plan_finetune(arch, cluster=cluster, training=one, micro_batch=1, finetune=on_device).fits
+
+
+def test_cli_answers_as_json_and_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--hf-config", str(LLAMA2_70B), "--gpu", "RTX-4090", "--gpus-per-node", "2", "--seq-len", "2048"]
+    assert main([*base, "--lora-rank", "64", "--quantize", "nf4", "--offload", "--micro-batch", "2", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["micro_batch"], row["fits"], row["trainable_params"]) == (2, True, 828_375_040)
+    assert main([*base, "--offload"]) == 2
+    assert "--offload describe a LoRA fine-tune: give --lora-rank too" in capsys.readouterr().err
+    assert main([*base, "--lora-rank", "8", "--lora-targets", "q_proj,w_proj"]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA target 'w_proj' is not a linear layer of Llama-2-70b-hf's blocks; use all-linear or some of" in err
+    assert main([*base, "--lora-rank", "0"]) == 2
+    assert "--lora-rank must be >= 1, got 0" in capsys.readouterr().err
+    assert main([*base, "--lora-rank", "8", "--quantize", "int3"]) == 2
+    assert "--quantize 'int3': use none (bf16), nf4" in capsys.readouterr().err
+    with pytest.raises(ConfigurationError, match="LoRA rank must be >= 1"):
+        lora_params(TINY, rank=0, targets="all-linear")
+
+
+def _engine_lora(rank: int, world_size: int, config_dir: str) -> dict[str, int]:
+    """A tiny Llama with LoRA adapters (peft), sharded; AdamW over the adapters; what the engine accounts."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(config_dir)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shardline.wrap(model, shardline.layer_policy(LlamaDecoderLayer), strategy="full_shard")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tokens = torch.randint(0, config.vocab_size, (2, 16))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    opt.step()
+    stats = shardline.memory_stats(model, optimizer=opt)
+    return {"trainable": trainable, "grads": stats.sharded_grads, "optimizer": stats.optimizer_state}
+
+
+def test_adapter_state_matches_the_engines_accounting(tmp_path: Path) -> None:
+    """Gradients and AdamW state exist for the adapters only: the plan's bytes against the engine's memory_stats.
+
+    (The frozen base's storage is compared once the engine stores it in NF4 and offloads it; the engine keeps
+    fp32 masters of frozen parameters today.)"""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(tmp_path)  # fmt: skip
+    measured = run_distributed(_engine_lora, 2, args=(str(tmp_path),), timeout=110)[0]
+    arch = load_hf_config(tmp_path / "config.json")
+    trainable = lora_params(arch, rank=4, targets="q_proj,v_proj")
+    assert trainable == measured["trainable"]  # the planner's count, peft's count
+    plan = plan_finetune(arch, cluster=Cluster(device=get_device("RTX-4090"), nodes=1, gpus_per_node=2),
+                         training=Training(seq_len=16, global_batch=2), micro_batch=1,
+                         finetune=FineTune(lora_rank=4, lora_targets="q_proj,v_proj"))  # fmt: skip
+    # The plan's adapter state: 4 B gradient + 8 B moments (+ 4 B master) per parameter over 2 ranks, 4 B step each.
+    tensors = 2 * 2 * arch.n_layers
+    planned_grads = plan.trainable_params * 4 // 2
+    planned_optimizer = plan.adapter_states - plan.trainable_params * 8 // 2  # less the master and gradient
+    assert planned_optimizer == plan.trainable_params * 8 // 2 + 4 * tensors
+    for what, planned, got in (("gradients", planned_grads, measured["grads"]),
+                               ("optimizer state", planned_optimizer, measured["optimizer"])):  # fmt: skip
+        assert abs(planned - got) <= 0.10 * got, f"{what}: planned {planned:,} B, the engine holds {got:,} B"
+
+
+def test_estimate_takes_the_same_inputs_for_the_train_configs_gpt(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardline.train.build import build_model
+    from shardline.train.config import compose_config, to_train_config
+
+    overrides = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "data.seq_len=32"]
+    gpt = build_model(to_train_config(compose_config(overrides)), device="meta").config
+    flags = ["--lora-rank", "4", "--quantize", "nf4", "--world-size", "2", "--json"]
+    assert main(["estimate", *overrides, *flags]) == 0
+    on_device = json.loads(capsys.readouterr().out)
+    assert main(["estimate", *overrides, *flags, "--offload"]) == 0
+    offloaded = json.loads(capsys.readouterr().out)
+    # All linear layers of a GPT block: q, k, v, o (dim -> dim) and the MLP's up and down (dim <-> ffn).
+    ffn = gpt.dim * gpt.mlp_ratio
+    assert on_device["trainable_params"] == gpt.n_layers * 4 * (4 * 2 * gpt.dim + 2 * (gpt.dim + ffn))
+    sharded = on_device["frozen_shard"] + on_device["adapter_states"]
+    assert on_device["host_bytes"] == 0
+    assert offloaded["host_bytes"] == sharded
+    assert on_device["device_bytes"] - offloaded["device_bytes"] == sharded
+    assert main(["estimate", *overrides, "--quantize", "nf4"]) == 2
+    assert "describe a LoRA fine-tune: give --lora-rank too" in capsys.readouterr().err
