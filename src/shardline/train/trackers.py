@@ -73,7 +73,18 @@ __all__ = ["WANDB_MODES", "MLflow", "RunInfo", "TrackerError", "WandB", "WandBMo
 
 log = logging.getLogger("shardline.train")
 
-_METRICS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib", "comm_mib")
+_METRICS = (
+    "loss",
+    "val_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "peak_mem_mib",
+    "comm_mib",
+    "skipped",
+)
+"""What MLflow and W&B get per step; ``skipped`` is 1.0 for a step whose fp16 gradients overflowed."""
 WandBMode = Literal["offline", "online", "disabled"]
 """``callbacks.wandb.mode``: write locally for ``wandb sync`` later (default), stream to the server, or nothing."""
 WANDB_MODES: tuple[str, ...] = get_args(WandBMode)
