@@ -168,11 +168,24 @@ def test_single_device_runs_in_process(tmp_path: Path) -> None:
 @pytest.mark.compat
 def test_hugging_face_llama_experiment(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    proc = shardline_train("experiment=hf_llama", *SMALL, run_root=tmp_path)
+    layer = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+    proc = shardline_train(
+        "experiment=hf_llama",
+        # with activation checkpointing on the decoder layers, which turns the KV cache off
+        f"trainer.strategy.activation_checkpointing_policy={{_target_:shardline.layer_policy,_args_:[{layer}]}}",
+        "+callbacks.use_cache._target_=tests.train.probes.RecordUseCache",
+        *SMALL,
+        run_root=tmp_path,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(tmp_path)
     assert run_dir.parent.name == "hf_llama"
-    assert "sharded into 3 units" in (run_dir / "logs" / "rank0.log").read_text()
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "sharded into 3 units" in log
+    assert "activation checkpointing on 2 modules" in log
+    for rank in (0, 1):
+        assert json.loads((run_dir / f"use_cache.rank{rank}.json").read_text()) == {"use_cache": False}
 
 
 def test_a_failing_worker_stops_the_job_with_its_error(tmp_path: Path) -> None:
