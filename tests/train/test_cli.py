@@ -92,16 +92,21 @@ def test_default_experiment_trains_on_two_workers(tmp_path: Path) -> None:
     assert "rank 1 of 2" in (run_dir / "logs" / "rank1.log").read_text()
 
 
+@pytest.mark.timeout(300)  # three runs
 def test_same_seed_same_config_same_loss_curve(tmp_path: Path) -> None:
     curves = []
-    for name in ("a", "b"):
+    # The third run keeps shards, gradients and optimizer state in host memory: the same numerics.
+    for name, extra in (("a", []), ("b", []), ("offload", ["trainer.strategy.cpu_offload=true"])):
         proc = shardline_train(
-            *SMALL, *GPT_SMALL, "~callbacks.tensorboard", "~callbacks.loss_plot", run_root=tmp_path / name
+            *SMALL, *GPT_SMALL, *extra, "~callbacks.tensorboard", "~callbacks.loss_plot", run_root=tmp_path / name
         )
         assert proc.returncode == 0, proc.stderr
         rows = read_metrics(only_run_dir(tmp_path / name))
         curves.append([(r["loss"], r["val_loss"], r["grad_norm"]) for r in rows])
     assert curves[0] == curves[1], "bit-identical loss curves (repr of every float)"
+    assert curves[2] == curves[0], "CPU offload leaves the loss curve bit-identical"
+    log = (only_run_dir(tmp_path / "offload") / "logs" / "rank0.log").read_text()
+    assert "CPU offload: sharded parameters, gradients and optimizer state in host memory" in log
 
 
 def test_the_documented_override_line_runs(tmp_path: Path) -> None:
@@ -166,6 +171,7 @@ def test_single_device_runs_in_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.compat
+@pytest.mark.timeout(300)  # activation checkpointing recomputes the decoder layers
 def test_hugging_face_llama_experiment(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     layer = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
