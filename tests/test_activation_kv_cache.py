@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import shardline
-from shardline.engine.activation import disable_kv_cache
 
 
 def test_checkpointing_hf_decoder_layers_turns_use_cache_off(caplog: pytest.LogCaptureFixture) -> None:
@@ -41,6 +40,8 @@ def test_checkpointing_hf_decoder_layers_turns_use_cache_off(caplog: pytest.LogC
 
 
 def test_models_without_a_cache_setting_are_left_alone() -> None:
+    from shardline.engine.activation import disable_kv_cache
+
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     model.config = type("Config", (), {"hidden": 2})()  # a config with no use_cache
     assert disable_kv_cache(model) == []
