@@ -51,6 +51,7 @@ class Result:
     host_to_device_mib_per_step: float
     device_to_host_mib_per_step: float
     losses: list[float]
+    host_pinned: bool | None  # every offloaded master buffer in page-locked memory (None: nothing offloaded)
 
 
 def measure(config: str, shape: Shape, device: torch.device, *, warmup: int, steps: int) -> Result:
@@ -71,7 +72,9 @@ def measure(config: str, shape: Shape, device: torch.device, *, warmup: int, ste
     after = transfer_stats(model)
     cuda = device.type == "cuda"
     stats = shardline.memory_stats(model, optimizer=opt)
-    assert all(u.offload is not None for u in subtree_units(model)) == (config == "shardline+offload")
+    units = subtree_units(model)
+    assert all(u.offload is not None for u in units) == (config == "shardline+offload")
+    masters = [g.master for u in units if u.offload is not None for g in u.groups]
     return Result(
         config=config,
         step_time_s=elapsed,
@@ -81,6 +84,7 @@ def measure(config: str, shape: Shape, device: torch.device, *, warmup: int, ste
         host_to_device_mib_per_step=(after.host_to_device_bytes - h2d) / steps / 2**20,
         device_to_host_mib_per_step=(after.device_to_host_bytes - d2h) / steps / 2**20,
         losses=losses,
+        host_pinned=all(m.is_pinned() for m in masters) if masters else None,
     )
 
 
@@ -103,6 +107,7 @@ def verdicts(results: dict[str, Result]) -> dict[str, Any]:
         ),
         "step_time_ratio": off.step_time_s / plain.step_time_s,
         "max_loss_difference": max(abs(a - b) for a, b in zip(plain.losses, off.losses, strict=True)),
+        "host_buffers_pinned": off.host_pinned,
         "target": {
             "what": f"device memory between steps drops by >= {SAVED_TARGET:.0%} of the bytes moved to the host",
             "met": None if saved is None else saved >= SAVED_TARGET * off.host_mib,

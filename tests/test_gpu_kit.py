@@ -223,6 +223,8 @@ def test_the_offload_benchmark_runs_on_cpu_and_writes_its_results(kit_on_cpu: di
     assert offload["host_to_device_mib_per_step"] > 0
     assert offload["device_to_host_mib_per_step"] > 0
     assert offload["step_time_s"] > 0
+    assert offload["host_pinned"] is False, "page-locked host memory only where the device is CUDA"
+    assert plain["host_pinned"] is None
     verdicts = report["verdicts"]
     assert verdicts["max_loss_difference"] == 0, "on CPU offload changes nothing, bit for bit"
     assert verdicts["target"]["met"] is None, "no CUDA memory figures on the CPU"
