@@ -83,9 +83,7 @@ class GradientReduction:
             pending.to_host = self.offload.to_host
         return pending
 
-    def _reduce(
-        self, *, comm: Comm, memory: MemoryTracker, name: str, all_reduce: bool = True
-    ) -> PendingReduce | None:
+    def _reduce(self, *, comm: Comm, memory: MemoryTracker, name: str, all_reduce: bool = True) -> PendingReduce | None:
         """Pack the gathered gradients and start their reduction (asynchronously).
 
         Sharded groups reduce-scatter over the shard group and then, with replicas, all-reduce
