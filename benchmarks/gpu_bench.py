@@ -98,9 +98,13 @@ def flops_per_token(n_params: int, shape: Shape) -> float:
 
 
 def build(
-    config: str, shape: Shape, device: torch.device, *, compile_backend: str = "inductor"
+    config: str, shape: Shape, device: torch.device, *, compile_backend: str = "inductor", offload: bool = False
 ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """The model for ``config`` on ``device``, sharded as that configuration does, its optimizer, its size."""
+    """The model for ``config`` on ``device``, sharded as that configuration does, its optimizer, its size.
+
+    ``offload``: shardline's units keep shards, gradients and optimizer state in host memory
+    (``benchmarks/gpu_offload.py``).
+    """
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
     torch.manual_seed(0)
@@ -119,7 +123,8 @@ def build(
     layers = list(model.model.layers)
     if config.startswith("shardline"):
         mp = shardline.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        shardline.wrap(model, lambda m: any(m is layer for layer in layers), mixed_precision=mp)
+        cpu = shardline.CPUOffload() if offload else None
+        shardline.wrap(model, lambda m: any(m is layer for layer in layers), mixed_precision=mp, offload=cpu)
         if config == "shardline+compile":
             # Note: the units below the root are the decoder layers, so this is what
             # ``compile_units`` (trainer.compile=true) compiles; the kit's CPU test checks that.

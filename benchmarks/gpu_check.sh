@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU acceptance kit (docs/gpu.md): on a machine with one NVIDIA GPU, in one command and under
 # 8 minutes, run the CUDA tests at W=1 with NCCL (tests/gpu), the ~1.1B Llama-shaped benchmark
-# (shardline FULL_SHARD, eager and compiled, vs torch FSDP2 vs the plain model, bf16) and its
-# checkpoints (async save's blocking time, verified load's time, vs plain DCP), and write the
+# (shardline FULL_SHARD, eager and compiled, vs torch FSDP2 vs the plain model, bf16), CPU offload's
+# device memory saved and step-time cost (a smaller decoder), and the big model's checkpoints
+# (async save's blocking time, verified load's time, vs plain DCP), and write the
 # results, named after the device, to OUT_DIR (default: gpu_results/).
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]
@@ -44,7 +45,7 @@ environment_incomplete() {
     exit 3
 }
 
-echo "== 0/3 environment: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])') =="
+echo "== 0/4 environment: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])') =="
 if [ -d "$WHEELS" ]; then
     timeout -k 5 "$(cap 30)" "$PY" -m benchmarks.gpu_wheels install --wheels "$WHEELS" --target "$SITE" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || environment_incomplete "the wheels in $WHEELS/ did not install"
@@ -72,15 +73,19 @@ cp "$LOG" "$OUT/logs/environment.txt"
 echo "gpu_check: $DEVICE; writing $OUT/$NAME.*"
 status=0
 
-echo "== 1/3 CUDA tests at W=1 with NCCL (tests/gpu) =="
+echo "== 1/4 CUDA tests at W=1 with NCCL (tests/gpu) =="
 timeout -k 5 "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml "$OUT/$NAME.tests.xml" 2>&1 | tee "$OUT/logs/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== 2/3 ~1.1B Llama-shaped decoder, bf16: shardline FULL_SHARD (eager, compiled) vs torch FSDP2 vs the plain model =="
+echo "== 2/4 ~1.1B Llama-shaped decoder, bf16: shardline FULL_SHARD (eager, compiled) vs torch FSDP2 vs the plain model =="
 timeout -k 5 "$(cap 170)" "$PY" -m benchmarks.gpu_bench --out "$OUT/$NAME.bench.json" 2>&1 | tee "$OUT/logs/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== 3/3 its checkpoints: async save's blocking time and verified load's time vs plain DCP =="
+echo "== 3/4 CPU offload: device memory saved and step-time cost (~0.5B, 8 layers, W=1) =="
+timeout -k 5 "$(cap 60)" "$PY" -m benchmarks.gpu_offload --out "$OUT/$NAME.offload.json" 2>&1 | tee "$OUT/logs/offload.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== 4/4 its checkpoints: async save's blocking time and verified load's time vs plain DCP =="
 limit="$(cap 140)"  # no further save round starts within 40 s of its end
 timeout -k 5 "$limit" "$PY" -m benchmarks.gpu_checkpoint --out "$OUT/$NAME.checkpoint.json" --budget-s $((limit > 60 ? limit - 40 : 20)) 2>&1 | tee "$OUT/logs/checkpoint.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -112,6 +117,10 @@ timeout -k 5 "$limit" "$PY" -m benchmarks.gpu_checkpoint --out "$OUT/$NAME.check
     # the final report: from the last "device:" line on (each row was also printed as it was measured)
     awk '/^device: /{buf=""} {buf=buf $0 "\n"} END{printf "%s", buf}' "$OUT/logs/bench.txt" | grep -v '^\[rank'
     grep -h '^gpu_bench: .* failed' "$OUT/logs/bench.txt"
+    echo
+    echo "## CPU offload (benchmarks/gpu_offload.py)"
+    echo
+    grep -h '^| \|^- \|^gpu_offload: ' "$OUT/logs/offload.txt"
     echo
     echo "## Checkpoints of the same model"
     echo

@@ -38,6 +38,7 @@ GPU_PATH_MODULES = (
     "transformers.models.llama.modeling_llama",
     "benchmarks.gpu_bench",
     "benchmarks.gpu_checkpoint",
+    "benchmarks.gpu_offload",
     "tests.gpu.test_cuda",
     "tests.train.test_host_sync",
 )

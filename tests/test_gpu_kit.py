@@ -57,7 +57,7 @@ def test_gpu_check_checks_its_environment_then_says_there_is_no_cuda_device() ->
     assert "gpu_check: no CUDA device: torch.cuda.is_available() is False" in proc.stderr
     assert "nothing was run" in proc.stderr
     # ... after the checks the GPU machine needs: the GPU path imported, tests/gpu collected.
-    assert "gpu_preflight: the GPU path imports (13 modules) and the trainer's config compose" in out, out
+    assert "gpu_preflight: the GPU path imports (14 modules) and the trainer's config compose" in out, out
     assert "5 tests collected" in out, out
     assert "gpu_check: environment ready" in out, out
 
@@ -142,19 +142,21 @@ def test_every_dependency_is_in_the_gpu_image_or_its_wheels() -> None:
 
 def _kit_on_cpu(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Both benchmarks on CPU with a tiny shape, in one launch; and what the trainer would compile."""
-    from benchmarks import gpu_bench, gpu_checkpoint
+    from benchmarks import gpu_bench, gpu_checkpoint, gpu_offload
 
     from shardline.train.compiling import compile_units
 
     bench = gpu_bench.main(["--device", "cpu", "--out", f"{tmp}/bench.json", "--compile-backend", "aot_eager", *TINY])
     rounds = ["--rounds", "2", "--load-reps", "1", "--dir", tmp]
     checkpoint = gpu_checkpoint.main(["--device", "cpu", "--out", f"{tmp}/checkpoint.json", *rounds, *SHAPE])
+    offload = gpu_offload.main(["--device", "cpu", "--out", f"{tmp}/offload.json", *SHAPE, "--steps", "2"])
     shape = gpu_bench.Shape(layers=2, hidden=32, intermediate=64, heads=4, kv_heads=2, vocab=64, seq=16, batch=2)
     model, _, _ = gpu_bench.build("shardline", shape, torch.device("cpu"))
     compiled = [m is layer for m, layer in zip(compile_units(model), model.model.layers, strict=True)]
     return {
         "bench": (bench, json.loads(Path(f"{tmp}/bench.json").read_text())),
         "checkpoint": (checkpoint, json.loads(Path(f"{tmp}/checkpoint.json").read_text())),
+        "offload": (offload, json.loads(Path(f"{tmp}/offload.json").read_text())),
         "compiled_are_the_layers": compiled,
         "left_behind": sorted(p.name for p in Path(tmp).iterdir() if p.is_dir()),
     }
@@ -209,3 +211,20 @@ def test_the_checkpoint_benchmark_runs_on_cpu_and_writes_its_results(kit_on_cpu:
     assert verdict["met"] == (verdict["ratio"] <= 1.3)
     assert "async save blocks <= DCP async_save's" in report["targets"]
     assert kit_on_cpu["left_behind"] == [], "the checkpoints are deleted"
+
+
+def test_the_offload_benchmark_runs_on_cpu_and_writes_its_results(kit_on_cpu: dict[str, Any]) -> None:
+    code, report = kit_on_cpu["offload"]
+    assert code == 0, report["failed"]
+    plain, offload = report["results"]["shardline"], report["results"]["shardline+offload"]
+    assert plain["host_mib"] == 0
+    assert plain["host_to_device_mib_per_step"] == 0
+    assert offload["host_mib"] > 0, "shards, gradients and AdamW state are counted on the host"
+    assert offload["host_to_device_mib_per_step"] > 0
+    assert offload["device_to_host_mib_per_step"] > 0
+    assert offload["step_time_s"] > 0
+    assert offload["host_pinned"] is False, "page-locked host memory only where the device is CUDA"
+    assert plain["host_pinned"] is None
+    verdicts = report["verdicts"]
+    assert verdicts["max_loss_difference"] == 0, "on CPU offload changes nothing, bit for bit"
+    assert verdicts["target"]["met"] is None, "no CUDA memory figures on the CPU"

@@ -7,10 +7,12 @@ from shardline.engine import (
     CollectiveRecord,
     CommCounter,
     CommStats,
+    CPUOffload,
     LayerPolicy,
     LossScaling,
     MemoryStats,
     MixedPrecision,
+    OffloadPolicy,
     ShardedGradScaler,
     ShardedModule,
     ShardingStrategy,
@@ -41,6 +43,7 @@ from shardline.errors import (
 )
 
 __all__ = [
+    "CPUOffload",
     "CollectiveKind",
     "CollectiveRecord",
     "CommCounter",
@@ -52,6 +55,7 @@ __all__ = [
     "LossScaling",
     "MemoryStats",
     "MixedPrecision",
+    "OffloadPolicy",
     "PolicyMatchError",
     "ShardUnit",
     "ShardedGradScaler",

@@ -92,16 +92,21 @@ def test_default_experiment_trains_on_two_workers(tmp_path: Path) -> None:
     assert "rank 1 of 2" in (run_dir / "logs" / "rank1.log").read_text()
 
 
+@pytest.mark.timeout(300)  # three runs
 def test_same_seed_same_config_same_loss_curve(tmp_path: Path) -> None:
     curves = []
-    for name in ("a", "b"):
+    # The third run keeps shards, gradients and optimizer state in host memory: the same numerics.
+    for name, extra in (("a", []), ("b", []), ("offload", ["trainer.strategy.cpu_offload=true"])):
         proc = shardline_train(
-            *SMALL, *GPT_SMALL, "~callbacks.tensorboard", "~callbacks.loss_plot", run_root=tmp_path / name
+            *SMALL, *GPT_SMALL, *extra, "~callbacks.tensorboard", "~callbacks.loss_plot", run_root=tmp_path / name
         )
         assert proc.returncode == 0, proc.stderr
         rows = read_metrics(only_run_dir(tmp_path / name))
         curves.append([(r["loss"], r["val_loss"], r["grad_norm"]) for r in rows])
     assert curves[0] == curves[1], "bit-identical loss curves (repr of every float)"
+    assert curves[2] == curves[0], "CPU offload leaves the loss curve bit-identical"
+    log = (only_run_dir(tmp_path / "offload") / "logs" / "rank0.log").read_text()
+    assert "CPU offload: sharded parameters, gradients and optimizer state in host memory" in log
 
 
 def test_the_documented_override_line_runs(tmp_path: Path) -> None:
@@ -166,13 +171,27 @@ def test_single_device_runs_in_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.compat
+@pytest.mark.timeout(300)  # activation checkpointing recomputes the decoder layers
 def test_hugging_face_llama_experiment(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    proc = shardline_train("experiment=hf_llama", *SMALL, run_root=tmp_path)
+    layer = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+    proc = shardline_train(
+        "experiment=hf_llama",
+        # with activation checkpointing on the decoder layers, which turns the KV cache off
+        f"trainer.strategy.activation_checkpointing_policy={{_target_:shardline.layer_policy,_args_:[{layer}]}}",
+        "+callbacks.use_cache._target_=tests.train.probes.RecordUseCache",
+        *SMALL,
+        run_root=tmp_path,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(tmp_path)
     assert run_dir.parent.name == "hf_llama"
-    assert "sharded into 3 units" in (run_dir / "logs" / "rank0.log").read_text()
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "sharded into 3 units" in log
+    assert "activation checkpointing on 2 modules" in log
+    for rank in (0, 1):
+        assert json.loads((run_dir / f"use_cache.rank{rank}.json").read_text()) == {"use_cache": False}
 
 
 def test_a_failing_worker_stops_the_job_with_its_error(tmp_path: Path) -> None:

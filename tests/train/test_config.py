@@ -130,7 +130,10 @@ BAD = [
         r"wrap policy layer_policy\(Conv2d\) matched no module of GPT",
     ),
     (["trainer.devices=999"], r"trainer.devices=999 but this machine has \d+ CPU cores"),
-    (["trainer.strategy.cpu_offload=true"], r"cpu_offload=true is not supported yet"),
+    (
+        ["trainer.strategy=zero1", "trainer.strategy.cpu_offload=true"],
+        r"cpu_offload=true needs a strategy with sharded parameters.*ZeRO-1 keeps whole parameters",
+    ),
     (["trainer.precision=8-mixed"], r"trainer.precision='8-mixed' is not supported; use one of .*16-mixed"),
     (["trainer.strategy=single_device"], r"single_device runs one process, but trainer.devices=2"),
     (["trainer.num_nodes=2"], r"num_nodes=2 needs torchrun on every node"),

@@ -11,6 +11,7 @@ from shardline.engine.accounting import (
     memory_stats,
     reset_comm_stats,
     reset_peak_memory_stats,
+    transfer_stats,
     use_collectives,
 )
 from shardline.engine.activation import apply_activation_checkpointing, is_checkpointed
@@ -32,6 +33,7 @@ from shardline.engine.layout import FlatLayout, ParamLayout
 from shardline.engine.memory import MemoryStats
 from shardline.engine.mesh import hybrid_degrees, hybrid_mesh
 from shardline.engine.mixed_precision import MixedPrecision
+from shardline.engine.offload import CPUOffload, OffloadPolicy, TransferStats
 from shardline.engine.registry import subtree_units
 from shardline.engine.state_dict import full_state_dict, load_full_state_dict
 from shardline.engine.strategy import ShardingStrategy, StrategyPolicy
@@ -40,6 +42,7 @@ from shardline.engine.unit import Residency, ShardUnit
 from shardline.engine.wrapping import LayerPolicy, check_policy_matches, layer_policy, resolve_class, wrap
 
 __all__ = [
+    "CPUOffload",
     "CollectiveKind",
     "CollectiveRecord",
     "Collectives",
@@ -50,6 +53,7 @@ __all__ = [
     "LossScaling",
     "MemoryStats",
     "MixedPrecision",
+    "OffloadPolicy",
     "ParamLayout",
     "Residency",
     "ShardUnit",
@@ -58,6 +62,7 @@ __all__ = [
     "ShardingStrategy",
     "StrategyPolicy",
     "TorchCollectives",
+    "TransferStats",
     "Work",
     "apply_activation_checkpointing",
     "check_policy_matches",
@@ -80,6 +85,7 @@ __all__ = [
     "reset_peak_memory_stats",
     "resolve_class",
     "subtree_units",
+    "transfer_stats",
     "use_collectives",
     "wrap",
 ]

@@ -15,6 +15,7 @@ from torch import nn
 from shardline.engine.comm import CollectiveKind, Collectives, Comm, CommCounter, CommStats
 from shardline.engine.context import contexts_of
 from shardline.engine.memory import MemoryStats
+from shardline.engine.offload import TransferStats
 from shardline.engine.registry import subtree_units
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "memory_stats",
     "reset_comm_stats",
     "reset_peak_memory_stats",
+    "transfer_stats",
     "use_collectives",
 ]
 
@@ -110,6 +112,8 @@ def memory_stats(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
     trackers = [ctx.memory for ctx in contexts_of(model)]
     flat = [g.master for u in units for g in u.groups]
     grads = [sp.sharded.grad for u in units for sp in u.params] + [g.partial for u in units for g in u.groups]
+    offloaded = [u for u in units if u.offload is not None]
+    host_shards = {id(sp.sharded) for u in offloaded for sp in u.params}
     full_grads = [
         t
         for u in units
@@ -117,9 +121,13 @@ def memory_stats(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
         for t in ((sp.unsharded.grad if sp.unsharded is not None else None), sp.accumulated_grad)
     ]
     state: list[torch.Tensor] = []
+    host_state: list[torch.Tensor] = []
     if optimizer is not None:
-        for per_param in optimizer.state.values():
-            state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+        for param, per_param in optimizer.state.items():
+            tensors = [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+            state.extend(tensors)
+            if id(param) in host_shards:
+                host_state.extend(tensors)
     return MemoryStats(
         sharded_params=_storage_bytes(flat),
         sharded_grads=_storage_bytes(grads),
@@ -129,7 +137,20 @@ def memory_stats(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
         comm_buffers=sum(t.current["comm_buffers"] for t in trackers),
         peak_unsharded_params=sum(t.peak["unsharded_params"] for t in trackers),
         peak_comm_buffers=sum(t.peak["comm_buffers"] for t in trackers),
+        host_params=_storage_bytes(g.master for u in offloaded for g in u.groups),
+        host_grads=_storage_bytes(sp.sharded.grad for u in offloaded for sp in u.params),
+        host_optimizer_state=_storage_bytes(host_state),
     )
+
+
+def transfer_stats(model: nn.Module) -> TransferStats:
+    """Host <-> device copies ``model``'s offloaded units made since sharding (see :class:`~shardline.CPUOffload`)."""
+    total = TransferStats()
+    for unit in subtree_units(model):
+        for group in unit.groups:
+            if group.offload is not None:
+                total.add(group.offload.stats)
+    return total
 
 
 def reset_peak_memory_stats(model: nn.Module) -> None:

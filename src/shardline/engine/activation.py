@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +13,11 @@ from torch.utils.checkpoint import checkpoint
 from shardline.engine.traversal import post_order
 from shardline.engine.wrapping import check_policy_matches
 
-__all__ = ["apply_activation_checkpointing", "is_checkpointed"]
+__all__ = ["apply_activation_checkpointing", "disable_kv_cache", "is_checkpointed"]
 
 _MARK = "_shardline_checkpointed"
+
+log = logging.getLogger(__name__)
 
 
 class _CheckpointedForward:
@@ -50,6 +53,9 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable[[nn.Module
     forward through them in backward; numerics are unchanged (RNG state is preserved).
     Apply before or after sharding. Returns the names of the patched modules.
 
+    A Hugging Face model's KV cache is turned off (``config.use_cache = False``, logged once),
+    as transformers does for its own gradient checkpointing: see :func:`disable_kv_cache`.
+
     Raises:
         PolicyMatchError: ``policy`` matched no module of ``model``.
     """
@@ -61,4 +67,38 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable[[nn.Module
         module.forward = _CheckpointedForward(module.forward)
         module.__dict__[_MARK] = True
         patched.append(name)
+    if patched:
+        disable_kv_cache(model)
     return patched
+
+
+def disable_kv_cache(model: nn.Module) -> list[str]:
+    """Set ``config.use_cache = False`` on every Hugging Face config under ``model``; returns their class names.
+
+    Note: why. A decoder with ``use_cache=True`` builds a KV cache during a training forward and
+    every layer appends its keys and values to it. Recomputing a checkpointed layer in backward
+    runs that layer again against the cache the whole forward filled, so it can see other
+    tensors than the forward did (torch's checkpoint then counts a different number of saved
+    tensors, or attention sees twice the keys), and the cache holds every layer's keys and
+    values for nothing -- the memory checkpointing was meant to save. transformers turns the
+    cache off for its own ``gradient_checkpointing_enable()`` (only for that flag); this does
+    the same when shardline checkpoints the layers. Duck-typed: any ``module.config`` with a
+    true ``use_cache``.
+    """
+    changed: list[str] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            changed.append(type(config).__name__)
+    if changed:
+        log.info(
+            "activation checkpointing: set use_cache=False on %s (a KV cache is not used in training, and a "
+            "recomputed layer must see the tensors its forward saw)",
+            ", ".join(changed),
+        )
+    return changed

@@ -17,6 +17,7 @@ from shardline.engine.guards import ddp_ignored_names, install_optimizer_guard
 from shardline.engine.hooks import install_hooks
 from shardline.engine.mesh import MeshLike, ShardMesh, resolve_mesh
 from shardline.engine.mixed_precision import MixedPrecision
+from shardline.engine.offload import OffloadPolicy
 from shardline.engine.param import OWNER_ATTR, REPLACED_ATTR
 from shardline.engine.registry import get_unit, subtree_units
 from shardline.engine.state_dict import install_state_dict_hooks
@@ -178,6 +179,7 @@ def fully_shard(
     forward_prefetch: bool = True,
     backward_prefetch: str | None = "backward_pre",
     device: torch.device | str | None = None,
+    offload: OffloadPolicy | None = None,
 ) -> M:
     """Shard ``module``'s parameters across data-parallel ranks; returns the same module.
 
@@ -222,6 +224,11 @@ def fully_shard(
             parameters (a root over sharded blocks) the units' below it, else its buffers'.
             Given, it must agree with the parameters. The process group must communicate it
             (see ``shardline/engine/device.py``).
+        offload: :class:`~shardline.CPUOffload` keeps the unit's sharded parameters, their
+            gradients and the optimizer state in host memory: the shard is copied to ``device``
+            for each all-gather, reduced gradients are copied back, and the optimizer steps on
+            the host (see ``shardline/engine/offload.py``). Not with ``shard_opt`` (its
+            parameters are whole on every rank). ``None``: no offload.
 
     Raises:
         DistributedNotInitializedError: No process group is initialized.
@@ -248,6 +255,7 @@ def fully_shard(
         raise ConfigurationError(
             f"mixed_precision must be a shardline.MixedPrecision or None, got {type(mixed_precision).__name__}"
         )
+    _check_offload(offload, strategy)
     if backward_prefetch not in _BACKWARD_PREFETCH:
         raise ConfigurationError(
             f"backward_prefetch must be one of 'backward_pre', 'backward_post' or None, got {backward_prefetch!r}"
@@ -269,6 +277,7 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
         mixed_precision=mixed_precision,
         device=device,
+        offload=offload,
     )
     ctx.adopt(unit)
     for (fqn, original, _), sp in zip(owned, unit.params, strict=True):
@@ -290,6 +299,22 @@ def fully_shard(
     install_optimizer_guard()
     module.__class__ = _sharded_class(type(module))
     return module
+
+
+def _check_offload(offload: object, strategy: ShardingStrategy) -> None:
+    """``offload`` must be an :class:`OffloadPolicy`; CPU offload needs a strategy that keeps flat shards."""
+    if offload is None:
+        return
+    if not isinstance(offload, OffloadPolicy):
+        raise ConfigurationError(
+            f"offload must be a shardline.CPUOffload (or None), got {type(offload).__name__}: {offload!r}"
+        )
+    if strategy.policy.shard_optimizer and not strategy.policy.shard_params:
+        raise ConfigurationError(
+            f"offload={offload!r} is not supported with strategy {strategy.value}: ZeRO-1 keeps the whole "
+            "parameters on every rank and updates them in place on the device, so there is no shard to keep on the "
+            "host. Use shard_grad_op (ZeRO-2) or full_shard (ZeRO-3) with offload, or leave offload out."
+        )
 
 
 def _check_reshard_after_forward(value: bool | int | None, strategy: ShardingStrategy, mesh: ShardMesh) -> None:

@@ -50,6 +50,7 @@ from shardline.engine.flat_grads import GradientReduction
 from shardline.engine.layout import FlatLayout, ParamLayout, contiguous_stride
 from shardline.engine.memory import MemoryTracker, nbytes
 from shardline.engine.mesh import ShardMesh, post_forward_group
+from shardline.engine.offload import HostCopies
 from shardline.engine.param import GATHERED_ATTR, ShardedParam, alias
 from shardline.engine.pending import PendingGather
 from shardline.engine.profiling import label
@@ -85,6 +86,7 @@ class FlatGroup(GradientReduction):
         mesh: ShardMesh,
         device: torch.device,
         replicated: bool = False,
+        offload: HostCopies | None = None,
     ) -> None:
         self.dtype = dtype
         self.compute_dtype = compute_dtype
@@ -92,13 +94,15 @@ class FlatGroup(GradientReduction):
         self.mesh = mesh
         self.device = device
         self.replicated = replicated
+        self.offload = offload  # CPU offload: the master buffer lives in host memory (see engine/offload.py)
         world, rank = mesh.shard_size, mesh.shard_rank
-        # Gathered parameters can alias the master buffer itself when it holds full parameters uncast.
-        self.aliased = compute_dtype == dtype and (replicated or world == 1)
+        # Gathered parameters can alias the master buffer itself when it holds full parameters uncast
+        # (never when it lives on the host: the gathered parameters must be on the device).
+        self.aliased = compute_dtype == dtype and (replicated or world == 1) and offload is None
         layouts = [ParamLayout.build(p.shape, world, rank) for _, p, _ in entries]
         self.layout = FlatLayout.build(layouts, world)
         self._piece_offsets = self._compute_piece_offsets()
-        self.master = torch.zeros(self._master_numel, dtype=dtype, device=device)
+        self.master = self._new_master(device)
         self.params: list[ShardedParam] = []
         with torch.no_grad():
             for i, ((fqn, original, locations), pl) in enumerate(zip(entries, layouts, strict=True)):
@@ -135,11 +139,24 @@ class FlatGroup(GradientReduction):
             for pl, off in zip(self.layout.params, self.layout.unsharded_offsets, strict=True)
         ]
 
-    def _piece(self, i: int) -> torch.Tensor:
-        """Parameter ``i``'s rows on this rank: a view into ``master``."""
+    def _new_master(self, device: torch.device) -> torch.Tensor:
+        """A zeroed master buffer: on the host when offloaded (unless building on the meta device)."""
+        if self.offload is not None and device.type != "meta":
+            return self.offload.host_zeros(self._master_numel, self.dtype)
+        return torch.zeros(self._master_numel, dtype=self.dtype, device=device)
+
+    def _piece(self, i: int, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameter ``i``'s rows on this rank: a view into ``master`` (or into ``flat``, a copy of it)."""
         pl = self.layout.params[i]
         offset = self._piece_offsets[i]
-        return self.master[offset : offset + pl.local_numel].view(pl.local_shape)
+        base = self.master if flat is None else flat
+        return base[offset : offset + pl.local_numel].view(pl.local_shape)
+
+    def _shard_on_device(self) -> torch.Tensor:
+        """The flat shard on the compute device: ``master`` itself, or (offloaded) a fresh device copy of it."""
+        if self.offload is None:
+            return self.master
+        return self.offload.to_device(self.master)
 
     def _slot(self, i: int) -> torch.Tensor:
         """Replicated groups: parameter ``i``'s full elements in ``master`` (flat)."""
@@ -191,7 +208,10 @@ class FlatGroup(GradientReduction):
             flat = self.master
         elif self.mesh.shard_size == 1:
             flat = self._alloc_unsharded_flat(memory)
-            flat.copy_(self.master)  # a cast only
+            if self.offload is not None and flat.dtype == self.dtype:
+                self.offload.to_device(self.master, out=flat)  # the host -> device copy is the gather
+            else:
+                flat.copy_(self._shard_on_device())  # a cast only (offloaded: a copy to the device first)
         else:
             pending, self._pending_gather = self._pending_gather, None
             if pending is None or not pending.in_place:  # an in-place prefetch allocated it already
@@ -314,9 +334,9 @@ class FlatGroup(GradientReduction):
             if self.replicated:
                 send = self._pack_local([self._slot(i) for i in range(len(self.params))], layout, self.dtype)
             elif self.compute_dtype == self.dtype:
-                send = self.master
+                send = self._shard_on_device()
             else:
-                send = self.master.to(self.compute_dtype)
+                send = self._shard_on_device().to(self.compute_dtype)
         gathered = torch.empty(world * layout.shard_numel, dtype=send.dtype, device=self.device)
         buffers = nbytes(gathered) + (nbytes(send) if send is not self.master and self._post is None else 0)
         memory.add("comm_buffers", buffers)
@@ -343,6 +363,7 @@ class FlatGroup(GradientReduction):
         if not comm.can_gather_in_place(group, numel=numel, dtype=dtype, device=self.device):
             return None
         fresh = 0
+        staged = 0
         target: torch.Tensor | None
         if self.replicated:
             target = self.master
@@ -360,11 +381,17 @@ class FlatGroup(GradientReduction):
                     slot[:start].zero_()
                     slot[stop:].zero_()
             else:
+                shard = self._shard_on_device()
+                if shard is not self.master:  # offloaded: the staged copy lives until the fill is done
+                    staged = nbytes(shard)
+                    memory.add("comm_buffers", staged)
                 target.zero_()
                 for i, (pl, offset) in enumerate(zip(self.layout.params, self.layout.unsharded_offsets, strict=True)):
                     if pl.local_rows:
                         start = offset + pl.row_start * pl.row_numel
-                        target[start : start + pl.local_numel].copy_(self._piece(i).reshape(-1))
+                        target[start : start + pl.local_numel].copy_(self._piece(i, shard).reshape(-1))
+                del shard
+                memory.add("comm_buffers", -staged)
         logical = world * self.layout.shard_numel * target.element_size()
         with label(f"all_gather {name}"):
             work = comm.all_gather_in_place(target, group, nbytes=logical, unit=name, phase=phase, async_op=async_op)
@@ -401,12 +428,12 @@ class FlatGroup(GradientReduction):
             if not sp.layout.local_numel or sp.sharded.data_ptr() == base + offset * size:
                 continue
             data = sp.sharded.data
-            if data.shape != sp.layout.local_shape or data.dtype != self.dtype or data.device != self.device:
+            if data.shape != sp.layout.local_shape or data.dtype != self.dtype or data.device != self.master.device:
                 raise ShardingError(
                     f"the shard of parameter '{sp.fqn}' in unit {name!r} was replaced by a tensor of shape "
                     f"{tuple(data.shape)}, dtype {data.dtype}, device {data.device}; expected shape "
-                    f"{sp.layout.local_shape}, {self.dtype} on {self.device}. Move or cast the model before calling "
-                    "fully_shard, not after."
+                    f"{sp.layout.local_shape}, {self.dtype} on {self.master.device}. Move or cast the model before "
+                    "calling fully_shard, not after."
                 )
             piece = self._piece(i)
             with torch.no_grad():
@@ -489,16 +516,19 @@ class FlatGroup(GradientReduction):
         each replica group broadcasts from that group's member. Replicated groups: a broadcast.
         """
         mesh = self.mesh
+        # Offloaded: collectives run on a device buffer, copied into the host master at the end.
+        recv = self.master if self.offload is None else torch.empty_like(self.master, device=self.device)
         if self.replicated or mesh.shard_size == 1:
             if is_source and fulls is not None:
                 if self.replicated:
                     for i, full in enumerate(fulls):
                         self._slot(i).copy_(full.reshape(-1))
                 else:
-                    self.master.copy_(self.pack_rows(fulls, self.layout, self.dtype).view(-1))
+                    recv.copy_(self.pack_rows(fulls, self.layout, self.dtype).view(-1))
             group = mesh.shard_group if self.replicated else mesh.replicate_group
             if group is not None and dist.get_world_size(group) > 1:
-                comm.broadcast(self.master, group, src_rank=self.mesh.group_rank_of(group, 0), unit=name, phase=phase)
+                comm.broadcast(recv, group, src_rank=self.mesh.group_rank_of(group, 0), unit=name, phase=phase)
+            self._store_received(recv)
             self._dirty = False
             self._versions = self._current_versions()
             return
@@ -510,13 +540,20 @@ class FlatGroup(GradientReduction):
             source = self.pack_rows(fulls, self.layout, self.dtype) if is_source and fulls is not None else None
             chunks = list(source.unbind(0)) if source is not None else None
             comm.scatter(
-                self.master, chunks, shard_group, src_rank=mesh.group_rank_of(shard_group, 0),
+                recv, chunks, shard_group, src_rank=mesh.group_rank_of(shard_group, 0),
                 unit=name, phase=phase,
             )  # fmt: skip
         if mesh.replicate_size > 1:
             assert mesh.replicate_group is not None  # replicate_size > 1
             src = mesh.replica_source()
-            comm.broadcast(self.master, mesh.replicate_group, src_rank=src, unit=name, phase=phase)
+            comm.broadcast(recv, mesh.replicate_group, src_rank=src, unit=name, phase=phase)
+        self._store_received(recv)
+
+    def _store_received(self, recv: torch.Tensor) -> None:
+        """Offloaded groups: copy what a collective delivered on the device into the host master."""
+        if recv is not self.master:
+            with torch.no_grad():
+                self.master.copy_(recv)
 
     def to_dtensor(self, sp: ShardedParam, local: torch.Tensor | None = None) -> DTensor:
         """``local`` (default: ``sp``'s shard) as a DTensor piece of ``sp``'s global shape, sharing its memory.
@@ -544,7 +581,9 @@ class FlatGroup(GradientReduction):
     # ------------------------------------------------------------------ deferred init
     def materialize(self, device: torch.device) -> None:
         """Give a group built on the meta device real (zeroed) storage on ``device``."""
-        self.master = torch.zeros(self._master_numel, dtype=self.dtype, device=device)
+        if self.offload is not None:
+            self.offload.device = device
+        self.master = self._new_master(device)
         self.device = device
         self._unsharded_flat = None  # gathered parameters are recreated on the new device
         self._post = None

@@ -31,6 +31,7 @@ from shardline.engine.pending import GradSlice, PendingReduce
 if TYPE_CHECKING:
     from shardline.engine.comm import Comm, Work
     from shardline.engine.mesh import ShardMesh
+    from shardline.engine.offload import HostCopies
 
 __all__ = ["GradientReduction"]
 
@@ -44,6 +45,7 @@ class GradientReduction:
     mesh: ShardMesh
     device: torch.device
     replicated: bool
+    offload: HostCopies | None
     params: list[ShardedParam]
     partial: torch.Tensor | None
     _dirty: bool
@@ -75,6 +77,13 @@ class GradientReduction:
     def reduce_gradients(
         self, *, comm: Comm, memory: MemoryTracker, name: str, all_reduce: bool = True
     ) -> PendingReduce | None:
+        """Start the reduction of the gathered gradients (see :meth:`_reduce`); offloaded, it lands on the host."""
+        pending = self._reduce(comm=comm, memory=memory, name=name, all_reduce=all_reduce)
+        if pending is not None and self.offload is not None:
+            pending.to_host = self.offload.to_host
+        return pending
+
+    def _reduce(self, *, comm: Comm, memory: MemoryTracker, name: str, all_reduce: bool = True) -> PendingReduce | None:
         """Pack the gathered gradients and start their reduction (asynchronously).
 
         Sharded groups reduce-scatter over the shard group and then, with replicas, all-reduce

@@ -13,6 +13,12 @@ Two kinds of components:
   gradients, so those count whole -- and partial sums awaiting a deferred all-reduce across
   replicas), ``unsharded_grads`` (full gradients not yet reduced, e.g. under ``no_sync``) and
   ``optimizer_state`` (when the optimizer is passed). Tensors sharing storage are counted once.
+
+Where they live: with CPU offload (:mod:`shardline.engine.offload`) a unit's sharded parameters,
+gradients and optimizer state are in host memory; ``host_params``, ``host_grads`` and
+``host_optimizer_state`` say how many bytes of the three measured components those are, and
+:attr:`MemoryStats.device_total` what is left on the device (tracked components, including the
+gathered unit and the staging copies of offloaded shards, are always on the device).
 """
 
 from __future__ import annotations
@@ -108,6 +114,9 @@ class MemoryStats:
     comm_buffers: int
     peak_unsharded_params: int
     peak_comm_buffers: int
+    host_params: int = 0
+    host_grads: int = 0
+    host_optimizer_state: int = 0
 
     @property
     def total(self) -> int:
@@ -121,5 +130,15 @@ class MemoryStats:
             + self.comm_buffers
         )
 
+    @property
+    def host_total(self) -> int:
+        """What offloaded units hold in host memory (parameters, gradients, optimizer state)."""
+        return self.host_params + self.host_grads + self.host_optimizer_state
+
+    @property
+    def device_total(self) -> int:
+        """Everything held right now on the compute device: :attr:`total` less :attr:`host_total`."""
+        return self.total - self.host_total
+
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "total": self.total, "host_total": self.host_total, "device_total": self.device_total}

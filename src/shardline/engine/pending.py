@@ -99,6 +99,7 @@ class PendingReduce:
     into_partial: PartialSum | None = None  # the FlatGroup whose partial sum receives the output (deferred all-reduce)
     copy_back: list[torch.Tensor | None] | None = None  # gradients that receive their reduced values
     then: Callable[[], Work | None] | None = None  # issues the second collective once ``work`` landed; returns its work
+    to_host: Callable[[torch.Tensor], torch.Tensor] | None = None  # CPU offload: copies a reduced shard to the host
 
     @property
     def chained(self) -> bool:
@@ -136,7 +137,7 @@ class PendingReduce:
         if self.direct is not None:
             for piece, grad in zip(self.slices, self.direct, strict=True):
                 if grad is not None:
-                    accumulate(piece.param, grad.view(piece.shape), self.master)
+                    accumulate(piece.param, grad.view(piece.shape), self.master, self.to_host)
             return
         out = self.output
         assert out is not None  # only direct reductions have no output buffer
@@ -150,13 +151,20 @@ class PendingReduce:
             if self.copy_back is not None:  # ``out`` is scratch: the values go back into the gradients
                 target = self.copy_back[i]
                 reduced = target.view(piece.shape).copy_(reduced) if target is not None else reduced.clone()
-            accumulate(piece.param, reduced, self.master)
+            accumulate(piece.param, reduced, self.master, self.to_host)
 
 
-def accumulate(sp: ShardedParam, grad: torch.Tensor, master: torch.dtype) -> None:
-    """Add ``grad`` to the shard's ``.grad`` (or make it the ``.grad``)."""
+def accumulate(
+    sp: ShardedParam,
+    grad: torch.Tensor,
+    master: torch.dtype,
+    to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Add ``grad`` to the shard's ``.grad`` (or make it the ``.grad``); first to the host when offloaded."""
     if grad.dtype != master:
         grad = grad.to(master)
+    if to_host is not None:
+        grad = to_host(grad)
     if sp.sharded.grad is None:
         sp.sharded.grad = grad
     else:

@@ -98,7 +98,7 @@ class ManagedParam:
         """Copy this rank's rows of the full tensor ``full`` into the shard (any dtype/device; cast on copy)."""
         self.local_rows(full)  # checks the shape
         group = flat_group(self._sp)
-        group.load_full(self._sp, full.to(device=group.device, dtype=group.dtype))
+        group.load_full(self._sp, full.to(device=group.master.device, dtype=group.dtype))
 
     def __repr__(self) -> str:
         return f"ManagedParam({self.fqn!r} of {self.unit!r}, global {self.global_shape}, local {self.local_shape})"

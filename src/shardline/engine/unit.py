@@ -37,6 +37,7 @@ from shardline.engine.flat import FlatGroup, flat_group
 from shardline.engine.memory import MemoryTracker
 from shardline.engine.mesh import ShardMesh
 from shardline.engine.mixed_precision import MixedPrecision
+from shardline.engine.offload import CPUOffload, HostCopies, OffloadPolicy
 from shardline.engine.param import ShardedParam
 from shardline.engine.pending import PendingReduce
 from shardline.engine.profiling import label
@@ -91,6 +92,7 @@ class ShardUnit:
         reshard_after_forward: bool | int | None,
         mixed_precision: MixedPrecision | None,
         device: torch.device,
+        offload: OffloadPolicy | None = None,
     ) -> None:
         self.module = module
         self.name = ""
@@ -100,6 +102,7 @@ class ShardUnit:
         self.reshard_after_forward_arg = reshard_after_forward
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.device = device
+        self.offload = offload if isinstance(offload, CPUOffload) else None
         self.ctx: UnitContext  # the tree's RootContext, set by RootContext.adopt
         self.is_root = True  # until a fully_shard on an ancestor claims this unit
         self.last_in_forward = False  # ran last in its forward root's previous forward
@@ -119,6 +122,7 @@ class ShardUnit:
                 mesh=mesh,
                 device=device,
                 replicated=replicated,
+                offload=HostCopies(self.offload, device) if self.offload is not None else None,
             )
             self.groups.append(group)
             for i, sp in zip(indices, group.params, strict=True):
@@ -370,7 +374,7 @@ class ShardUnit:
         """Copy this rank's rows of the full tensor ``full`` into parameter ``index``'s shard."""
         sp = self.params[index]
         group = flat_group(sp)
-        group.load_full(sp, full.to(device=group.device, dtype=group.dtype))
+        group.load_full(sp, full.to(device=group.master.device, dtype=group.dtype))
 
     def to_dtensor(self, sp: ShardedParam, local: torch.Tensor | None = None) -> DTensor:
         """``local`` (default: the shard) as a DTensor piece of ``sp``, sharing memory."""

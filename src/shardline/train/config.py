@@ -43,6 +43,7 @@ from shardline.train.config_layers import (
 )
 from shardline.train.data.sources import check_data_config
 from shardline.train.schema import ACCELERATORS, TrainConfig, register_schemas
+from shardline.train.strategy_keys import foreign_key_reason
 
 __all__ = [
     "CONFIG_MODULE",
@@ -142,8 +143,10 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     ``callbacks``: ``_target_`` nodes) become plain dicts and lists, built where they are used.
 
     Raises:
-        ConfigurationError: a setting outside its choices (naming the key, the value and the choices).
+        ConfigurationError: a setting outside its choices (naming the key, the value and the choices), or a
+            strategy key the schema does not have (added with ``+``), with the reason when it is torch FSDP's.
     """
+    _check_strategy_keys(cfg)
     try:
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -153,6 +156,26 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
             f"the config is not a shardline train config (got {type(config).__name__}); compose it with compose_config"
         )
     return config
+
+
+def _check_strategy_keys(cfg: DictConfig) -> None:
+    """Refuse keys under ``trainer.strategy`` that the schema lacks (``+`` adds them past struct mode)."""
+    strategy = OmegaConf.select(cfg, "trainer.strategy")
+    if not isinstance(strategy, DictConfig):
+        return
+    allowed = _schema_fields(["trainer", "strategy"]) or []
+    for key in map(str, strategy):
+        if key in allowed:
+            continue
+        reason = foreign_key_reason(key)
+        if reason is not None:
+            raise ConfigurationError(reason)
+        close = difflib.get_close_matches(key, allowed, n=1)
+        hint = f" Did you mean 'trainer.strategy.{close[0]}'?" if close else ""
+        raise ConfigurationError(
+            f"unknown config key 'trainer.strategy.{key}'.{hint} Allowed keys under 'trainer.strategy': "
+            f"{', '.join(allowed)}."
+        )
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -249,6 +272,9 @@ def _explain(exc: BaseException, plan: ConfigPlan) -> str:
                     "experiment file with the line '# @package _global_' (and a strategy file with "
                     "'# @package trainer.strategy')."
                 )
+            foreign = foreign_key_reason(parts[-1]) if parts[:-1] == ["trainer", "strategy"] else None
+            if foreign is not None:
+                return foreign + (f" (set in {plan.describe(where.group(1))})" if where else "")
             allowed = _schema_fields(parts[:-1])
             if allowed is not None:
                 close = difflib.get_close_matches(parts[-1], allowed, n=1)
@@ -314,10 +340,16 @@ def validate(cfg: TrainConfig, *, launched: bool | None = None) -> None:
     if launched is None:
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     parsed = strategy.sharding
-    if strategy.cpu_offload:
+    if strategy.cpu_offload and (parsed is None or (parsed.policy.shard_optimizer and not parsed.policy.shard_params)):
         raise ConfigurationError(
-            "trainer.strategy.cpu_offload=true is not supported yet: shards stay on the training device. "
-            "Set trainer.strategy.cpu_offload=false (or use a strategy that shards more: trainer.strategy=fsdp)."
+            f"trainer.strategy.cpu_offload=true needs a strategy with sharded parameters (fsdp, zero2, hsdp, "
+            f"hsdp_zero2) or ddp, got sharding_strategy={strategy.sharding_strategy!r}: "
+            + (
+                "a single-device run is not sharded, so there is no shard to keep on the host."
+                if parsed is None
+                else "ZeRO-1 keeps whole parameters on every rank and updates them on the device."
+            )
+            + " Pick one of those strategies (trainer.strategy=fsdp), or set trainer.strategy.cpu_offload=false."
         )
     _positive(
         cfg,

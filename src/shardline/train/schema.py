@@ -86,7 +86,13 @@ class StrategyConfig:
     state_dict_type: str = "sharded"
     """Checkpoint layout: sharded (torch DCP, any world size) or full (gathered on rank 0)."""
     cpu_offload: bool = False
-    """Offload shards to CPU between uses (not supported yet; rejected)."""
+    """Keep the sharded parameters, their gradients and the optimizer state in host memory (pinned on CUDA): each
+    unit's shard is copied to the device for its all-gather and the optimizer steps on the host
+    (:class:`shardline.CPUOffload`). Less device memory, more host traffic; the same numerics. Not with zero1 or
+    single_device."""
+    use_orig_params: bool = True
+    """Accepted for configs written for torch FSDP: shardline always exposes the original parameters (each as
+    its shard), which is what true means; false (FSDP1's flat parameters) is refused."""
     auto_wrap_policy: Any = None
     """Which modules become units, e.g. {_target_: shardline.layer_policy, _args_: [pkg.Block]} (model-specific)."""
     activation_checkpointing_policy: Any = None
@@ -103,6 +109,12 @@ class StrategyConfig:
                 f"shard group's size, got {raf!r}"
             )
         _check_choice("trainer.strategy.state_dict_type", self.state_dict_type, SAVE_KINDS)
+        if self.use_orig_params is not True:
+            raise ConfigurationError(
+                f"trainer.strategy.use_orig_params={self.use_orig_params!r}: shardline always trains the original "
+                "parameters (each rank's shard of each, as its own nn.Parameter); torch FSDP1's flattened parameters "
+                "(use_orig_params=false) do not exist here. Set trainer.strategy.use_orig_params=true or drop the key."
+            )
 
     @property
     def sharding(self) -> ShardingStrategy | None:

@@ -293,6 +293,7 @@ class Trainer:
                 "strategy": strategy.sharding,
                 "reshard_after_forward": strategy.reshard_after_forward,
                 "mixed_precision": policies.mixed_precision,
+                "offload": shardline.CPUOffload() if strategy.cpu_offload else None,
             }
             if self.hybrid:
                 replicas, shard = shard_degrees(cfg, world_size=self.info.world_size)
@@ -307,6 +308,8 @@ class Trainer:
                 shardline.fully_shard(model, **kwargs)
             units = subtree_units(model)
             log.info("sharded into %d units (%s)", len(units), strategy.sharding_strategy)
+            if strategy.cpu_offload:
+                log.info("CPU offload: sharded parameters, gradients and optimizer state in host memory")
         if init_on_meta:
             torch.manual_seed(cfg.trainer.seed)  # the same draws a CPU build would make
             shardline.materialize(model, device=self.device)
@@ -405,6 +408,8 @@ class Trainer:
         self._call("on_before_optimizer_step", step + 1)
         # read by the fused kernel: 1 skips
         found_inf = torch.maximum(self._skip, overflow) if self.scaler is not None else self._skip
+        if self.cfg.trainer.strategy.cpu_offload and found_inf.device.type != "cpu":
+            found_inf = found_inf.cpu()  # the optimizer steps on the host (CPU offload): a read, once per step
         self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         self.optimizer.step()
         if self.scaler is not None:
