@@ -129,6 +129,7 @@ def memory_stats(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
         comm_buffers=sum(t.current["comm_buffers"] for t in trackers),
         peak_unsharded_params=sum(t.peak["unsharded_params"] for t in trackers),
         peak_comm_buffers=sum(t.peak["comm_buffers"] for t in trackers),
+        quantized_params=_storage_bytes([u.quantized.local for u in units if u.quantized is not None]),
     )
 
 
