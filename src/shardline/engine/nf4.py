@@ -47,7 +47,7 @@ _CONSTRUCTOR = ("tensor_meta", "block_size", "n_blocks", "scaler_block_size", *C
 
 @dataclass(frozen=True)
 class _API:
-    tensor_class: type[torch.Tensor]
+    tensor_class: Any  # torchao's NF4Tensor (torchao ships no type information)
     to_nf4: Callable[..., torch.Tensor]
     tensor_args: Callable[..., Any]  # torchao's SubclassTensorArgs
     version: str
@@ -66,7 +66,7 @@ def nf4_api() -> _API:
             from torchao.quantization import NF4Tensor
             from torchao.quantization import to_nf4 as _to_nf4
         except ImportError:
-            from torchao.dtypes.nf4tensor import NF4Tensor  # type: ignore[no-redef]
+            from torchao.dtypes.nf4tensor import NF4Tensor
             from torchao.dtypes.nf4tensor import to_nf4 as _to_nf4
     except ImportError as exc:
         raise ConfigurationError(
@@ -89,6 +89,7 @@ def nf4_api() -> _API:
             f"torchao {version} changed its NF4Tensor: shardline reads {', '.join(missing)}, which it no longer has. "
             "Install a torchao release shardline supports: pip install 'shardline[qlora]'."
         )
+    assert tensor_args is not None  # else refused above
     return _API(NF4Tensor, _to_nf4, tensor_args, version)
 
 
@@ -189,7 +190,7 @@ def build_nf4(
     size = torch.Size(shape)
     strides = tuple(int(s) for s in torch.empty(size, device="meta").stride())
     meta = api.tensor_args(size, strides, 0, layout.dtype, data.device, False)
-    return api.tensor_class(
+    built: torch.Tensor = api.tensor_class(
         tensor_meta=meta,
         block_size=layout.block_size,
         n_blocks=scalers.numel(),
@@ -200,6 +201,7 @@ def build_nf4(
         quantized_data=data,
         nf4=code_book,
     )
+    return built
 
 
 def checksum(tensor: Any) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,7 @@ class QuantizedGroup:
         self.params: list[QuantizedParam] = []
         offset = 0
         for fqn, original, locations in entries:
-            tensor = original.detach() if isinstance(original, nn.Parameter) else original
+            tensor: Any = original.detach()  # torchao's NF4Tensor (untyped)
             if tensor.device.type == "meta" or tensor.device != device:
                 raise ShardingError(
                     f"NF4 weight '{fqn}' is on {tensor.device}, the unit on {device}. Quantize real weights on the "
