@@ -227,6 +227,16 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         out["refused"] = None
     except ShardingError as exc:
         out["refused"] = str(exc)
+    # A weight replaced after wrapping (as a re-initialization would), on rank 1 only.
+    replaced = shard(build(), dist.group.WORLD)
+    if rank == 1:
+        layer = replaced.blocks[1].up.base
+        layer._parameters["weight"] = nn.Parameter(torch.zeros(layer.weight.numel()), requires_grad=False)
+    try:
+        loss_of(replaced, *batch())
+        out["replaced"] = None
+    except ShardingError as exc:
+        out["replaced"] = str(exc)
     with dropped_factors():
         unchecked = shard(build(), dist.group.WORLD)
     with check_disabled():

@@ -74,6 +74,17 @@ def test_qlora_refuses_a_dropped_quantization_state_naming_the_weight(runs: list
         assert "before the first step" in message
 
 
+def test_qlora_refuses_a_weight_replaced_after_wrapping_on_one_rank(runs: list[dict[str, Any]]) -> None:
+    """Every rank refuses (none hangs), naming the weight and the rank whose module holds a plain tensor instead."""
+    for out in runs:
+        message = out["replaced"]
+        assert message is not None
+        assert "'blocks.1.up.base.weight'" in message
+        assert "(rank 1)" in message
+        assert "no longer an NF4Tensor" in message or "holds another tensor" in message
+        assert "blocks.0" not in message
+
+
 def test_qlora_shards_hold_a_quarter_of_the_four_bit_bytes(runs: list[dict[str, Any]]) -> None:
     """At W=4 a rank holds ~1/4 of the 4-bit bytes (by the format's formula) and nothing gathered between steps.
 
