@@ -99,3 +99,23 @@ def test_hf_qlora_trains_and_exports_an_adapter_peft_loads_over_the_4bit_base(tm
     assert close_ratio(without, expected) > 10, "the comparison below could not tell the adapter from none"
     # The same operations on the same values; allow assert_close's fp32 defaults.
     assert_trajectory(close_ratio(actual, expected), "logits of the exported adapter over the 4-bit base")
+
+
+def test_a_resume_of_hf_qlora_expects_no_4bit_weight_in_the_checkpoint() -> None:
+    """The launcher's fit check before a resume compares the checkpoint with the model less its NF4 weights."""
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    from shardline.train.build import build_model
+    from shardline.train.config import compose_config, to_train_config
+    from shardline.train.preflight import _fit_problems
+
+    cfg = to_train_config(compose_config(["experiment=hf_qlora"]))
+    model = build_model(cfg, device="meta")
+    # What a checkpoint of the run holds: everything but the decoder layers' linear weights (named, not detected).
+    stored = {
+        k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+        for k, v in model.state_dict(keep_vars=True).items()
+        if not k.endswith(("proj.weight", "proj.base_layer.weight"))
+    }
+    assert len(stored) == len(model.state_dict()) - 14
+    assert _fit_problems(cfg, stored) == []

@@ -30,7 +30,7 @@ Quantized weights are frozen: never trained, reduced or given to an optimizer, a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,7 +77,6 @@ class QuantizedParam:
     expected: tuple[int, ...]  # checksum of the weight handed to fully_shard
     sharded: nn.Parameter | None = None
     unsharded: nn.Parameter | None = None
-    problems: list[str] = field(default_factory=list)  # found when sharding
 
     def register(self, tensor: nn.Parameter) -> None:
         for module, name in self.locations:
@@ -114,6 +113,17 @@ class QuantizedGroup:
                 )
             layout = NF4Layout.of(tensor)
             groups = layout.groups
+            broken = (
+                layout.problems(tensor, groups=groups)
+                if layout.numel % layout.group_numel == 0
+                else [f"{layout.numel} elements are not whole scaler groups of {layout.group_numel}"]
+            )
+            if broken:
+                raise ShardingError(
+                    f"NF4 weight '{fqn}' (shape {layout.shape}, block_size {layout.block_size}, scaler_block_size "
+                    f"{layout.scaler_block_size}) is not a consistent NF4 tensor: {'; '.join(broken)}. Quantize it "
+                    "again with torchao's to_nf4 before sharding."
+                )
             chunk = -(-groups // self.world)
             start = min(rank * chunk, groups)
             count = min(chunk, groups - start)
