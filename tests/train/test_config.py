@@ -22,11 +22,11 @@ def _options(group: str) -> list[str]:
 
 def test_the_shipped_groups() -> None:
     assert _options("trainer_strategy") == ["ddp", "fsdp", "hsdp", "hsdp_zero2", "single_device", "zero1", "zero2"]
-    assert set(_options("experiment")) >= {"tiny_gpt", "fsdp_args", "hf_llama", "hf_lora"}
+    assert set(_options("experiment")) >= {"tiny_gpt", "fsdp_args", "hf_llama", "hf_lora", "hf_qlora"}
 
 
 # Experiments as users select them: fsdp_args is an overlay of tiny_gpt's sharding knobs.
-EXPERIMENTS = ["tiny_gpt", "hf_llama", "hf_lora", "[tiny_gpt,fsdp_args]"]
+EXPERIMENTS = ["tiny_gpt", "hf_llama", "hf_lora", "hf_qlora", "[tiny_gpt,fsdp_args]"]
 
 
 def test_every_experiment_file_is_covered() -> None:
@@ -115,7 +115,7 @@ def test_help_config_lists_documented_keys(capsys) -> None:
 
 
 BAD = [
-    (["experiment=nope"], r"unknown experiment 'nope'; available: fsdp_args, hf_llama, hf_lora, tiny_gpt"),
+    (["experiment=nope"], r"unknown experiment 'nope'; available: fsdp_args, hf_llama, hf_lora, hf_qlora, tiny_gpt"),
     (["trainer.strategy=fsdpp"], r"unknown trainer.strategy 'fsdpp' \(did you mean 'fsdp'\?\)"),
     (["trainer.devcies=2"], r"unknown config key 'trainer.devcies'. Did you mean 'trainer.devices'\?"),
     (["trainer.devices=two"], r"invalid value for 'trainer.devices'"),

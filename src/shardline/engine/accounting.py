@@ -140,6 +140,7 @@ def memory_stats(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
         host_params=_storage_bytes(g.master for u in offloaded for g in u.groups),
         host_grads=_storage_bytes(sp.sharded.grad for u in offloaded for sp in u.params),
         host_optimizer_state=_storage_bytes(host_state),
+        quantized_params=_storage_bytes([u.quantized.local for u in units if u.quantized is not None]),
     )
 
 

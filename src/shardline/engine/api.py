@@ -19,6 +19,7 @@ from shardline.engine.mesh import MeshLike, ShardMesh, resolve_mesh
 from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.offload import OffloadPolicy
 from shardline.engine.param import OWNER_ATTR, REPLACED_ATTR
+from shardline.engine.quantized import split_quantized
 from shardline.engine.registry import get_unit, subtree_units
 from shardline.engine.state_dict import install_state_dict_hooks
 from shardline.engine.strategy import ShardingStrategy
@@ -265,6 +266,7 @@ def fully_shard(
 
     owned, buffers, sub_units = _collect(module, original_class(module).__name__)
     device = _unit_device(owned, buffers, sub_units, shard_mesh, device)
+    owned, quantized = split_quantized(owned)  # 4-bit frozen weights: kept apart (engine/quantized.py)
     ctx = RootContext()
     if sync_module_states:
         _broadcast_from_rank0(module, [p for _, p, _ in owned], [b for _, _, b in buffers], shard_mesh, ctx)
@@ -278,12 +280,17 @@ def fully_shard(
         mixed_precision=mixed_precision,
         device=device,
         offload=offload,
+        quantized=quantized,
     )
     ctx.adopt(unit)
     for (fqn, original, _), sp in zip(owned, unit.params, strict=True):
         setattr(original, OWNER_ATTR, (unit, fqn))
         setattr(original, REPLACED_ATTR, fqn)
         setattr(sp.sharded, OWNER_ATTR, (unit, fqn))
+    for (fqn, original, _), qp in zip(quantized, unit.quantized.params if unit.quantized else [], strict=True):
+        setattr(original, OWNER_ATTR, (unit, fqn))
+        setattr(original, REPLACED_ATTR, fqn)
+        setattr(qp.sharded, OWNER_ATTR, (unit, fqn))
     unit.forward_prefetch = bool(forward_prefetch)
     unit.backward_prefetch = backward_prefetch
     _cast_buffers(unit, buffers)
@@ -408,6 +415,9 @@ def _sharded_of(unit: ShardUnit, fqn: str) -> nn.Parameter | None:
     for sp in unit.params:
         if sp.fqn == fqn:
             return sp.sharded
+    for qp in unit.quantized.params if unit.quantized is not None else []:
+        if qp.fqn == fqn:
+            return qp.sharded
     return None
 
 

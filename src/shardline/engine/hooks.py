@@ -66,6 +66,7 @@ from shardline import _torch_compat
 from shardline._tree import iter_tensors, map_tensors
 from shardline.engine.context import RootContext, root_context
 from shardline.engine.guards import check_not_inside_ddp
+from shardline.engine.quantized import verify_quantized
 from shardline.engine.registry import set_unit, subtree_units
 from shardline.engine.unit import Residency, ShardUnit
 from shardline.errors import ConfigurationError
@@ -256,6 +257,9 @@ def _root_pre_forward(ctx: RootContext, root: ShardUnit) -> None:
     ctx.recover_from_interrupted_backward()
     if root.subtree is None:
         root.subtree = subtree_units(root.module)
+    unchecked = [u for u in root.subtree if u.quantized is not None and not u.quantized.verified]
+    if unchecked:  # the first forward: every 4-bit weight must still carry its quantization state
+        verify_quantized(unchecked, comm=ctx.comm, group=root.mesh.dp_group)
     for unit in root.subtree:
         unit.forward_root_unit = root
         # Left gathered (or partly resharded) by a forward whose backward has not run (touched since the

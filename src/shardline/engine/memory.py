@@ -12,7 +12,10 @@ Two kinds of components:
   ``sharded_grads`` (reduced gradients -- SHARD_OPT's are views of the full all-reduced
   gradients, so those count whole -- and partial sums awaiting a deferred all-reduce across
   replicas), ``unsharded_grads`` (full gradients not yet reduced, e.g. under ``no_sync``) and
-  ``optimizer_state`` (when the optimizer is passed). Tensors sharing storage are counted once.
+  ``optimizer_state`` (when the optimizer is passed), and ``quantized_params``: this rank's
+  blocks of the frozen 4-bit (NF4) weights, kept apart from the flat buffers
+  (:mod:`shardline.engine.quantized`); their gathered copies count in ``unsharded_params``.
+  Tensors sharing storage are counted once.
 
 Where they live: with CPU offload (:mod:`shardline.engine.offload`) a unit's sharded parameters,
 gradients and optimizer state are in host memory; ``host_params``, ``host_grads`` and
@@ -117,12 +120,14 @@ class MemoryStats:
     host_params: int = 0
     host_grads: int = 0
     host_optimizer_state: int = 0
+    quantized_params: int = 0
 
     @property
     def total(self) -> int:
         """Everything held right now."""
         return (
             self.sharded_params
+            + self.quantized_params
             + self.sharded_grads
             + self.optimizer_state
             + self.unsharded_params

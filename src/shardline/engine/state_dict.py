@@ -183,6 +183,51 @@ def install_state_dict_hooks(unit: ShardUnit) -> None:
     """Make ``unit.module``'s ``state_dict()`` give DTensors and its ``load_state_dict()`` take them."""
     unit.module.register_state_dict_post_hook(_SaveHook(unit))
     unit.module.register_load_state_dict_pre_hook(_LoadHook(unit))
+    if unit.quantized is not None:
+        # Frozen 4-bit weights are not part of any state dict (engine/quantized.py): they come from the base model.
+        keys = _quantized_keys(unit)
+        unit.module.register_state_dict_post_hook(_DropQuantized(keys))
+        on_load = _DropQuantized(keys)
+        unit.module.register_load_state_dict_pre_hook(on_load)
+        unit.module.register_load_state_dict_post_hook(_ForgiveQuantized(on_load))
+
+
+def _quantized_keys(unit: ShardUnit) -> list[str]:
+    """State-dict keys (relative to the unit's module) of the unit's NF4 weights."""
+    assert unit.quantized is not None
+    owners: dict[int, list[str]] = {}
+    for qp in unit.quantized.params:
+        for owner, attr in qp.locations:
+            owners.setdefault(id(owner), []).append(attr)
+    return [
+        f"{name}.{attr}" if name else attr
+        for name, m in unit.module.named_modules(remove_duplicate=False)
+        for attr in owners.get(id(m), [])
+    ]
+
+
+class _DropQuantized:  # no __slots__: torch tags public state-dict hooks with an attribute
+    """Takes the unit's NF4 weights out of a state dict being saved, or loaded (remembering where)."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        self.prefixes: set[str] = set()
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *_rest: Any) -> None:
+        self.prefixes.add(prefix)
+        for key in self.keys:
+            state_dict.pop(prefix + key, None)
+
+
+class _ForgiveQuantized:
+    """After a load: the unit's NF4 weights are not missing (no state dict holds them)."""
+
+    def __init__(self, on_load: _DropQuantized) -> None:
+        self.on_load = on_load
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        expected = {prefix + key for prefix in self.on_load.prefixes for key in self.on_load.keys}
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in expected]
 
 
 def _relative_keys(unit: ShardUnit) -> list[tuple[str, ShardedParam]]:

@@ -41,6 +41,7 @@ from shardline.engine.offload import CPUOffload, HostCopies, OffloadPolicy
 from shardline.engine.param import ShardedParam
 from shardline.engine.pending import PendingReduce
 from shardline.engine.profiling import label
+from shardline.engine.quantized import QuantizedGroup
 from shardline.engine.strategy import ShardingStrategy
 
 __all__ = ["BackwardProgress", "Residency", "ShardUnit", "UnitContext"]
@@ -93,6 +94,7 @@ class ShardUnit:
         mixed_precision: MixedPrecision | None,
         device: torch.device,
         offload: OffloadPolicy | None = None,
+        quantized: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = (),
     ) -> None:
         self.module = module
         self.name = ""
@@ -129,6 +131,10 @@ class ShardUnit:
                 sp.group = group
                 slots[i] = sp
         self.params: list[ShardedParam] = [sp for sp in slots if sp is not None]
+        # Frozen 4-bit (NF4) weights: outside the flat buffers (see engine/quantized.py).
+        self.quantized: QuantizedGroup | None = (
+            QuantizedGroup(quantized, mesh=mesh, device=device, shard=self.policy.shard_params) if quantized else None
+        )
 
         self.residency = Residency.SHARDED
         self.progress = BackwardProgress()
@@ -229,6 +235,9 @@ class ShardUnit:
             self._sync_requires_grad()
             for group in self.groups:
                 group.register_unsharded()
+        if self.quantized is not None:
+            ctx = self.ctx
+            self.quantized.unshard(comm=ctx.comm, memory=ctx.memory, name=self.display_name, phase=phase)
         self.residency = Residency.GATHERED
 
     def prefetch(self, phase: str) -> bool:
@@ -271,6 +280,8 @@ class ShardUnit:
                 group.reshard_partial(size, self.ctx.memory)
             else:
                 group.free_unsharded(self.ctx.memory)
+        if self.quantized is not None:
+            self.quantized.free(self.ctx.memory)  # also under a partial reshard: backward gathers it whole
         self.residency = Residency.PARTIAL if size is not None else Residency.SHARDED
 
     def pin(self) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from shardline.errors import ConfigurationError
 
-__all__ = ["tiny_llama", "tiny_llama_lora"]
+__all__ = ["tiny_llama", "tiny_llama_lora", "tiny_llama_qlora"]
 
 
 def _check_config_kwargs(config_cls: type, extra: dict[str, Any], where: str) -> None:
@@ -85,6 +85,45 @@ def tiny_llama_lora(
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError("the tiny_llama_lora model needs peft: pip install 'shardline[hf]'") from exc
     base = tiny_llama(**llama)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=list(target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(base, config)
+
+
+def tiny_llama_qlora(
+    *,
+    r: int = 8,
+    lora_alpha: int = 16,
+    lora_dropout: float = 0.0,
+    target_modules: Sequence[str] = ("q_proj", "v_proj"),
+    block_size: int = 64,
+    scaler_block_size: int = 8,
+    **llama: Any,
+) -> nn.Module:
+    """:func:`tiny_llama_lora` on a 4-bit base: every linear weight of the decoder layers stored as NF4.
+
+    The weights are quantized with torchao (``block_size`` elements per absmax block,
+    ``scaler_block_size`` blocks per double-quantization group; each weight's element count must
+    divide by their product) before the adapters are added, so the LoRA layers wrap 4-bit bases.
+    Embeddings, norms and the output head stay in full precision. Requires
+    ``pip install 'shardline[hf,qlora]'``.
+    """
+    from shardline.engine.nf4 import to_nf4
+
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("the tiny_llama_qlora model needs peft: pip install 'shardline[hf,qlora]'") from exc
+    base = tiny_llama(**llama)
+    for name, module in base.named_modules():
+        if ".layers." in f".{name}." and isinstance(module, nn.Linear):
+            weight = to_nf4(module.weight.detach(), block_size=block_size, scaler_block_size=scaler_block_size)
+            module.weight = nn.Parameter(weight, requires_grad=False)
     config = LoraConfig(
         r=r,
         lora_alpha=lora_alpha,

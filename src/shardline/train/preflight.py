@@ -35,6 +35,7 @@ from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.lineage import order
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
+from shardline.engine.nf4 import is_nf4
 from shardline.errors import CheckpointError, ConfigurationError
 from shardline.train.build import build_model
 from shardline.train.data import load_corpus, make_batches
@@ -147,7 +148,11 @@ def _stored_state(path: Location, verify: VerifyLevel) -> dict[str, tuple[tuple[
 
 def _fit_problems(cfg: TrainConfig, stored: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
     model = build_model(cfg, device="meta")
-    have = {k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in model.state_dict(keep_vars=True).items()}
+    have = {
+        k: (tuple(v.shape), dtype_name(v.dtype))
+        for k, v in model.state_dict(keep_vars=True).items()
+        if not is_nf4(v)  # 4-bit frozen base weights are not checkpointed (engine/quantized.py)
+    }
     problems = [f"the checkpoint lacks {k}" for k in sorted(have.keys() - stored.keys())]
     problems += [f"the model lacks {k}" for k in sorted(stored.keys() - have.keys())]
     for key in sorted(have.keys() & stored.keys()):
