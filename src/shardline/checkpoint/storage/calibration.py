@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
@@ -74,6 +75,8 @@ _FORMAT = 1  # the probe's format: entries of another are measured again
 _GAIN = 0.95  # early writeback is chosen only where it cut the probe's write + fsync by 5%
 _MARGIN = 1.5  # the flush tail must be this many times the hash's time to hash from the fsync on
 _LOCK_WAIT_S = 30.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -305,6 +308,8 @@ def tuning_for(directory: Path, *, writers: int, cores: int) -> SaveTuning:
             }
             with contextlib.suppress(OSError):
                 _write_cache(cache, entries)
-            return decide(measured, writers=writers, cores=cores)
+            tuning = decide(measured, writers=writers, cores=cores)
+            log.info("save calibration for %s (cached in %s): %s", directory, cache, tuning.reason)
+            return tuning
     except OSError as e:  # the probe could not write (a full disk) or the cache directory is not writable
         return fixed_tuning(writers=writers, cores=cores, source="fallback", reason=f"calibration failed: {e}")
