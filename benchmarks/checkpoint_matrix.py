@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-REPS = {12: (20, 8), 192: (10, 5), 1024: (4, 3)}  # size in MiB -> (save reps, load reps); others: (6, 4)
+REPS = {12: (16, 6), 192: (10, 4), 1024: (3, 2)}  # size in MiB -> (save reps, load reps); others: (6, 4)
 BLKIO = Path("/sys/fs/cgroup/blkio/blkio.throttle.write_bps_device")
 
 

@@ -241,7 +241,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--files", type=int, default=0, help="files per rank, both saves (0: the automatic count)")
-    parser.add_argument("--no-async", action="store_true", help="skip the async part (always skipped at --world > 1)")
+    parser.add_argument(
+        "--no-async", action="store_true", help="skip the async part (at most 6 reps; always skipped at --world > 1)"
+    )
     parser.add_argument("--world", type=int, default=1, help="ranks (gloo, this machine); timings are rank 0's")
     parser.add_argument(
         "--settle",
@@ -276,7 +278,7 @@ def main() -> None:
         runs = _rank(0, 1, str(root), args.mib, args.files, args.reps, args.settle, args.also_fixed, args.recalibrate)
         if not args.no_async:
             model, optimizer = build(args.mib)
-            staging = _async(root, model, optimizer, int(runs["files"][0]), args.reps)
+            staging = _async(root, model, optimizer, int(runs["files"][0]), min(args.reps, 6))
     result = _summary(runs, world=args.world, reps=args.reps)
     if staging:
         result["async_blocking_plain_s"] = statistics.median(staging["plain"])
