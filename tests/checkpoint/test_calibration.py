@@ -147,3 +147,13 @@ def test_a_save_hashes_and_flushes_as_its_location_measured(tmp_path, monkeypatc
         content = (target / record.path).read_bytes()
         assert (record.bytes, record.sha256) == (len(content), hashlib.sha256(content).hexdigest())
     assert sorted(os.listdir(target)) == sorted(r.path for r in writer.file_digests)
+
+
+def test_a_slow_disk_is_probed_within_a_budget(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(calibration, "_PROBE_BUDGET_S", 0.0)  # every write "takes too long": stop after the first
+    measured = calibration.probe(tmp_path, nbytes=4 * MIB)
+    assert list(measured.steps) == [0]
+    assert list(tmp_path.iterdir()) == []
+    tuning = decide(measured, writers=2, cores=2)
+    assert tuning.writeback_every is None
+    assert decide(Probe(nbytes=N, hash_s=0.022, steps={4 * MIB: (0.02, 0.09)}), writers=2, cores=2).writeback_every

@@ -10,9 +10,10 @@ hashing as the bytes are written -- on whatever core is idle at any moment -- is
 slow disk and only costs system calls where the flush was short already. A constant tuned on
 one disk is wrong on the next, so each storage location is probed once and the result cached:
 
-* The probe (:func:`probe`, about 0.2-0.5 s) hashes 32 MiB in memory on one thread, then writes
+* The probe (:func:`probe`, about 0.2-1 s) hashes 32 MiB in memory on one thread, then writes
   32 MiB into a hidden file where the checkpoint goes and fsyncs it, three ways (writeback left
-  to the fsync, started every 4 MiB, every 16 MiB), twice each, keeping each way's fastest.
+  to the fsync, started every 4 MiB, every 16 MiB), twice each, keeping each way's fastest; on a
+  disk so slow that this passes 3 s, it stops and decides on the writes it has.
 * The decision (:func:`decide`, a pure function of the probe, the rank's writer threads and its
   cores): the writeback step whose write + fsync was fastest, if it beat the fsync alone by 5%;
   then, with ``k = min(writers, cores)`` files hashed at once, the flush tail the probe waited
@@ -75,6 +76,7 @@ _FORMAT = 1  # the probe's format: entries of another are measured again
 _GAIN = 0.95  # early writeback is chosen only where it cut the probe's write + fsync by 5%
 _MARGIN = 1.5  # the flush tail must be this many times the hash's time to hash from the fsync on
 _LOCK_WAIT_S = 30.0
+_PROBE_BUDGET_S = 3.0  # no further write is started after this long (a disk of a few MB/s)
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +132,7 @@ def decide(measured: Probe, *, writers: int, cores: int, source: str = "measured
     k = max(1, min(writers, cores))
     total = {step: write + flush for step, (write, flush) in measured.steps.items()}
     best = min(total, key=lambda step: (total[step], step))
-    plain = total.get(0, total[best])
-    step = best if best and total[best] <= _GAIN * plain else 0
+    step = best if 0 not in total or total[best] <= _GAIN * total[0] else 0
     write, flush = measured.steps[step]
     mib = measured.nbytes / 2**20
     # Note: the probe's own flush tail is the lower bound of the save's: k writers fill the page cache faster than
@@ -196,8 +197,11 @@ def probe(directory: Path, *, nbytes: int = _PROBE_BYTES, reps: int = 2) -> Prob
         hashlib.sha256(data).digest()
         hash_s = min(hash_s, time.perf_counter() - started)
     best: dict[int, tuple[float, float]] = {}
+    started = time.monotonic()
     for rep in range(reps):
         for step in _STEPS if rep % 2 == 0 else _STEPS[::-1]:  # alternating, so drift hits every way alike
+            if best and time.monotonic() - started > _PROBE_BUDGET_S:  # a very slow disk: decide on what was seen
+                return Probe(nbytes=nbytes, hash_s=hash_s, steps=best)
             write, flush = _write_file(directory / f".shardline-probe-{uuid.uuid4().hex[:12]}", data, step)
             if step not in best or write + flush < sum(best[step]):
                 best[step] = (write, flush)
