@@ -22,6 +22,7 @@ from shardline.checkpoint.integrity import hashing
 from shardline.checkpoint.integrity.hashing_writer import HashingWriter
 from shardline.checkpoint.storage import calibration
 from shardline.checkpoint.storage.calibration import Probe, decide, tuning_for
+from shardline.errors import ConfigurationError
 
 MIB = 1 << 20
 N = 32 * MIB
@@ -157,3 +158,11 @@ def test_a_slow_disk_is_probed_within_a_budget(tmp_path: Path, monkeypatch) -> N
     tuning = decide(measured, writers=2, cores=2)
     assert tuning.writeback_every is None
     assert decide(Probe(nbytes=N, hash_s=0.022, steps={4 * MIB: (0.02, 0.09)}), writers=2, cores=2).writeback_every
+
+
+def test_an_unknown_calibration_mode_is_refused_by_name(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(calibration.ENV, "of")
+    with pytest.raises(
+        ConfigurationError, match=r"SHARDLINE_SAVE_CALIBRATION='of' is not a calibration mode: use auto"
+    ):
+        tuning_for(tmp_path, writers=2, cores=2)

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from shardline.checkpoint.storage.fsutil import start_writeback
+from shardline.errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_WRITEBACK_EVERY",
@@ -92,10 +93,12 @@ class Probe:
     """Writeback step in bytes (0: none) -> (seconds to write ``nbytes`` into the file, then to fsync it)."""
 
     def to_json(self) -> dict[str, Any]:
+        """Plain JSON data (the cache's ``probe`` entry)."""
         return {"nbytes": self.nbytes, "hash_s": self.hash_s, "steps": {str(k): list(v) for k, v in self.steps.items()}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Probe:
+        """The probe :meth:`to_json` wrote."""
         steps = {int(k): (float(v[0]), float(v[1])) for k, v in data["steps"].items()}
         return cls(nbytes=int(data["nbytes"]), hash_s=float(data["hash_s"]), steps=steps)
 
@@ -287,9 +290,17 @@ def tuning_for(directory: Path, *, writers: int, cores: int) -> SaveTuning:
     The probe (written into ``directory`` itself, so on the checkpoint's own file system) runs when
     the cache has no fresh entry for that file system, or always with ``SHARDLINE_SAVE_CALIBRATION=force``.
     Never raises for a probe or cache that fails: the fixed behaviour is used instead.
+
+    Raises:
+        ConfigurationError: ``SHARDLINE_SAVE_CALIBRATION`` is set to something other than auto, off or force.
     """
-    mode = os.environ.get(ENV, "auto").strip().lower()
-    if mode in ("off", "0", "false", "no"):
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "off", "force"):
+        raise ConfigurationError(
+            f"{ENV}={os.environ[ENV]!r} is not a calibration mode: use auto (the default: probe each file system "
+            "once and cache it), off (no probe: the fixed behaviour) or force (probe at every save)"
+        )
+    if mode == "off":
         return fixed_tuning(writers=writers, cores=cores)
     cache = cache_path()
     try:
