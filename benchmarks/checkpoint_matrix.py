@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from shardline.checkpoint.coordination.parallelism import available_cores
+
 REPS = {12: (16, 6), 192: (10, 4), 1024: (3, 2)}  # size in MiB -> (save reps, load reps); others: (6, 4)
 BLKIO = Path("/sys/fs/cgroup/blkio/blkio.throttle.write_bps_device")
 
@@ -103,7 +105,7 @@ def _cell(where: Path, mib: int, world: int, quick: bool, first: bool) -> dict[s
     )  # fmt: skip
     assert isinstance(loads, list)
     load = loads[0]
-    cores = max(1, (os.cpu_count() or 1) // world)
+    cores = max(1, available_cores() // world)
     files = int(load["files"]) // world
     hash_one = float(load["sha256_of_one_rank_share_s"])
     plain = float(load["plain_dcp_load_s"])
