@@ -40,6 +40,8 @@ def test_a_slow_flush_hides_the_hash_and_a_short_one_does_not() -> None:
     fast = decide(FAST_DISK, writers=2, cores=2)
     # 11-12 ms of flush cannot hide 11 ms of hash with the margin; early writeback gains under 5%: left to the fsync.
     assert (fast.hash_during_writes, fast.writeback_every) == (True, None)
+    noisy = Probe(nbytes=N, hash_s=0.022, steps={0: (0.020, 0.0002), 4 * MIB: (0.015, 0.0001), 16 * MIB: (0.02, 0.0)})
+    assert decide(noisy, writers=2, cores=2).writeback_every is None, "a free fsync has nothing to shorten"
     shm = decide(TMPFS, writers=2, cores=2)
     assert (shm.hash_during_writes, shm.writeback_every) == (True, None)
     assert "flush is shorter than the hash" in shm.reason

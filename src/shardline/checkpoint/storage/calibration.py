@@ -12,10 +12,11 @@ one disk is wrong on the next, so each storage location is probed once and the r
 
 * The probe (:func:`probe`, about 0.2-1 s) hashes 32 MiB in memory on one thread, then writes
   32 MiB into a hidden file where the checkpoint goes and fsyncs it, three ways (writeback left
-  to the fsync, started every 4 MiB, every 16 MiB), twice each, keeping each way's fastest; on a
+  to the fsync, started every 4 MiB, every 16 MiB), three times each, keeping each way's fastest; on a
   disk so slow that this passes 3 s, it stops and decides on the writes it has.
 * The decision (:func:`decide`, a pure function of the probe, the rank's writer threads and its
-  cores): the writeback step whose write + fsync was fastest, if it beat the fsync alone by 5%;
+  cores): the writeback step whose write + fsync was fastest, if it beat the fsync alone by 5%
+  and the fsync alone was not about free (under 5% of the write + fsync: tmpfs);
   then, with ``k = min(writers, cores)`` files hashed at once, the flush tail the probe waited
   for after its writes against the hash's time on ``k`` threads. A tail 1.5 times as long
   hides the hash from the fsync on; a shorter one, or a core left free during the writes
@@ -75,6 +76,7 @@ _CHUNK = 4 << 20
 _STEPS: tuple[int, ...] = (0, DEFAULT_WRITEBACK_EVERY, 16 << 20)  # 0: writeback left to the fsync
 _FORMAT = 1  # the probe's format: entries of another are measured again
 _GAIN = 0.95  # early writeback is chosen only where it cut the probe's write + fsync by 5%
+_FREE_FLUSH = 0.05  # an fsync under this share of the probe's write + fsync counts as free: no early writeback
 _MARGIN = 1.5  # the flush tail must be this many times the hash's time to hash from the fsync on
 _LOCK_WAIT_S = 30.0
 _PROBE_BUDGET_S = 3.0  # no further write is started after this long (a disk of a few MB/s)
@@ -136,6 +138,11 @@ def decide(measured: Probe, *, writers: int, cores: int, source: str = "measured
     total = {step: write + flush for step, (write, flush) in measured.steps.items()}
     best = min(total, key=lambda step: (total[step], step))
     step = best if 0 not in total or total[best] <= _GAIN * total[0] else 0
+    if 0 in measured.steps and measured.steps[0][1] < _FREE_FLUSH * total[0]:
+        # Note: early writeback can only shorten the flush; where the fsync alone was about free (tmpfs, a
+        # cache that acknowledges at once) there is nothing to shorten, and on tmpfs each call costs CPU
+        # (about 3 ms per 4 MiB here) however the probe's noise ranked it.
+        step = 0
     write, flush = measured.steps[step]
     mib = measured.nbytes / 2**20
     # Note: the probe's own flush tail is the lower bound of the save's: k writers fill the page cache faster than
@@ -185,7 +192,7 @@ def _write_file(path: Path, data: memoryview, step: int) -> tuple[float, float]:
         path.unlink(missing_ok=True)
 
 
-def probe(directory: Path, *, nbytes: int = _PROBE_BYTES, reps: int = 2) -> Probe:
+def probe(directory: Path, *, nbytes: int = _PROBE_BYTES, reps: int = 3) -> Probe:
     """Measure ``directory``'s storage: one thread's SHA-256 rate, and writing + fsyncing ``nbytes`` there.
 
     The file is hidden (``.shardline-probe-<hex>``) and removed before this returns.
