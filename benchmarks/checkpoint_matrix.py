@@ -121,7 +121,7 @@ def _row(storage: str, cell: dict[str, Any]) -> str:
     lo, hi = s["paired_ratio_median_95ci"]
     flo, fhi = s["over_floor_median_95ci"]
     staging = (
-        f"{ms(s['async_blocking_plain_s'])} / {ms(s['async_blocking_shardline_s'])}"
+        f"{ms(s['async_blocking_plain_s'])} / {ms(s['async_blocking_shardline_s'])} / {ms(s['async_blocking_floor_s'])}"
         if "async_blocking_plain_s" in s
         else "--"
     )
@@ -143,7 +143,7 @@ def _row(storage: str, cell: dict[str, Any]) -> str:
 HEADER = (
     "| storage | state MiB | W | plain save ms | shardline ms | SHA-256 ms, 1 thread / rank's threads | floor ms "
     "| shardline / plain (95%) | shardline / floor (95%) | target met | calibration | async blocking ms, plain / "
-    "shardline | load ms: plain / verified / floor | verified / plain, / floor |\n"
+    "shardline / floor | load ms: plain / verified / floor | verified / plain, / floor |\n"
     "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
 )
 
