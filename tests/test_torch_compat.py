@@ -167,7 +167,14 @@ def _collectives(rank: int, world_size: int) -> dict:
     dtensor = DTensor.from_local(torch.full((2,), float(rank)), mesh, [Shard(0)])
     host = torch.full((2,), 10.0 + rank)
     swapped = _torch_compat.dtensor_with_local(dtensor, local=host)
+    uneven = DTensor.from_local(torch.zeros(3 + rank, 4, dtype=torch.float16), mesh, [Shard(0)], run_check=False)
+    to_local, DTensor.to_local = DTensor.to_local, None  # a save sums thousands: no autograd node per tensor
+    try:
+        local_bytes = _torch_compat.dtensor_local_bytes(uneven)
+    finally:
+        DTensor.to_local = to_local
     return {
+        "local_bytes": local_bytes,
         "gathered": gathered.tolist(),
         "reduced": reduced.tolist(),
         "timeout": _torch_compat.group_timeout(None),
@@ -184,3 +191,4 @@ def test_collectives_timeout_and_dtensor_helpers() -> None:
         assert isinstance(res["timeout"], timedelta)
         assert res["same_spec"]
         assert res["local_is_host"]
+        assert res["local_bytes"] == (3 + rank) * 4 * 2

@@ -347,6 +347,14 @@ def sharded_tensor_local_bytes(value: Any) -> int:
     return sum(shard.tensor.numel() * shard.tensor.element_size() for shard in value.local_shards())
 
 
+def dtensor_local_bytes(value: DTensor) -> int:
+    """Bytes of a DTensor's local piece, without ``to_local()``'s autograd node (a save sums thousands of them)."""
+    local = getattr(value, "_local_tensor", None)
+    if not isinstance(local, torch.Tensor):  # a torch without the attribute: the public way
+        local = value.to_local()
+    return local.numel() * local.element_size()
+
+
 def _private_api_problems() -> list[str]:
     """The private torch APIs used above that this torch lacks (only those ``import torch`` loads)."""
     from torch.distributed.tensor import DTensor

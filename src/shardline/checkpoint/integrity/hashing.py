@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from shardline.checkpoint.coordination.parallelism import available_cores
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver
 from shardline.checkpoint.integrity.digest_queue import OrderedDigest, RetainedMemory
+from shardline.checkpoint.storage.calibration import DEFAULT_WRITEBACK_EVERY
 from shardline.checkpoint.storage.fsutil import fsync_pool, start_writeback
 from shardline.checkpoint.storage.local import LocalFiles
 from shardline.checkpoint.storage.protocol import Location, SaveFiles
@@ -73,9 +74,9 @@ def sha256_file(path: Location) -> tuple[int, str]:
 
 # Smaller buffers are gathered into one block before they join a file's hash queue.
 _COALESCE_MAX = 64 << 10
-# A local file's writeback is started every this many bytes written (see _HashingStream); None: never
-# (the save benchmark's comparison of the hashing and commit alone).
-_WRITEBACK_EVERY: int | None = 4 << 20
+# A local file's writeback is started every this many bytes written (see _HashingStream); None: never. The
+# default of a HashingFileSystem; a save's writer sets its own from the location's calibration.
+_WRITEBACK_EVERY: int | None = DEFAULT_WRITEBACK_EVERY
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -133,6 +134,7 @@ class _HashingStream(io.RawIOBase):
         *,
         eager: bool = False,
         sync: Callable[[int], None] | None = None,
+        writeback_every: int | None = _WRITEBACK_EVERY,
     ) -> None:
         super().__init__()
         self._raw = raw
@@ -144,8 +146,8 @@ class _HashingStream(io.RawIOBase):
         self._retained = retained
         self._size = 0
         self._small = bytearray()  # small buffers written since the last one queued
-        # A local file, fsynced at close: its writeback starts early (unless _WRITEBACK_EVERY is None).
-        self._writeback_every = _WRITEBACK_EVERY if sync is not None else None
+        # A local file, fsynced at close: its writeback starts early (unless writeback_every is None).
+        self._writeback_every = writeback_every if sync is not None else None
         self._flushing = 0  # bytes handed to the OS's writeback so far
 
     def writable(self) -> bool:
@@ -286,6 +288,9 @@ class HashingFileSystem(FileSystem):
         # waits on the network; local writer threads take a core each, so only fewer writers than cores
         # leave one free for hashing during the writes.
         self.hash_eagerly = self._files.uploads
+        # A local file's writeback is started every this many bytes (None: left to its fsync); the writer sets
+        # both from the location's calibration (storage/calibration.py).
+        self.writeback_every: int | None = _WRITEBACK_EVERY
         # Local files are fsynced as each stream closes; with sync_later, in the background (see HashingWriter).
         self.sync_later = False
         self._syncs: list[Future[None]] = []
@@ -366,6 +371,7 @@ class HashingFileSystem(FileSystem):
                 self.retained,
                 eager=self.hash_eagerly,
                 sync=self._sync_file(failed) if self._files.fsync else None,
+                writeback_every=self.writeback_every,
             )
             try:
                 yield stream

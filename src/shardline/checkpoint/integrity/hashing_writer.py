@@ -34,6 +34,7 @@ from shardline.checkpoint.coordination.parallelism import AUTO, cores_per_rank, 
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.digest_queue import RetainedMemory
 from shardline.checkpoint.integrity.hashing import FileDigest, HashingFileSystem
+from shardline.checkpoint.storage.calibration import SaveTuning
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointError, IntegrityError
@@ -166,6 +167,8 @@ class HashingWriter(FileSystemWriter):
         # DCP's own fsyncs are off: our streams flush each file as they close it (after starting its hash).
         super().__init__(files.root, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False)
         self._durable = files.fsync
+        self._files = files
+        self.tuning: SaveTuning | None = None  # this rank's, once write_data has run
         self._hfs = HashingFileSystem(observer, files=files)
         self._observer = observer
         _torch_compat.set_writer_filesystem(self, self._hfs)
@@ -190,7 +193,11 @@ class HashingWriter(FileSystemWriter):
         # One file per writer thread (DCP's thread_count), as parallelism.py decides for this rank's share.
         share = sum(_nbytes(item) for item in plan.items)
         self.thread_count = files_for_share(self.files_per_rank, share_bytes=share, items=len(plan.items))
-        self._hfs.hash_eagerly = self._hfs.uploads or self.thread_count < cores_per_rank()
+        # Whether each file is hashed as it is written or from its fsync on, and how early its writeback starts: as
+        # the store decides for this rank's writers and cores (for local files, measured once per file system).
+        self.tuning = self._files.tuning(writers=self.thread_count, cores=cores_per_rank())
+        self._hfs.hash_eagerly = self.tuning.hash_during_writes
+        self._hfs.writeback_every = self.tuning.writeback_every
         self._hfs.sync_later = self._sync_later and self._is_coordinator
         try:
             # _RetainingPlanner answers every SavePlanner method (it forwards those it does not override).

@@ -233,7 +233,7 @@ def _cpu(obj: Any) -> Any:
 def _local_bytes(obj: Any) -> int:
     """Bytes this rank writes for ``obj``: local shard data of tensors, the length of byte strings."""
     if isinstance(obj, DTensor):
-        return obj.to_local().numel() * obj.element_size()
+        return _torch_compat.dtensor_local_bytes(obj)
     if _torch_compat.is_sharded_tensor(obj):
         return _torch_compat.sharded_tensor_local_bytes(obj)
     if isinstance(obj, torch.Tensor):

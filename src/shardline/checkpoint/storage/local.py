@@ -23,6 +23,7 @@ from typing import BinaryIO, cast
 
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import SaveObserver, SavePhase
+from shardline.checkpoint.storage.calibration import SaveTuning, tuning_for
 from shardline.checkpoint.storage.fsutil import (
     atomic_write_bytes,
     fsync_dir,
@@ -102,6 +103,10 @@ class LocalFiles(SaveFiles):
 
     def open_write(self, path: str) -> BinaryIO:
         return open(path, "wb")
+
+    def tuning(self, *, writers: int, cores: int) -> SaveTuning:
+        # Measured where the files go (the save's temporary directory), once per file system and host: calibration.py.
+        return tuning_for(Path(self.root), writers=writers, cores=cores)
 
     def written(self, path: str) -> None:
         return None

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from shardline.checkpoint.faults.observer import SaveObserver
+from shardline.checkpoint.storage.calibration import SaveTuning
 from shardline.checkpoint.storage.objects import ObjectPath
 
 __all__ = [
@@ -104,6 +105,19 @@ class SaveFiles(ABC):
     store acknowledged it, and has no descriptor."""
     uploads: bool
     """Whether writes wait on a network (each file is then hashed as it is written, see ``digest_queue.py``)."""
+
+    def tuning(self, *, writers: int, cores: int) -> SaveTuning:
+        """How a rank writing ``writers`` files on ``cores`` cores hashes and flushes them (:mod:`.calibration`).
+
+        Here, for uploads: each file is hashed as it is written (the upload waits on the network), nothing to flush.
+        """
+        return SaveTuning(
+            hash_during_writes=True,
+            writeback_every=None,
+            hash_threads=max(1, min(writers, cores)),
+            source="upload",
+            reason="an upload waits on the network: hash as the bytes are written",
+        )
 
     @abstractmethod
     def open_write(self, path: str) -> BinaryIO:
