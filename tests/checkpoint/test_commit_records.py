@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from shardline.checkpoint.format.canonical import canonical_json
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import digest_result, split_digests
-from shardline.checkpoint.lifecycle.commit_records import build_records
+from shardline.checkpoint.lifecycle.commit_records import CommitRecords, build_records
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, statement_problems
 from shardline.errors import ConfigurationError
 
 
-def _records(world: int, tmp_path: Path):  # type: ignore[no-untyped-def]
+def _records(world: int, tmp_path: Path) -> tuple[CommitRecords, list[FileDigest]]:
     tensors = state_dict_keys(layers=1)
     digests = [d for r in range(world) for d in rank_digests(tensors, world, r, 8)]
     return build_records(captured_checkpoint(tmp_path / "step-1", world, tensors, 1), digests), digests
