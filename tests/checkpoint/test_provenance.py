@@ -13,6 +13,7 @@ import torch
 
 from shardline import cli
 from shardline.checkpoint import Ledger
+from shardline.checkpoint.lifecycle.summary import summarize
 from shardline.checkpoint.provenance.statement import (
     PREDICATE_TYPE,
     STATEMENT_FILE,
@@ -78,6 +79,10 @@ def test_statement_says_where_the_checkpoint_came_from(saved_run: Path) -> None:
     tampered = json.loads(raw)
     tampered["subject"][0]["digest"]["sha256"] = "0" * 64
     assert any("manifest hash" in p for p in statement_problems(tampered, manifest))
+    # `shardline inspect` still says the checkpoint has one, and counts only the data files
+    summary = summarize(step)
+    assert summary["provenance_statement"] == STATEMENT_FILE
+    assert summary["files"] == len(manifest["files"])
 
 
 def test_ledger_chains_the_statements_and_lineage_json_emits_them(saved_run: Path, capsys) -> None:
