@@ -23,7 +23,8 @@ class CommitRecords(NamedTuple):
     statement: bytes
     statement_sha256: str
     files: list[FileDigest]
-    """Every file of the checkpoint but the derived records: the data files, ``.metadata`` and the statement."""
+    """What every rank learns the checkpoint holds (counted as before the statement named the manifest): the data
+    files, ``.metadata`` and the statement; not ``manifest.json`` and its two hash files."""
     manifest: bytes
     manifest_sha256: str
     sums: bytes
