@@ -407,11 +407,13 @@ def verify_checkpoint(
     file_problems, read = check_files(root, entries, level)
     problems.extend(file_problems)
     problems.extend(derived_and_unexpected(root, actual, entries, problems))
+    # manifest.json and its two hash files, and a statement that names the manifest (checked as derived from it)
+    derived = 3 + (all(e["path"] != STATEMENT_FILE for e in entries) and (root / STATEMENT_FILE).is_file())
     return VerifyReport(
         **base,
         manifest_hash=actual,
         step=manifest.get("step"),
-        files_checked=len(entries) + 3,
+        files_checked=len(entries) + derived,
         bytes_checked=read + len(raw),
         problems=tuple(problems),
     )
