@@ -37,7 +37,7 @@ from benchmarks.scale_layout import state_dict_keys
 from benchmarks.scale_sim import captured_checkpoint, rank_digests
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.manifest import MANIFEST, MANIFEST_HASH_FILE, render_manifest_hash_file
-from shardline.checkpoint.lifecycle import save as save_module
+from shardline.checkpoint.lifecycle.commit_records import build_records
 from shardline.checkpoint.lifecycle.resume import find_candidates
 from shardline.checkpoint.lifecycle.save import CheckpointInfo
 from shardline.checkpoint.provenance.ledger import Ledger
@@ -74,7 +74,8 @@ class _Run:
         final = self.directory / f"step-{step}"
         captured = captured_checkpoint(final, self.world, self.tensors, 1)
         captured = dataclasses.replace(captured, parent_manifest_hash=self.parent)
-        statement, statement_digest, listed, manifest, digest = save_module._records(captured, self.digests)
+        made = build_records(captured, self.digests)
+        statement, statement_digest, listed, manifest, digest = made[:5]
         final.mkdir()
         (final / STATEMENT_FILE).write_bytes(statement)
         (final / MANIFEST).write_bytes(manifest)

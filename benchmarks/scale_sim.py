@@ -20,7 +20,7 @@ two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it 
 * **Resume selection**: ``resume.find_candidates`` over a directory of ``--keep`` committed
   checkpoints of W ranks and a 1,000-row ledger.
 * **Object store**: the requests a save and a verified load make under the checkpoint's prefix,
-  counted from the store's operations (claim, multipart uploads of 8 MiB parts, records; computed,
+  counted from the store's operations (claim, multipart uploads in s3fs's 50 MiB parts, records; computed,
   not sent), and the floor they put on the save at S3's documented 3,500 PUT/s and 5,500 GET/s per prefix.
 
 Note: the DCP pieces scale with the number of tensors times W (35M chunks at W=16,384), more than
@@ -31,6 +31,8 @@ table. Everything shardline gathers or writes per file runs at full size.
 The ledger over many saves is ``benchmarks/scale_ledger.py``.
 
     python -m benchmarks.scale_sim [--worlds 8,64,512,1024,4096,16384] [--files 8] [--json out.json]
+        [--plot docs/benchmarks/scale.png]
+    python -m benchmarks.scale_sim --from-json out.json --plot docs/benchmarks/scale.png   # redraw only
 """
 
 from __future__ import annotations
@@ -89,9 +91,9 @@ from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.format.dcp_io import unpickle_metadata
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import digest_result, split_digests
-from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST_HASH_FILE, build_manifest, render_sums
+from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST_HASH_FILE, build_manifest
 from shardline.checkpoint.integrity.reading import VerifyingReader
-from shardline.checkpoint.lifecycle import save as save_module
+from shardline.checkpoint.lifecycle import commit_records
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint
 from shardline.checkpoint.lifecycle.resume import find_candidates
 from shardline.checkpoint.provenance.ledger import Ledger
@@ -100,19 +102,37 @@ from shardline.checkpoint.storage.stores import locate
 __all__ = ["WORLDS", "SimulatedSave", "main", "simulate"]
 
 WORLDS = (8, 64, 512, 1024, 4096, 16384)
-PART = 8 << 20  # the object store's upload part and read block (storage/objects.py: block_size)
+READ_BLOCK = 8 << 20  # a verified load's ranged GETs (storage/objects.py: ObjectPath.open, block_size)
+
+
+def _upload_part() -> int:
+    """The part size of the store's uploads: s3fs's default block size (``object_store.py`` opens files with it)."""
+    try:
+        import s3fs
+
+        return int(s3fs.S3FileSystem.default_block_size)
+    except ImportError:  # the object-store extra is not installed: s3fs's documented default
+        return 50 << 20
+
+
+UPLOAD_PART = _upload_part()
 PUT_PER_S, GET_PER_S = 3500, 5500  # S3's documented request rates per prefix
 
 
 def timed(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    """``(median seconds of reps calls, the last result)``."""
+    """``(median CPU seconds of reps calls, the last result)``.
+
+    Note: CPU time of this process (``time.process_time``), not wall time: every piece timed here runs on one
+    thread and reads only what is in memory or the page cache, so on an idle core the two are equal, and on a
+    machine other jobs share (this one's CI and its neighbours) the CPU time does not count their share.
+    """
     times, out = [], None
     gc.disable()  # as timeit does: a collection the live objects of W simulated ranks trigger is not the code's cost
     try:
         for _ in range(reps):
-            t = time.perf_counter()
+            t = time.process_time()
             out = fn()
-            times.append(time.perf_counter() - t)
+            times.append(time.process_time() - t)
     finally:
         gc.enable()
     return statistics.median(times), out
@@ -214,10 +234,10 @@ def _object_store(digests: list[FileDigest], records: dict[str, int], world: int
     """Requests a save and a verified load make under the checkpoint's prefix (see the module note)."""
 
     def puts(size: int) -> int:
-        return 1 if size <= PART else 2 + -(-size // PART)  # initiate + parts + complete
+        return 1 if size <= UPLOAD_PART else 2 + -(-size // UPLOAD_PART)  # initiate + parts + complete
 
     def gets(size: int) -> int:
-        return max(1, -(-size // PART))
+        return max(1, -(-size // READ_BLOCK))
 
     sizes = [d.bytes for d in digests] + list(records.values())
     # claim (conditional PUT), listing of the parent for the newest committed, claim deleted after the commit
@@ -297,16 +317,18 @@ def simulate(
         v["gathered_bytes"] = sum(len(pickle.dumps(r)) for r in per_rank) + dcp_gathered
         t_split, (_, by_name) = timed(lambda: split_digests(per_rank), reps)
         gathered = [*by_name.values(), metadata_digest]
-        t_records, records = timed(lambda: save_module._records(captured, gathered), reps)
-        statement, _, listed, manifest_bytes, manifest_digest = records
-        t_sums, sums = timed(lambda: render_sums(manifest_digest, [d.to_json() for d in listed]), reps)
-        v["commit_rank0_s"] = t_split + t_records + t_sums
+        # the manifest, the statement naming it and SHA256SUMS, each encoded once (commit_records.py)
+        t_records, records = timed(lambda: commit_records.build_records(captured, gathered), reps)
+        statement, listed, manifest_bytes, manifest_digest, sums = (records.statement, records.files,
+            records.manifest, records.manifest_sha256, records.sums)  # fmt: skip
+        t_sha, _ = timed(lambda: sha256_hex(manifest_bytes), reps)
+        v["commit_rank0_s"] = t_split + t_records
         fields = {k: getattr(captured, k) for k in ("step", "tag", "kind", "world_size", "units", "config_sha256")}
-        build = {"model_info": captured.model_info, "contents": captured.contents, "files": listed,
+        build = {"model_info": captured.model_info, "contents": captured.contents, "files": gathered,
                  "data_fingerprint": "simulated", "parent_manifest_sha256": captured.parent_manifest_hash}  # fmt: skip
         v["build_manifest_s"], manifest = timed(lambda: build_manifest(**fields, **build), reps)
         v["canonical_json_s"], _ = timed(lambda: canonical_json(manifest), reps)
-        v["manifest_sha256_s"], _ = timed(lambda: sha256_hex(manifest_bytes), reps)
+        v["manifest_sha256_s"] = t_sha
         v["manifest_bytes"] = len(manifest_bytes)
         v["statement_bytes"] = len(statement)
         v["sums_bytes"] = len(sums)
@@ -440,6 +462,75 @@ def exponents(rows: list[SimulatedSave]) -> dict[str, float]:
     return out
 
 
+PLOT_SECONDS = [
+    ("commit_rank0_s", "rank-0 commit"),
+    ("manifest_sha256_s", "manifest SHA-256"),
+    ("resume_select_s", "resume selection"),
+    ("load_global_plan_s", "rank-0 load global plan"),
+    ("dcp_global_plan_s", "DCP global plan *"),
+    ("dcp_validate_s", "DCP plan validation *"),
+    ("dcp_finish_s", "DCP finish *"),
+    ("metadata_open_per_rank_s", "open .metadata, per rank *"),
+    ("load_plan_per_rank_s", "load plan, per rank *"),
+]
+PLOT_SIZES = [
+    ("manifest_bytes", "manifest (bytes)"),
+    ("statement_bytes", "statement (bytes)"),
+    ("gathered_bytes", "gathered to rank 0 (bytes) *"),
+    ("dcp_metadata_bytes", ".metadata (bytes) *"),
+    ("objects_per_prefix", "objects per prefix"),
+    ("save_requests", "object-store requests of a save"),
+]
+
+
+def plot(rows: list[SimulatedSave], path: Path) -> Path:
+    """Cost vs W on log-log axes: seconds (left; the one-second line dashed), sizes and counts (right)."""
+    from shardline.diagnostics.bench.render import require_matplotlib
+
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    worlds = [r.world for r in rows]
+    for ax, series in ((left, PLOT_SECONDS), (right, PLOT_SIZES)):
+        for key, label in series:
+            points = [(r.world, r.values[key]) for r in rows if r.values.get(key, 0) > 0 and key not in r.extrapolated]
+            guessed = [(r.world, r.values[key]) for r in rows if key in r.extrapolated and r.values.get(key, 0) > 0]
+            if not points:
+                continue
+            (line,) = ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=label)
+            if guessed:  # extrapolated: dotted, from the last measured point
+                ax.plot(*zip(points[-1], *guessed, strict=True), linestyle=":", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(worlds, [f"{w:,}" for w in worlds])
+        ax.set_xlabel("ranks W (8 files each)")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    left.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+    left.set_ylabel("CPU seconds (one core)")
+    right.set_ylabel("bytes / count")
+    left.set_title("time: rank 0, or every rank (per rank)", fontsize=10)
+    right.set_title("sizes and object-store counts", fontsize=10)
+    fig.suptitle(
+        "shardline's checkpoint protocol at W ranks, simulated (70B Llama, FULL_SHARD); * scaled from sampled "
+        "tensors, dotted: extrapolated",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _load(path: Path) -> list[SimulatedSave]:
+    """The rows a ``--json`` file holds."""
+    return [SimulatedSave(**row) for row in json.loads(path.read_text())["rows"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="comma-separated world sizes")
@@ -451,9 +542,15 @@ def main(argv: list[str] | None = None) -> int:
         "--validate-max-world", type=int, default=4096, help="largest W whose DCP plan validation (quadratic) runs"
     )
     parser.add_argument("--json", type=Path, help="write the measurements here")
+    parser.add_argument("--plot", type=Path, help="draw cost vs W (log-log) into this PNG (needs matplotlib)")
+    parser.add_argument("--from-json", type=Path, help="print and plot the rows of an earlier --json; run nothing")
     args = parser.parse_args(argv)
-    rows = []
-    for w in (int(x) for x in args.worlds.split(",")):
+    if args.plot is not None:
+        from shardline.diagnostics.bench.render import require_matplotlib
+
+        require_matplotlib()  # before a long run, not after it
+    rows = _load(args.from_json) if args.from_json else []
+    for w in [] if args.from_json else (int(x) for x in args.worlds.split(",")):
         t = time.perf_counter()
         rows.append(
             simulate(
@@ -474,9 +571,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "\nlog-log slope, smallest to largest W: " + ", ".join(f"{k} {e:.2f}" for k, e in exponents(rows).items())
         )
-    if args.json:
+    if args.json and not args.from_json:
         data = {"load_average": os.getloadavg(), "rows": [dataclasses.asdict(r) for r in rows]}
         args.json.write_text(json.dumps(data, indent=1))
+    if args.plot is not None:
+        print(f"\nplot: {plot(rows, args.plot)}")
     return 0
 
 

@@ -160,13 +160,13 @@ class _SlowClock:
 
 
 def test_a_clock_behind_does_not_reorder_checkpoints(tmp_path: Path, monkeypatch) -> None:
-    save_module = importlib.import_module("shardline.checkpoint.lifecycle.save")  # the package's `save` is the function
+    records_module = importlib.import_module("shardline.checkpoint.lifecycle.commit_records")  # reads the clock
     directory = tmp_path / "checkpoints"
     model, opt = _model()
     m = ckpt.CheckpointManager(directory, keep_last_n=2)
     _save(m, model, opt, 1)
     _save(m, model, opt, 2)
-    monkeypatch.setattr(save_module, "datetime", _SlowClock)
+    monkeypatch.setattr(records_module, "datetime", _SlowClock)
     _save(m, model, opt, 3)  # written by a node whose clock is an hour behind
     monkeypatch.undo()
     created = {c.step: c.created_unix_ns for c in m.committed()}

@@ -13,6 +13,7 @@ import torch
 
 from shardline import cli
 from shardline.checkpoint import Ledger
+from shardline.checkpoint.lifecycle.summary import summarize
 from shardline.checkpoint.provenance.statement import (
     PREDICATE_TYPE,
     STATEMENT_FILE,
@@ -46,9 +47,8 @@ def test_statement_says_where_the_checkpoint_came_from(saved_run: Path) -> None:
     assert raw == json.dumps(statement, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     assert statement["_type"] == "https://in-toto.io/Statement/v1"
     assert statement["predicateType"] == PREDICATE_TYPE
-    # subject: the data files with their SHA-256, recomputed here from the bytes on disk
-    on_disk = {p.name: _sha(p) for p in step.iterdir() if p.name == ".metadata" or p.suffix == ".distcp"}
-    assert {s["name"]: s["digest"]["sha256"] for s in statement["subject"]} == on_disk
+    # subject: the manifest, by its SHA-256 recomputed here from the bytes on disk (it names every data file)
+    assert statement["subject"] == [{"name": "manifest.json", "digest": {"sha256": _sha(step / "manifest.json")}}]
     p = statement["predicate"]
     tagged = _tagged(CONFIG)
     assert p["training_config"]["resolved"] == tagged
@@ -68,15 +68,21 @@ def test_statement_says_where_the_checkpoint_came_from(saved_run: Path) -> None:
         head = subprocess.run([git, "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
         if head.returncode == 0:
             assert p["code"]["git_commit"] == head.stdout.strip()
-    # the manifest lists the statement (so SHA256SUMS and the manifest hash cover it), and agrees with it
+    # the manifest does not list the statement (it names the manifest); SHA256SUMS records it, and it agrees
     manifest = json.loads((step / "manifest.json").read_text())
-    entry = next(f for f in manifest["files"] if f["path"] == STATEMENT_FILE)
-    assert entry["sha256"] == hashlib.sha256(raw).hexdigest()
-    assert f"{entry['sha256']}  {STATEMENT_FILE}" in (step / "SHA256SUMS").read_text()
+    assert STATEMENT_FILE not in {f["path"] for f in manifest["files"]}
+    assert f"{hashlib.sha256(raw).hexdigest()}  {STATEMENT_FILE}" in (step / "SHA256SUMS").read_text()
     assert statement_problems(statement, manifest) == []
     tampered = json.loads(raw)
     tampered["predicate"]["data"]["fingerprint"] = "other-data"
     assert any("data fingerprint" in p for p in statement_problems(tampered, manifest))
+    tampered = json.loads(raw)
+    tampered["subject"][0]["digest"]["sha256"] = "0" * 64
+    assert any("manifest hash" in p for p in statement_problems(tampered, manifest))
+    # `shardline inspect` still says the checkpoint has one, and counts only the data files
+    summary = summarize(step)
+    assert summary["provenance_statement"] == STATEMENT_FILE
+    assert summary["files"] == len(manifest["files"])
 
 
 def test_ledger_chains_the_statements_and_lineage_json_emits_them(saved_run: Path, capsys) -> None:
@@ -105,6 +111,32 @@ def test_an_altered_statement_fails_verification(saved_run: Path, tmp_path: Path
     assert not report.ok
     assert [p.path for p in report.problems] == [STATEMENT_FILE]
     assert read_statement(step) is not None  # still well-formed: only its hash gives it away
+
+
+def test_the_statement_is_checked_as_a_record_derived_from_the_manifest(saved_run: Path, tmp_path: Path) -> None:
+    """Deleted: missing (SHA256SUMS records it). Swapped for one naming another manifest, SHA256SUMS rewritten to
+    match: altered, because its subject must be this checkpoint's manifest hash."""
+    from shardline.checkpoint import verify_checkpoint
+
+    gone = tmp_path / "gone"
+    shutil.copytree(saved_run / "step-4", gone)
+    (gone / STATEMENT_FILE).unlink()
+    report = verify_checkpoint(gone)
+    assert [(p.path, p.kind) for p in report.problems] == [(STATEMENT_FILE, "missing")]
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(saved_run / "step-4", swapped)
+    shutil.copy(saved_run / "step-2" / STATEMENT_FILE, swapped / STATEMENT_FILE)  # step-2's: names step-2's manifest
+    sums = (
+        (swapped / "SHA256SUMS")
+        .read_text()
+        .replace(_sha(saved_run / "step-4" / STATEMENT_FILE), _sha(swapped / STATEMENT_FILE))
+    )
+    (swapped / "SHA256SUMS").write_text(sums)
+    report = verify_checkpoint(swapped)
+    assert [(p.path, p.kind) for p in report.problems] == [(STATEMENT_FILE, "altered")]
+    assert _sha(saved_run / "step-2" / "manifest.json") in report.problems[0].detail
+    assert verify_checkpoint(saved_run / "step-4").ok
 
 
 def _repo(root: Path, head: str) -> Path:

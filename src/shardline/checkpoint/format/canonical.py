@@ -18,6 +18,7 @@ runs it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -63,13 +64,49 @@ def _check_no_floats(value: Any, where: str) -> None:
     )
 
 
+_SCALARS = frozenset({str, int, bool, type(None)})
+_KEYS = frozenset({str})
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` holds only dicts with string keys, lists, strings, integers, booleans and None (no floats).
+
+    Note: exact types, looked at in C (``set(map(type, ...))``) a list or a dict at a time, and no path built on the
+    way: the check of a manifest listing 131k files (16,384 ranks x 8) costs a few percent of its JSON encoding.
+    Anything else -- a float, a subclass such as an ``IntEnum``, a tuple -- returns False, and
+    :func:`_check_no_floats` then decides, with the path for its message.
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if kind is dict:
+        return set(map(type, value)) <= _KEYS and _plain_items(list(value.values()))
+    if kind is list:
+        return _plain_items(value)
+    return False
+
+
+def _plain_items(items: list[Any]) -> bool:
+    """:func:`_plain` of every item of ``items``; a list of flat dicts (a manifest's files) in three C passes."""
+    kinds = set(map(type, items))
+    if kinds <= _SCALARS:
+        return True
+    if kinds == {dict}:
+        keys = set(map(type, itertools.chain.from_iterable(items)))
+        values = set(map(type, itertools.chain.from_iterable(map(dict.values, items))))
+        if keys <= _KEYS and values <= _SCALARS:
+            return True
+    return all(map(_plain, items))
+
+
 def canonical_json(obj: Any) -> bytes:
     """The canonical UTF-8 JSON bytes of ``obj`` (sorted keys, no whitespace, no floats).
 
     Raises:
         ConfigurationError: ``obj`` holds a float, a non-string key or a non-JSON type.
     """
-    _check_no_floats(obj, "")
+    if not _plain(obj):
+        _check_no_floats(obj, "")
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return text.encode("utf-8")
 

@@ -6,8 +6,10 @@ Note: how the digests travel (the hashing itself is :mod:`.hashing`'s file syste
   the first ``OSError`` a writer thread kept (and checks that every planned item was written),
   and returns DCP's ``WriteResult`` list, which DCP already gathers to the coordinator for
   ``finish``. We append one extra ``WriteResult`` per file written, whose index is
-  ``__shardline_file_digest__/<file name>`` and whose ``storage_data`` is a plain dict
-  ``{path, rank, bytes, sha256}``: the digests ride to rank 0 in that gather.
+  ``__shardline_file_digest__/<file name>`` and whose ``storage_data`` is a compact record, the
+  tuple ``(path, rank, bytes, sha256)``: the digests ride to rank 0 in that gather (at 16,384
+  ranks x 8 files, 131k of them: a tuple pickles smaller and becomes a ``FileDigest`` faster
+  than a dict; a dict ``{path, rank, bytes, sha256}`` from an older writer is still read).
 * ``finish`` (coordinator only) takes the digest records out again before handing the
   results to DCP's own ``finish``, so ``.metadata`` holds exactly what plain torch writes and
   stays loadable without shardline. ``.metadata`` itself is written through the hashing
@@ -87,8 +89,14 @@ def digest_result(record: FileDigest) -> WriteResult:
     return WriteResult(
         index=MetadataIndex(DIGEST_INDEX_PREFIX + record.path),
         size_in_bytes=record.bytes,
-        storage_data=record.to_json(),
+        storage_data=(record.path, record.rank, record.bytes, record.sha256),
     )
+
+
+def _record(data: Any) -> FileDigest:
+    """The ``FileDigest`` of a digest result's ``storage_data``: the tuple ``digest_result`` writes, or the dict
+    earlier writers sent."""
+    return FileDigest(**data) if isinstance(data, dict) else FileDigest(*data)
 
 
 def split_digests(results: list[list[WriteResult]]) -> tuple[list[list[WriteResult]], dict[str, FileDigest]]:
@@ -104,10 +112,11 @@ def split_digests(results: list[list[WriteResult]]) -> tuple[list[list[WriteResu
         kept: list[WriteResult] = []
         clean.append(kept)
         for r in rank_results:
-            if not _is_digest(r):
+            if not r.index.fqn.startswith(DIGEST_INDEX_PREFIX):  # _is_digest, inline: 131k results at 16,384 ranks
                 kept.append(r)
             else:
-                record = FileDigest(**r.storage_data)
+                data = r.storage_data
+                record = FileDigest(*data) if type(data) is tuple else _record(data)
                 if record.path in digests:
                     raise CheckpointError(
                         f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "

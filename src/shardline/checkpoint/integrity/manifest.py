@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import errno as errno_codes
 import json
+import operator
 import os
 import platform
 from collections.abc import Mapping, Sequence
@@ -60,6 +61,7 @@ SUMS_FILE = "SHA256SUMS"
 DCP_METADATA = ".metadata"
 DERIVED_FILES = (MANIFEST, MANIFEST_HASH_FILE, SUMS_FILE)
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_ORDER = operator.attrgetter("path", "rank", "bytes", "sha256")  # FileDigest's own order, without its __lt__
 HASH_COVERS = (
     "sha256 of each file's bytes as written, computed while writing; the manifest hash is the sha256 of "
     "manifest.json, which is stored in canonical JSON (sorted keys, no whitespace, UTF-8, no floats)"
@@ -159,7 +161,7 @@ def build_manifest(
         "data_fingerprint": data_fingerprint,
         "parent_manifest_sha256": parent_manifest_sha256,
         "hash": {"algorithm": HASH_ALGORITHM, "covers": HASH_COVERS},
-        "files": [f.to_json() for f in sorted(files)],
+        "files": [f.to_json() for f in sorted(files, key=_ORDER)],
     }
     if sharding is not None:
         manifest["sharding"] = dict(sharding)
@@ -174,10 +176,14 @@ def render_manifest_hash_file(digest: str) -> bytes:
 
 
 def render_sums(manifest_digest: str, files: Sequence[Mapping[str, Any]]) -> bytes:
-    """Contents of ``SHA256SUMS``: every listed file plus ``manifest.json``, sorted by name, GNU format."""
+    """Contents of ``SHA256SUMS``: every file of ``files`` plus ``manifest.json``, sorted by name, GNU format.
+
+    ``files`` are the manifest's entries, and the provenance statement where the manifest does not list it
+    (checkpoints saved since the statement names the manifest: docs/checkpoint-protocol.md).
+    """
     rows = {str(f["path"]): str(f["sha256"]) for f in files}
     rows[MANIFEST] = manifest_digest
-    return "".join(f"{digest}  {name}\n" for name, digest in sorted(rows.items())).encode()
+    return "".join([f"{digest}  {name}\n" for name, digest in sorted(rows.items())]).encode()
 
 
 def manifest_files(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:

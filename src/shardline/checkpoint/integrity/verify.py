@@ -34,6 +34,7 @@ from shardline.checkpoint.integrity.manifest import (
     render_manifest_hash_file,
     render_sums,
 )
+from shardline.checkpoint.provenance.statement import STATEMENT_FILE, named_manifest
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import ConfigurationError
@@ -227,15 +228,48 @@ def _recorded(path: Location) -> str | None:
     return parts[0] if len(parts) == 2 and parts[1] == MANIFEST else None
 
 
-def _sums_manifest_line(path: Location) -> str | None:
+def _sums_manifest_line(path: Location, wanted: str = MANIFEST) -> str | None:
     try:
         for line in (path / SUMS_FILE).read_text(encoding="utf-8").splitlines():
             digest, _, name = line.partition("  ")
-            if name == MANIFEST:
+            if name == wanted:
                 return digest
     except (OSError, UnicodeDecodeError):
         return None
     return None
+
+
+def _derived_statement(
+    root: Location, manifest_digest: str, entries: Sequence[Mapping[str, Any]]
+) -> tuple[list[dict[str, str]], list[FileProblem]]:
+    """The provenance statement where the manifest does not list it: ``(its SHA256SUMS entry, its problems)``.
+
+    Note: a statement saved since it names the manifest (``provenance/statement.py``) is a derived record:
+    ``SHA256SUMS`` records its SHA-256, and its subject must be this manifest's hash. A statement of the earlier
+    form is listed in the manifest and checked as a listed file; a checkpoint without one has nothing here.
+    """
+    if any(e["path"] == STATEMENT_FILE for e in entries):
+        return [], []
+    recorded = _sums_manifest_line(root, STATEMENT_FILE)
+    file = root / STATEMENT_FILE
+    try:
+        raw = file.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        if recorded is None:
+            return [], []  # saved before statements, or adopted: it never had one
+        missing = FileProblem(STATEMENT_FILE, "missing", f"{SUMS_FILE} records it ({recorded}) but it is not present")
+        return [{"path": STATEMENT_FILE, "sha256": recorded}], [missing]
+    except OSError as e:
+        raise read_error(file, e) from e
+    actual = hashlib.sha256(raw).hexdigest()
+    entry = [{"path": STATEMENT_FILE, "sha256": recorded or actual}]
+    if recorded != actual:
+        return entry, [FileProblem(STATEMENT_FILE, "altered", f"sha256 {actual}, {SUMS_FILE} records {recorded}")]
+    named = named_manifest(raw)
+    if named != manifest_digest:
+        what = f"names manifest {named}" if named else "does not name the manifest as its subject"
+        return entry, [FileProblem(STATEMENT_FILE, "altered", f"{what}; this checkpoint's is {manifest_digest}")]
+    return entry, []
 
 
 def _unexpected(path: Location, expected: set[str], prefix: str = "") -> list[FileProblem]:
@@ -258,15 +292,16 @@ def _unexpected(path: Location, expected: set[str], prefix: str = "") -> list[Fi
 def derived_and_unexpected(
     root: Location, manifest_digest: str, entries: Sequence[Mapping[str, Any]], known: Sequence[FileProblem] = ()
 ) -> list[FileProblem]:
-    """``manifest.sha256`` and ``SHA256SUMS`` as the manifest implies them, and files the manifest does not list.
+    """``manifest.sha256``, ``SHA256SUMS`` and the provenance statement as the manifest implies them, and files the
+    manifest does not list.
 
     Files already named in ``known`` are not reported twice.
     """
-    problems: list[FileProblem] = []
     named = {p.path for p in known}
+    statement, problems = _derived_statement(root, manifest_digest, entries)
     for name, wanted in (
         (MANIFEST_HASH_FILE, render_manifest_hash_file(manifest_digest)),
-        (SUMS_FILE, render_sums(manifest_digest, entries)),
+        (SUMS_FILE, render_sums(manifest_digest, [*entries, *statement])),
     ):
         file = root / name
         if name in named:
@@ -278,7 +313,7 @@ def derived_and_unexpected(
             problems.append(FileProblem(name, "missing", "derived from the manifest; should be present"))
         except OSError as e:
             raise read_error(file, e) from e
-    expected = {str(e["path"]) for e in entries} | {MANIFEST, MANIFEST_HASH_FILE, SUMS_FILE}
+    expected = {str(e["path"]) for e in [*entries, *statement]} | {MANIFEST, MANIFEST_HASH_FILE, SUMS_FILE}
     problems.extend(_unexpected(root, expected))
     return problems
 
@@ -379,11 +414,13 @@ def verify_checkpoint(
     file_problems, read = check_files(root, entries, level)
     problems.extend(file_problems)
     problems.extend(derived_and_unexpected(root, actual, entries, problems))
+    # manifest.json and its two hash files, and a statement that names the manifest (checked as derived from it)
+    derived = 3 + (all(e["path"] != STATEMENT_FILE for e in entries) and (root / STATEMENT_FILE).is_file())
     return VerifyReport(
         **base,
         manifest_hash=actual,
         step=manifest.get("step"),
-        files_checked=len(entries) + 3,
+        files_checked=len(entries) + derived,
         bytes_checked=read + len(raw),
         problems=tuple(problems),
     )

@@ -38,7 +38,6 @@ else, so the previous checkpoints stay as they were.
 
 from __future__ import annotations
 
-import datetime
 import errno
 import functools
 import logging
@@ -59,7 +58,6 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
-from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.integrity.copy_check import check_written
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import HashingWriter
@@ -68,14 +66,13 @@ from shardline.checkpoint.integrity.manifest import (
     MANIFEST,
     MANIFEST_HASH_FILE,
     SUMS_FILE,
-    build_manifest,
     render_manifest_hash_file,
-    render_sums,
 )
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveKind, SaveRequest, capture
+from shardline.checkpoint.lifecycle.commit_records import build_records
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.lifecycle.summary import human_bytes
-from shardline.checkpoint.provenance.statement import STATEMENT_FILE, build_statement
+from shardline.checkpoint.provenance.statement import STATEMENT_FILE
 from shardline.checkpoint.storage.protocol import CommitRecord, Location
 from shardline.checkpoint.storage.stores import describe, locate, store_for
 from shardline.errors import CheckpointError, CheckpointExistsError, DiskFullError, PublishError, error_chain
@@ -422,12 +419,13 @@ def _finalize(
     crash_point("save.shards_written")
     observer.on_phase(SavePhase.BEFORE_MANIFEST, 0)
     _check_listing(tmp, digests)
-    statement, statement_digest, files, data, digest = _records(captured, digests)
+    made = build_records(captured, digests)
+    digest, files, statement_digest = made.manifest_sha256, made.files, made.statement_sha256
     records = [
-        CommitRecord(STATEMENT_FILE, statement, written="save.statement_written"),
-        CommitRecord(MANIFEST, data, written="save.manifest_written"),  # the commit record: last in a store
+        CommitRecord(STATEMENT_FILE, made.statement, written="save.statement_written"),
+        CommitRecord(MANIFEST, made.manifest, written="save.manifest_written"),  # the commit record: last in a store
         CommitRecord(MANIFEST_HASH_FILE, render_manifest_hash_file(digest), written="save.hash_file_written"),
-        CommitRecord(SUMS_FILE, render_sums(digest, [d.to_json() for d in files])),
+        CommitRecord(SUMS_FILE, made.sums),
     ]
     store_for(final).commit(
         tmp,
@@ -450,49 +448,6 @@ def _check_listing(tmp: Location, digests: list[FileDigest]) -> None:
             f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "
             f"{sorted(listed - present)}; another process may be writing into it"
         )
-
-
-def _records(
-    captured: CapturedCheckpoint, digests: list[FileDigest]
-) -> tuple[bytes, str, list[FileDigest], bytes, str]:
-    """(statement, its sha256, every listed file, manifest bytes, manifest hash) of the files ``digests``."""
-    created = datetime.datetime.now(datetime.timezone.utc)
-    statement = canonical_json(
-        build_statement(
-            files=[d.to_json() for d in digests],
-            step=captured.step,
-            tag=captured.tag,
-            kind=captured.kind,
-            created_at=created.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            config=captured.config,
-            config_sha256=captured.config_sha256,
-            data_fingerprint=captured.data_fingerprint,
-            parent_manifest_sha256=captured.parent_manifest_hash,
-            world_size=captured.world_size,
-            units=captured.units,
-            run_tags=captured.run_tags,
-        )
-    )
-    statement_digest = sha256_hex(statement)
-    files = sorted([*digests, FileDigest(path=STATEMENT_FILE, rank=0, bytes=len(statement), sha256=statement_digest)])
-    manifest = build_manifest(
-        step=captured.step,
-        tag=captured.tag,
-        kind=captured.kind,
-        world_size=captured.world_size,
-        units=captured.units,
-        model_info=captured.model_info,
-        contents=captured.contents,
-        config_sha256=captured.config_sha256,
-        data_fingerprint=captured.data_fingerprint,
-        parent_manifest_sha256=captured.parent_manifest_hash,
-        files=files,
-        created=created,
-        sharding=captured.sharding or None,
-        run_tags=captured.run_tags,
-    )
-    data = canonical_json(manifest)
-    return statement, statement_digest, files, data, sha256_hex(data)
 
 
 def commit(

@@ -71,7 +71,10 @@ def summarize(
         "data_fingerprint": manifest.get("data_fingerprint"),
         "parent_manifest_sha256": manifest.get("parent_manifest_sha256"),
         "manifest_sha256": digest,
-        "provenance_statement": STATEMENT_FILE if len(files) != len(listed) else None,
+        # listed in the manifest (the earlier form), or a derived record beside it naming the manifest
+        "provenance_statement": STATEMENT_FILE
+        if len(files) != len(listed) or (root / STATEMENT_FILE).is_file()
+        else None,
         "adopted": manifest.get("adopted"),
     }
 

@@ -51,13 +51,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.checkpoint.faults.crashpoints import crash_point
+from shardline.checkpoint.format.canonical import canonical_json
 from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
 from shardline.checkpoint.provenance.best import BestPolicy, best_kept
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint, scan
 from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import live_branch, order
 from shardline.checkpoint.provenance.records import record_tombstone
-from shardline.checkpoint.provenance.statement import read_statement
+from shardline.checkpoint.provenance.statement import STATEMENT_FILE, read_statement
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import CheckpointError, ConfigurationError, IntegrityError
@@ -127,6 +128,9 @@ def _what_it_held(ckpt: CommittedCheckpoint) -> dict[str, Any]:
     if found is not None:
         held["provenance_sha256"] = found[1]
         held["provenance"] = found[0]
+        if all(f["path"] != STATEMENT_FILE for f in files):  # a statement naming the manifest: held, not listed
+            held["files"] += 1
+            held["bytes"] += len(canonical_json(found[0]))
     sig = signature_path_for(ckpt.path)
     if sig.is_file():
         held["signature"] = sig.name

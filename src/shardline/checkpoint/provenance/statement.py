@@ -1,23 +1,25 @@
 """The provenance statement of a checkpoint: an in-toto Statement v1 saying where its files came from.
 
 Every checkpoint saved by shardline holds ``provenance.intoto.json``, written by rank 0 in the
-save's temporary directory after the data files and before the manifest::
+save's temporary directory after the data files, with the manifest::
 
     {"_type": "https://in-toto.io/Statement/v1",
-     "subject": [{"name": ".metadata", "digest": {"sha256": "..."}}, {"name": "__0_0.distcp", ...}],
+     "subject": [{"name": "manifest.json", "digest": {"sha256": "<the manifest hash>"}}],
      "predicateType": "https://github.com/shardline/shardline/blob/main/docs/provenance.md#checkpoint-provenance-v1",
      "predicate": {"checkpoint": {...}, "training_config": {...}, "data": {...}, "parent": {...},
                    "code": {...}, "runtime": {...}, "distributed": {...}}}
 
-Note: why the statement is a listed file of the checkpoint, not a sidecar. The manifest lists it
-like any other file (path, size, SHA-256), so it is covered by the manifest hash, by
-``SHA256SUMS`` and by a model-signing signature of the directory, and it is committed by the same
-rename as the data: ``sha256sum -c SHA256SUMS`` checks it with everything else, nothing about
-verification changes, and the ledger, which chains manifest hashes, chains the statements with
-them (each commit row also records the statement's own SHA-256). The price is that the
-statement cannot name the manifest among its subjects (the manifest names the statement); its
-subjects are the data files -- ``.metadata`` and the ``.distcp`` shards -- which is what the
-weights are.
+Note: why the statement names the manifest, not every file. Its subject is ``manifest.json``
+by its SHA-256 (the manifest hash), and the manifest names every data file by its SHA-256, so
+the statement covers the weights through one hash. Until this form, the statement listed every
+data file as a subject and the manifest listed the statement: at 16,384 ranks x 8 files rank 0
+built, checked and encoded the 131k-file list twice (1.5 s of the commit, a 15 MB statement
+copied into the ledger). A statement names the manifest, so the manifest cannot list it; it is
+a derived record like ``SHA256SUMS``, which lists it (``sha256sum -c SHA256SUMS`` checks it with
+everything else), committed by the same rename or with the same records as the manifest, and
+the ledger's commit row records its SHA-256 (that, and a signature of the directory, pin it; the
+manifest hash no longer does). Statements of the earlier form -- per-file subjects, listed in
+the manifest -- are read and verified as they were (:func:`statement_problems` handles both).
 
 The statement is canonical JSON (sorted keys, no whitespace, no floats), like the manifest;
 floats of the resolved training config are written ``{"$float": "0.001"}``, the form the
@@ -41,8 +43,8 @@ from typing import Any
 import torch
 
 from shardline._version import __version__
-from shardline.checkpoint.format.canonical import canonical_json, sha256_hex, tag_floats
-from shardline.checkpoint.storage.protocol import Location
+from shardline.checkpoint.format.canonical import canonical_json, manifest_hash, sha256_hex, tag_floats
+from shardline.checkpoint.storage.protocol import COMMIT_RECORD, Location
 from shardline.checkpoint.storage.stores import locate
 from shardline.errors import IntegrityError
 
@@ -53,6 +55,7 @@ __all__ = [
     "build_statement",
     "code_version",
     "git_commit",
+    "named_manifest",
     "read_statement",
     "statement_problems",
 ]
@@ -164,7 +167,7 @@ def _strategy(units: Sequence[Mapping[str, Any]]) -> str | None:
 
 def build_statement(
     *,
-    files: Sequence[Mapping[str, Any]],
+    manifest_sha256: str,
     step: int,
     tag: str | None,
     kind: str,
@@ -177,11 +180,10 @@ def build_statement(
     units: Sequence[Mapping[str, Any]],
     run_tags: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The in-toto Statement v1 of a checkpoint whose data files are ``files`` (``{path, sha256, ...}``).
+    """The in-toto Statement v1 of the checkpoint whose manifest hashes to ``manifest_sha256`` (its one subject).
 
     Non-empty ``run_tags`` are recorded as ``predicate.run_tags`` (statements without them stay as before).
     """
-    subject = [{"name": str(f["path"]), "digest": {"sha256": str(f["sha256"])}} for f in files]
     predicate: dict[str, Any] = {
         "checkpoint": {"step": int(step), "tag": tag, "state_dict_kind": kind, "created_at": created_at},
         "training_config": {
@@ -203,7 +205,7 @@ def build_statement(
         predicate["run_tags"] = dict(run_tags)
     return {
         "_type": STATEMENT_TYPE,
-        "subject": sorted(subject, key=lambda s: s["name"]),
+        "subject": [{"name": COMMIT_RECORD, "digest": {"sha256": str(manifest_sha256)}}],
         "predicateType": PREDICATE_TYPE,
         "predicate": predicate,
     }
@@ -234,10 +236,36 @@ def read_statement(path: str | os.PathLike[str] | Location) -> tuple[dict[str, A
     return statement, sha256_hex(raw)
 
 
-def statement_problems(statement: Mapping[str, Any], manifest: Mapping[str, Any]) -> list[str]:
-    """Where a statement disagrees with its checkpoint's manifest (subjects, parent, config and data fingerprints)."""
+def named_manifest(raw: bytes) -> str | None:
+    """The manifest hash a statement (its bytes) names as its subject; None for the earlier form (per-file
+    subjects) or bytes that are not such a statement."""
+    try:
+        statement = json.loads(raw.decode("utf-8"))
+        subject = statement["subject"]
+        if len(subject) == 1 and subject[0]["name"] == COMMIT_RECORD:
+            return str(subject[0]["digest"]["sha256"])
+    except Exception:
+        return None
+    return None
+
+
+def statement_problems(
+    statement: Mapping[str, Any], manifest: Mapping[str, Any], *, manifest_sha256: str | None = None
+) -> list[str]:
+    """Where a statement disagrees with its checkpoint's manifest (subjects, parent, config and data fingerprints).
+
+    A statement naming the manifest must name this one (``manifest_sha256``, computed when not given); one of the
+    earlier form must list exactly the manifest's data files.
+    """
     problems: list[str] = []
-    listed = {str(f["path"]): str(f["sha256"]) for f in manifest.get("files", []) if f["path"] != STATEMENT_FILE}
+    subject = statement.get("subject")
+    names_manifest = isinstance(subject, list) and [s.get("name") for s in subject if isinstance(s, dict)] == [
+        COMMIT_RECORD
+    ]
+    if names_manifest:
+        listed = {COMMIT_RECORD: manifest_sha256 or manifest_hash(manifest)}
+    else:
+        listed = {str(f["path"]): str(f["sha256"]) for f in manifest.get("files", []) if f["path"] != STATEMENT_FILE}
     try:
         subjects = {str(s["name"]): str(s["digest"]["sha256"]) for s in statement["subject"]}
         predicate = statement["predicate"]
@@ -252,7 +280,8 @@ def statement_problems(statement: Mapping[str, Any], manifest: Mapping[str, Any]
     if subjects != listed:
         differ = sorted(set(subjects.items()) ^ set(listed.items()))
         problems.append(
-            f"{STATEMENT_FILE} subjects differ from the manifest's files ({', '.join(n for n, _ in differ)})"
+            f"{STATEMENT_FILE} subjects differ from {'the manifest hash' if names_manifest else 'the manifest files'} "
+            f"({', '.join(n for n, _ in differ)})"
         )
     for what, said, recorded in pairs:
         if said != recorded:
