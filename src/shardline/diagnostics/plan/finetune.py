@@ -4,8 +4,11 @@ A fine-tune trains adapters beside a frozen base. Per rank, with ``W`` ranks sha
 (FULL_SHARD):
 
 * **frozen base**: the blocks' linear weights at ``base_bits`` per weight (16 for bf16 LoRA,
-  :func:`nf4_bits_per_param` for QLoRA), every other frozen parameter (embeddings, output head,
-  norms) in bf16; sharded, ``1/W`` each;
+  :func:`nf4_bits_per_param` for QLoRA; below 16 bits they are the ``quantized_shard`` part, the
+  engine's ``memory_stats().quantized_params``), every other frozen parameter (embeddings, output
+  head, norms) in bf16; sharded, ``1/W`` each. The engine gives each rank whole scaler groups of
+  each 4-bit weight, so it holds up to one group (and 16-byte alignment of three parts) more per
+  weight than ``1/W``: kilobytes, left out;
 * **adapters**: ``T`` trainable parameters (:func:`lora_params`), each holding an fp32 master (4 B),
   its reduced gradient (4 B) and AdamW's two moments (8 B), sharded, plus AdamW's 4-byte step per
   adapter tensor -- the optimizer state exists for these only;
@@ -165,6 +168,7 @@ class FineTunePlan:
     grad_accum: int
     trainable_params: int
     frozen_shard: int
+    quantized_shard: int
     adapter_states: int
     gathered: int
     activations: int
@@ -192,6 +196,7 @@ class FineTunePlan:
             "host_gib_per_node": self.host_bytes_per_node / gib,
             "memory_gib": {
                 "frozen_shard": self.frozen_shard / gib,
+                "quantized_shard": self.quantized_shard / gib,
                 "adapter_states": self.adapter_states / gib,
                 "gathered": self.gathered / gib,
                 "activations": self.activations / gib,
@@ -214,12 +219,20 @@ def _frozen_bytes(arch: Architecture, base_bits: float) -> tuple[float, float]:
     return arch.n_layers * block + arch.root_params * _BF16, block
 
 
+def _quantized_bytes(arch: Architecture, base_bits: float) -> float:
+    """Bytes of the blocks' linear weights when stored below 16 bits (the quantized part of the base), else 0."""
+    if base_bits >= 16:
+        return 0.0
+    return arch.n_layers * (arch.attention_matmul_params + arch.mlp_matmul_params) * base_bits / 8
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FineTuneMemory:
     """One rank's bytes for a :class:`FineTune`: the components, and where they live."""
 
     trainable_params: int
     frozen_shard: int
+    quantized_shard: int
     adapter_states: int
     gathered: int
     activations: int
@@ -267,6 +280,7 @@ def finetune_memory(
     return FineTuneMemory(
         trainable_params=trainable,
         frozen_shard=round(frozen / world_size),
+        quantized_shard=round(_quantized_bytes(arch, finetune.base_bits) / world_size),
         adapter_states=round(trainable * _ADAM_STATE_BYTES / world_size) + 4 * tensors,
         gathered=round(arch.root_params * _BF16 + 2 * (block + adapter_block) + largest),
         activations=activations,
@@ -317,6 +331,7 @@ def plan_finetune(
         grad_accum=accum,
         trainable_params=trainable,
         frozen_shard=frozen_shard,
+        quantized_shard=memory.quantized_shard,
         adapter_states=memory.adapter_states,
         gathered=memory.gathered,
         activations=memory.activations,
