@@ -64,8 +64,12 @@ def test_terms_by_hand_on_a_small_config(offload: bool) -> None:
     sharded = 33_856 + 1792 * 8 + 32
     assert plan.device_bytes == plan.gathered + acts + (0 if offload else sharded)
     assert (plan.host_bytes, plan.host_bytes_per_node) == ((sharded, 2 * sharded) if offload else (0, 0))
-    # Offload adds the copies: the frozen shard twice (both gathers) and the adapters' fp32 gradient shard.
-    copies = (2 * 33_856 + 1792 * 4 / 2) / (200e9 / 8)
+    # Offload adds the copies. To the device, before each gather, the unit's shard: the root (25,728 B) once (it
+    # stays gathered into backward), block 0 twice, block 1 once (last in forward, first in backward), each with its adapters' fp32
+    # master (896 x 4 B), over 2 ranks. Back: the adapters' fp32 gradient shard.
+    to_device = (25_728 + 3 * (20_992 + 896 * 4)) // 2
+    assert (plan.host_to_device_bytes, plan.device_to_host_bytes) == ((to_device, 1792 * 4 // 2) if offload else (0, 0))
+    copies = (to_device + 1792 * 4 / 2) / (200e9 / 8)
     assert plan.copy_s == (pytest.approx(copies) if offload else 0.0)
 
 
@@ -179,7 +183,8 @@ def _engine_qlora(rank: int, world_size: int) -> dict[str, dict[str, int]]:
     """The tiny Llama on an NF4 base with LoRA on q and v, sharded over 2 ranks without and with CPUOffload.
 
     The frozen parameters left unquantized are cast to bf16 (as the planner assumes: a base loaded in bf16) and
-    computed in fp32; adapters are fp32. One AdamW step, then the engine's memory_stats.
+    computed in fp32; adapters are fp32. One AdamW step, then the engine's memory_stats; with offload, the host
+    <-> device copies of a second step (transfer_stats).
     """
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -203,6 +208,16 @@ def _engine_qlora(rank: int, world_size: int) -> dict[str, dict[str, int]]:
         model(input_ids=tokens, labels=tokens).loss.backward()
         opt.step()
         out["offload" if offload else "device"] = shardline.memory_stats(model, optimizer=opt).as_dict()
+        if offload:
+            opt.zero_grad()
+            before = shardline.engine.transfer_stats(model)
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()
+            after = shardline.engine.transfer_stats(model)
+            out["copies"] = {
+                "host_to_device": after.host_to_device_bytes - before.host_to_device_bytes,
+                "device_to_host": after.device_to_host_bytes - before.device_to_host_bytes,
+            }
     return out
 
 
@@ -262,6 +277,10 @@ def test_qlora_base_and_offload_bytes_match_the_engines_accounting(
                 assert 0 <= got["host_total"] - plan.host_bytes <= bound
                 assert got["host_total"] - plan.host_bytes == padding
                 assert got["host_total"] == sharded  # everything sharded lives on the host
+                # A step's copies: the root and 2L - 1 = 3 block gathers, each block's record with its padding.
+                copies = run["copies"]
+                assert copies["device_to_host"] == plan.device_to_host_bytes
+                assert copies["host_to_device"] - plan.host_to_device_bytes == 3 * padding // 2
             else:
                 assert got["host_total"] == plan.host_bytes == 0
 

@@ -22,8 +22,11 @@ A fine-tune trains adapters beside a frozen base. Per rank, with ``W`` ranks sha
 
 With ``offload``, the sharded part (frozen shards, adapter masters, gradients, optimizer state)
 lives in host memory, reported apart (per rank and per node); the device keeps the gathered units
-and the activations. Each gather then first copies the rank's shard to the device, and each
-reduction copies the adapters' gradient shard back, over the host link (``host_link_gbps``).
+and the activations. Each gather then first copies the unit's shard -- frozen part and adapters'
+fp32 masters -- to the device, and each reduction copies the adapters' gradient shard back, over
+the host link (``host_link_gbps``). Per micro-batch the root unit is gathered (and copied) once,
+as it stays gathered from forward into backward, and so is the block that runs last; every other
+block twice: ``root + (2L - 1) * block`` bytes to the device (the engine's ``transfer_stats``).
 
 Time per micro-batch: forward at the device's achieved rate (as :mod:`.cost`); backward *once*
 the forward -- the frozen weights need no weight gradient, only the input's (the adapters' weight
@@ -179,6 +182,8 @@ class FineTunePlan:
     compute_s: float
     transfer_s: float
     copy_s: float
+    host_to_device_bytes: int
+    device_to_host_bytes: int
     optimizer_s: float
     step_time_s: float
     tokens_per_s_per_gpu: float
@@ -208,6 +213,10 @@ class FineTunePlan:
                 "transfers": self.transfer_s,
                 "host_copies": self.copy_s,
                 "optimizer": self.optimizer_s,
+            },
+            "host_copy_bytes_per_micro_batch": {
+                "host_to_device": self.host_to_device_bytes,
+                "device_to_host": self.device_to_host_bytes,
             },
         }
 
@@ -306,7 +315,7 @@ def plan_finetune(
         param_dtype=training.param_dtype, reduce_dtype=training.reduce_dtype,
     )  # fmt: skip
     trainable, frozen_shard = memory.trainable_params, memory.frozen_shard
-    frozen, _ = _frozen_bytes(arch, finetune.base_bits)
+    frozen, block = _frozen_bytes(arch, finetune.base_bits)
     device_bytes, host_bytes = memory.device_bytes, memory.host_bytes
 
     eff = device.efficiency
@@ -319,8 +328,14 @@ def plan_finetune(
     gathered_bytes = frozen + trainable * _BF16
     transfers = (2 * gathered_bytes + trainable * 4) * ring / bus if world > 1 else 0.0
     link = finetune.host_link_gbps * 1e9 / 8
-    # Offload: this rank's frozen shard to the device before each of the two gathers, the adapters' gradients back.
-    copies = (2 * frozen_shard + trainable * 4 / world) / link if finetune.offload else 0.0
+    # Offload: each gather copies the unit's shard (frozen part, adapters' fp32 master) to the device first: the
+    # root once per micro-batch, the last block once, the other blocks twice; the adapters' gradients come back.
+    adapter_master_block = trainable / arch.n_layers * 4
+    to_device = (arch.root_params * _BF16 + (2 * arch.n_layers - 1) * (block + adapter_master_block)) / world
+    to_host = trainable * 4 / world
+    if not finetune.offload:
+        to_device = to_host = 0.0
+    copies = (to_device + to_host) / link
     per_micro = max(compute, transfers + copies) if eff.overlap else compute + transfers + copies
     # AdamW streams 28 B per local adapter parameter: on the device, or over the host link when offloaded.
     optimizer_rate = link if finetune.offload else device.memory_gbps * 1e9 / 8 * eff.memory
@@ -342,6 +357,8 @@ def plan_finetune(
         compute_s=accum * compute,
         transfer_s=accum * transfers,
         copy_s=accum * copies,
+        host_to_device_bytes=round(to_device),
+        device_to_host_bytes=round(to_host),
         optimizer_s=optimizer,
         step_time_s=step,
         tokens_per_s_per_gpu=training.global_batch * training.seq_len / world / step,
