@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardline
+from shardline.engine import offload as offload_module
 from shardline.engine import quantized as quantized_module
 from shardline.engine.nf4 import to_nf4
+from shardline.engine.registry import subtree_units
 from shardline.errors import ShardingError
 
 DIM, HIDDEN, VOCAB, RANK = 64, 72, 32, 4
@@ -156,8 +158,8 @@ def train(model: nn.Module, group: dist.ProcessGroup | None) -> tuple[list[float
     return losses, {k: v.reshape(-1).tolist() for k, v in grads.items()}
 
 
-def shard(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
-    return shardline.wrap(model, shardline.layer_policy(Block), mesh=group)
+def shard(model: nn.Module, group: dist.ProcessGroup, **kwargs: Any) -> nn.Module:
+    return shardline.wrap(model, shardline.layer_policy(Block), mesh=group, **kwargs)
 
 
 @contextlib.contextmanager
@@ -219,6 +221,7 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         if size == 4:
             stats = shardline.memory_stats(model)
             out["memory"] = {"quantized": stats.quantized_params, "unsharded": stats.unsharded_params}
+    out.update(offload_runs(groups))
     # The fault: a weight's quantization factors dropped while sharding.
     with dropped_factors():
         faulty = shard(build(), dist.group.WORLD)
@@ -241,4 +244,67 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         unchecked = shard(build(), dist.group.WORLD)
     with check_disabled():
         out["faulty_run"] = train(unchecked, dist.group.WORLD)
+    return out
+
+
+# ---------------------------------------------------------------------- CPU offload of the 4-bit base
+@contextlib.contextmanager
+def dropped_quantized_copies() -> Iterator[None]:
+    """Fault: after the first, host -> device copies of a 4-bit record are dropped.
+
+    The staging buffer keeps what it had (as a reused device allocation would): every later gather
+    sends the first record copied -- the first unit's weights -- instead of its own.
+    """
+    original = offload_module.HostCopies.to_device
+    staged: dict[int, torch.Tensor] = {}
+
+    def dropping(self: Any, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if host.dtype != torch.uint8:  # float shards are copied as usual
+            return original(self, host, out)
+        if host.numel() not in staged:
+            staged[host.numel()] = original(self, host, out)
+        return staged[host.numel()]
+
+    offload_module.HostCopies.to_device = dropping  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        offload_module.HostCopies.to_device = original  # type: ignore[method-assign]
+
+
+def _offloaded_run(group: dist.ProcessGroup) -> tuple[tuple[list[float], dict[str, list[float]]], dict[str, Any]]:
+    """Train the model sharded over ``group`` with CPUOffload; its losses and grads, memory and copies after."""
+    model = shard(build(), group, offload=shardline.CPUOffload())
+    result = train(model, group)
+    stats = shardline.memory_stats(model)
+    copies = shardline.engine.transfer_stats(model)
+    records = [unit.quantized.local for unit in subtree_units(model) if unit.quantized is not None]
+    return result, {
+        "quantized": stats.quantized_params,
+        "host_quantized": getattr(stats, "host_quantized", None),  # None: an engine without the field
+        "host_total": stats.host_total,
+        "device_total": stats.device_total,
+        "total": stats.total,
+        "host_params": stats.host_params,
+        "sharded_params": stats.sharded_params,
+        "record_devices": sorted({str(t.device) for t in records}),
+        "record_bytes": sum(t.numel() for t in records),
+        "h2d": copies.host_to_device,
+        "h2d_bytes": copies.host_to_device_bytes,
+    }
+
+
+def offload_runs(groups: dict[int, dist.ProcessGroup]) -> dict[str, Any]:
+    """NF4 + LoRA with CPUOffload at W=1 and W=2 (compared with ``run1``/``run2``), then W=2 with the copy dropped."""
+    out: dict[str, Any] = {}
+    for size in (1, 2):
+        out[f"offload{size}"], out[f"offload{size}_memory"] = _offloaded_run(groups[size])
+    with dropped_quantized_copies(), check_disabled():
+        out["offload_dropped"], _ = _offloaded_run(groups[2])
+    with dropped_quantized_copies():  # the pre-step check gathers through the same copy
+        try:
+            loss_of(shard(build(), groups[2], offload=shardline.CPUOffload()), *batch())
+            out["offload_dropped_refused"] = None
+        except ShardingError as exc:
+            out["offload_dropped_refused"] = str(exc)
     return out

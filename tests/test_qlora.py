@@ -108,3 +108,49 @@ def test_qlora_shards_hold_a_quarter_of_the_four_bit_bytes(runs: list[dict[str, 
             chunk = math.ceil(groups / 4)
             assert numel == min(chunk, max(0, groups - rank * chunk)) * qr.BLOCK * qr.SCALER_BLOCK, (name, numel)
         assert out["uint8_gathers"] == 2
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_qlora_offload_bit_identical(runs: list[dict[str, Any]], world: int) -> None:
+    """NF4 + LoRA with CPUOffload: losses and first-step adapter gradients equal those without offload, bit for bit."""
+    for out in runs:
+        losses, grads = out[f"offload{world}"]
+        plain_losses, plain_grads = out[f"run{world}"]
+        assert losses == plain_losses, (world, losses, plain_losses)
+        assert grads == plain_grads
+
+
+def test_qlora_offload_keeps_the_four_bit_bytes_on_the_host(runs: list[dict[str, Any]]) -> None:
+    """The 4-bit records are host memory (accounted in host_quantized, not device_total) and copied per gather."""
+    total = runs[0]["four_bit_bytes"]
+    group_bytes = qr.BLOCK * qr.SCALER_BLOCK // 2 + qr.SCALER_BLOCK + 4
+    slack = 6 * (group_bytes + 3 * 16)  # per weight: one group of rounding up, three parts' alignment
+    for world in (1, 2):
+        for rank, out in enumerate(runs):
+            m = out[f"offload{world}_memory"]
+            assert m["record_devices"] == ["cpu"]
+            assert total / world <= m["host_quantized"] <= total / world + slack, (world, rank, m, total)
+            assert m["host_quantized"] == m["quantized"] == m["record_bytes"]
+            assert m["host_params"] == m["sharded_params"] > 0  # the float shards are on the host too
+            assert m["host_total"] >= m["host_params"] + m["host_quantized"]
+            assert m["device_total"] == m["total"] - m["host_total"]
+            assert m["device_total"] <= m["total"] - m["host_quantized"] - m["host_params"]
+            # Each step gathers each unit's record at least once (and the pre-step check once more): all copied.
+            assert m["h2d_bytes"] >= (qr.STEPS + 1) * m["record_bytes"] + m["host_params"], (world, rank, m)
+
+
+def test_qlora_offload_parity_sees_a_dropped_copy_of_the_four_bit_shard(runs: list[dict[str, Any]]) -> None:
+    """The 4-bit record's host -> device copy dropped (check skipped): W=2 losses and gradients differ from run2.
+
+    With the check on, the first forward refuses: it gathers through the same copy.
+    """
+    for out in runs:
+        losses, grads = out["offload_dropped"]
+        ref_losses, ref_grads = out["run2"]
+        assert_caught(_grad_errors(grads, ref_grads), _grad_rule(2), "dropped 4-bit copy: gradients")
+        ratios = {f"step {i}": close_ratio(a, e) for i, (a, e) in enumerate(zip(losses, ref_losses, strict=True))}
+        assert_caught(ratios, None, "dropped 4-bit copy: losses")
+        message = out["offload_dropped_refused"]
+        assert message is not None
+        assert "before the first step" in message
+        assert "'blocks.1.attn.base.weight'" in message  # block 1 gathered block 0's record

@@ -4,8 +4,11 @@ published runs (docs/planning.md, "Fine-tuning on small GPUs")."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -61,8 +64,12 @@ def test_terms_by_hand_on_a_small_config(offload: bool) -> None:
     sharded = 33_856 + 1792 * 8 + 32
     assert plan.device_bytes == plan.gathered + acts + (0 if offload else sharded)
     assert (plan.host_bytes, plan.host_bytes_per_node) == ((sharded, 2 * sharded) if offload else (0, 0))
-    # Offload adds the copies: the frozen shard twice (both gathers) and the adapters' fp32 gradient shard.
-    copies = (2 * 33_856 + 1792 * 4 / 2) / (200e9 / 8)
+    # Offload adds the copies. To the device, before each gather, the unit's shard: the root (25,728 B) once (it
+    # stays gathered into backward), block 0 twice, block 1 once (last in forward, first in backward), each with its adapters' fp32
+    # master (896 x 4 B), over 2 ranks. Back: the adapters' fp32 gradient shard.
+    to_device = (25_728 + 3 * (20_992 + 896 * 4)) // 2
+    assert (plan.host_to_device_bytes, plan.device_to_host_bytes) == ((to_device, 1792 * 4 // 2) if offload else (0, 0))
+    copies = (to_device + 1792 * 4 / 2) / (200e9 / 8)
     assert plan.copy_s == (pytest.approx(copies) if offload else 0.0)
 
 
@@ -125,17 +132,32 @@ def _engine_lora(rank: int, world_size: int, config_dir: str) -> dict[str, int]:
     return {"trainable": trainable, "grads": stats.sharded_grads, "optimizer": stats.optimizer_state}
 
 
-def test_adapter_state_matches_the_engines_accounting(tmp_path: Path) -> None:
-    """Gradients and AdamW state exist for the adapters only: the plan's bytes against the engine's memory_stats.
+def _engine_runs(rank: int, world_size: int, config_dir: str) -> dict[str, Any]:
+    """One launch for both engine comparisons: LoRA on a bf16-free base, and NF4 + LoRA without and with offload."""
+    out: dict[str, Any] = {"lora": _engine_lora(rank, world_size, config_dir)}
+    if importlib.util.find_spec("torchao") is not None:
+        out["qlora"] = _engine_qlora(rank, world_size)
+    return out
 
-    (The frozen base's storage is compared once the engine stores it in NF4 and offloads it; the engine keeps
-    fp32 masters of frozen parameters today.)"""
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """The LoRA config's folder and what each of 2 ranks measured (see _engine_runs)."""
     from transformers import LlamaConfig
 
+    folder = tmp_path_factory.mktemp("lora_config")
     LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(tmp_path)  # fmt: skip
-    measured = run_distributed(_engine_lora, 2, args=(str(tmp_path),), timeout=110)[0]
-    arch = load_hf_config(tmp_path / "config.json")
+                num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(folder)  # fmt: skip
+    return folder, run_distributed(_engine_runs, 2, args=(str(folder),), timeout=110)
+
+
+def test_adapter_state_matches_the_engines_accounting(engine_runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Gradients and AdamW state exist for the adapters only: the plan's bytes against the engine's memory_stats.
+
+    (The frozen base's 4-bit bytes and offload's host bytes: test_qlora_base_and_offload_bytes_match_...)"""
+    folder, runs = engine_runs
+    measured = runs[0]["lora"]
+    arch = load_hf_config(folder / "config.json")
     trainable = lora_params(arch, rank=4, targets="q_proj,v_proj")
     assert trainable == measured["trainable"]  # the planner's count, peft's count
     plan = plan_finetune(arch, cluster=Cluster(device=get_device("RTX-4090"), nodes=1, gpus_per_node=2),
@@ -149,6 +171,118 @@ def test_adapter_state_matches_the_engines_accounting(tmp_path: Path) -> None:
     for what, planned, got in (("gradients", planned_grads, measured["grads"]),
                                ("optimizer state", planned_optimizer, measured["optimizer"])):  # fmt: skip
         assert abs(planned - got) <= 0.10 * got, f"{what}: planned {planned:,} B, the engine holds {got:,} B"
+
+
+# A tiny Llama whose MLP weights (72 x 64 = 9 scaler groups of 64 x 8) do not split evenly over 2 ranks.
+QLORA_LLAMA = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 72, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}  # fmt: skip
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 8
+
+
+def _engine_qlora(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    """The tiny Llama on an NF4 base with LoRA on q and v, sharded over 2 ranks without and with CPUOffload.
+
+    The frozen parameters left unquantized are cast to bf16 (as the planner assumes: a base loaded in bf16) and
+    computed in fp32; adapters are fp32. One AdamW step, then the engine's memory_stats; with offload, the host
+    <-> device copies of a second step (transfer_stats).
+    """
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from shardline.engine.nf4 import is_nf4
+    from shardline.models.hf import tiny_llama_qlora
+
+    out = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = tiny_llama_qlora(r=4, target_modules=("q_proj", "v_proj"), block_size=NF4_BLOCK,
+                                 scaler_block_size=NF4_SCALER_BLOCK, **QLORA_LLAMA)  # fmt: skip
+        for p in model.parameters():
+            if not p.requires_grad and not is_nf4(p):
+                p.data = p.data.to(torch.bfloat16)
+        kwargs: dict[str, object] = {"mixed_precision": shardline.MixedPrecision(param_dtype=torch.float32)}
+        if offload:
+            kwargs["offload"] = shardline.CPUOffload()
+        shardline.wrap(model, shardline.layer_policy(LlamaDecoderLayer), strategy="full_shard", **kwargs)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        tokens = torch.randint(0, QLORA_LLAMA["vocab_size"], (2, 16))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        out["offload" if offload else "device"] = shardline.memory_stats(model, optimizer=opt).as_dict()
+        if offload:
+            opt.zero_grad()
+            before = shardline.engine.transfer_stats(model)
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()
+            after = shardline.engine.transfer_stats(model)
+            out["copies"] = {
+                "host_to_device": after.host_to_device_bytes - before.host_to_device_bytes,
+                "device_to_host": after.device_to_host_bytes - before.device_to_host_bytes,
+            }
+    return out
+
+
+def _whole_group_padding(world: int) -> tuple[int, int]:
+    """(exact, bound) bytes a rank holds beyond 1/W of the 4-bit weights: whole scaler groups, aligned parts.
+
+    Each weight of ``g`` scaler groups (of 64 x 8 elements: 256 B of codes, 8 int8 scalers, one fp32 factor)
+    gives every rank room for ``ceil(g / W)`` groups, each of its three parts rounded up to 16 bytes.
+    """
+    dim, ffn, kv = 64, 72, 64 * 2 // 4
+    shapes = [(dim, dim), (kv, dim), (kv, dim), (dim, dim), (ffn, dim), (ffn, dim), (dim, ffn)]  # q k v o gate up down
+    parts = (NF4_BLOCK * NF4_SCALER_BLOCK // 2, NF4_SCALER_BLOCK, 4)
+    exact = bound = 0.0
+    for rows, cols in shapes * QLORA_LLAMA["num_hidden_layers"]:
+        groups = rows * cols // (NF4_BLOCK * NF4_SCALER_BLOCK)
+        chunk = math.ceil(groups / world)
+        exact += sum(-(-chunk * b // 16) * 16 for b in parts) - groups / world * sum(parts)
+        bound += (chunk - groups / world) * sum(parts) + 3 * 15
+    return round(exact), round(bound)
+
+
+def test_qlora_base_and_offload_bytes_match_the_engines_accounting(
+    tmp_path: Path, engine_runs: tuple[Path, list[dict[str, Any]]]
+) -> None:
+    """The plan's 4-bit bytes and host bytes per rank against memory_stats of the engine at W=2 (NF4 + LoRA).
+
+    The 4-bit bytes differ by the whole scaler groups (and 16-byte alignment) each rank's record holds
+    beyond 1/W; every other term -- the bf16 frozen shard, the adapters' fp32 master, gradient, AdamW moments
+    and steps -- is equal to the byte, on the host with offload and on the device without.
+    """
+    pytest.importorskip("torchao")
+    from transformers import LlamaConfig
+
+    LlamaConfig(**QLORA_LLAMA).save_pretrained(tmp_path)
+    measured = [run["qlora"] for run in engine_runs[1]]
+    arch = load_hf_config(tmp_path / "config.json")
+    padding, bound = _whole_group_padding(2)
+    assert 0 < padding <= bound  # 9-group MLP weights: half a group each on top of 1/2
+    bits = nf4_bits_per_param(block=NF4_BLOCK, scale_block=NF4_SCALER_BLOCK)
+    for offload in (False, True):
+        plan = plan_finetune(arch, cluster=Cluster(device=get_device("RTX-4090"), nodes=1, gpus_per_node=2),
+                             training=Training(seq_len=16, global_batch=2), micro_batch=1,
+                             finetune=FineTune(lora_rank=4, lora_targets="q_proj,v_proj", base_bits=bits,
+                                               offload=offload))  # fmt: skip
+        for rank, run in enumerate(measured):
+            got = run["offload" if offload else "device"]
+            print(
+                f"\nrank {rank} offload={offload}: 4-bit planned {plan.quantized_shard:,} B, engine "
+                f"{got['quantized_params']:,} B; host planned {plan.host_bytes:,} B, engine {got['host_total']:,} B"
+            )
+            assert 0 <= got["quantized_params"] - plan.quantized_shard <= bound
+            assert got["quantized_params"] - plan.quantized_shard == padding
+            sharded = got["sharded_params"] + got["quantized_params"] + got["sharded_grads"] + got["optimizer_state"]
+            assert sharded - (plan.frozen_shard + plan.adapter_states) == padding
+            if offload:
+                assert got["host_quantized"] == got["quantized_params"]
+                assert 0 <= got["host_total"] - plan.host_bytes <= bound
+                assert got["host_total"] - plan.host_bytes == padding
+                assert got["host_total"] == sharded  # everything sharded lives on the host
+                # A step's copies: the root and 2L - 1 = 3 block gathers, each block's record with its padding.
+                copies = run["copies"]
+                assert copies["device_to_host"] == plan.device_to_host_bytes
+                assert copies["host_to_device"] - plan.host_to_device_bytes == 3 * padding // 2
+            else:
+                assert got["host_total"] == plan.host_bytes == 0
 
 
 def test_estimate_takes_the_same_inputs_for_the_train_configs_gpt(capsys: pytest.CaptureFixture[str]) -> None:

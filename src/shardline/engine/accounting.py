@@ -141,6 +141,7 @@ def memory_stats(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
         host_grads=_storage_bytes(sp.sharded.grad for u in offloaded for sp in u.params),
         host_optimizer_state=_storage_bytes(host_state),
         quantized_params=_storage_bytes([u.quantized.local for u in units if u.quantized is not None]),
+        host_quantized=_storage_bytes([u.quantized.local for u in offloaded if u.quantized is not None]),
     )
 
 
@@ -151,6 +152,8 @@ def transfer_stats(model: nn.Module) -> TransferStats:
         for group in unit.groups:
             if group.offload is not None:
                 total.add(group.offload.stats)
+        if unit.quantized is not None and unit.quantized.offload is not None:
+            total.add(unit.quantized.offload.stats)
     return total
 
 

@@ -18,8 +18,10 @@ Two kinds of components:
   Tensors sharing storage are counted once.
 
 Where they live: with CPU offload (:mod:`shardline.engine.offload`) a unit's sharded parameters,
-gradients and optimizer state are in host memory; ``host_params``, ``host_grads`` and
-``host_optimizer_state`` say how many bytes of the three measured components those are, and
+gradients and optimizer state are in host memory, and so are its 4-bit blocks; ``host_params``,
+``host_grads``, ``host_optimizer_state`` and ``host_quantized`` say how many bytes of the four
+measured components ``sharded_params``, ``sharded_grads``, ``optimizer_state`` and
+``quantized_params`` those are (each ``host_*`` a part of its own component), and
 :attr:`MemoryStats.device_total` what is left on the device (tracked components, including the
 gathered unit and the staging copies of offloaded shards, are always on the device).
 """
@@ -121,6 +123,7 @@ class MemoryStats:
     host_grads: int = 0
     host_optimizer_state: int = 0
     quantized_params: int = 0
+    host_quantized: int = 0
 
     @property
     def total(self) -> int:
@@ -137,8 +140,8 @@ class MemoryStats:
 
     @property
     def host_total(self) -> int:
-        """What offloaded units hold in host memory (parameters, gradients, optimizer state)."""
-        return self.host_params + self.host_grads + self.host_optimizer_state
+        """What offloaded units hold in host memory (parameters, 4-bit blocks, gradients, optimizer state)."""
+        return self.host_params + self.host_quantized + self.host_grads + self.host_optimizer_state
 
     @property
     def device_total(self) -> int:

@@ -18,6 +18,11 @@ beside its flat groups:
   rank's valid range into a full NF4 tensor of the original shape, registered for forward and
   backward and dropped when the unit reshards. Not prefetched; ``reshard_after_forward=N``
   frees it completely (backward gathers over the whole shard group; the bytes are the same).
+* **offload**: under :class:`~shardline.CPUOffload` ``local`` lives in host memory (pinned when
+  the device is CUDA), so the device holds none of the 4-bit bytes between uses; each gather
+  first copies it to a device staging buffer through the unit's
+  :class:`~shardline.engine.offload.HostCopies` (counted like the float shards' copies), then
+  gathers that. The staging copy counts in ``comm_buffers`` until the gather has sent it.
 * **check**: the group records a checksum of every component of each weight as it was handed
   to ``fully_shard``. :func:`verify_quantized` (the first forward of each root runs it) gathers
   every group once and compares: a weight whose quantization state was dropped, zeroed or
@@ -41,6 +46,7 @@ from shardline.engine.comm import Comm
 from shardline.engine.memory import MemoryTracker, nbytes
 from shardline.engine.mesh import ShardMesh
 from shardline.engine.nf4 import COMPONENTS, NF4Layout, build_nf4, checksum, is_nf4
+from shardline.engine.offload import HostCopies
 from shardline.errors import ShardingError
 
 __all__ = ["QuantizedGroup", "QuantizedParam", "split_quantized", "verify_quantized"]
@@ -95,9 +101,18 @@ def _nf4_parts(tensor: torch.Tensor, layout: NF4Layout, start: int, count: int) 
 class QuantizedGroup:
     """The NF4 weights of one unit: this rank's blocks of each in one byte buffer, gathered together."""
 
-    def __init__(self, entries: Sequence[Entry], *, mesh: ShardMesh, device: torch.device, shard: bool) -> None:
+    def __init__(
+        self,
+        entries: Sequence[Entry],
+        *,
+        mesh: ShardMesh,
+        device: torch.device,
+        shard: bool,
+        offload: HostCopies | None = None,
+    ) -> None:
         self.mesh = mesh
         self.device = device
+        self.offload = offload  # CPU offload: ``local`` lives in host memory (see the module note)
         self.world = mesh.shard_size if shard else 1
         rank = mesh.shard_rank if shard else 0
         self.verified = False
@@ -146,8 +161,12 @@ class QuantizedGroup:
                 )
             )
         self.record_bytes = offset
-        # This rank's pieces: one zero-padded record, the same layout on every rank.
-        self.local = torch.zeros(offset, dtype=torch.uint8, device=device)
+        # This rank's pieces: one zero-padded record, the same layout on every rank (on the host when offloaded).
+        self.local = (
+            offload.host_zeros(offset, torch.uint8)
+            if offload is not None
+            else torch.zeros(offset, dtype=torch.uint8, device=device)
+        )
         for qp, (_, original, _) in zip(self.params, entries, strict=True):
             layout = qp.layout
             with torch.no_grad():
@@ -156,8 +175,8 @@ class QuantizedGroup:
             piece = build_nf4(
                 layout,
                 self._views(self.local, qp, qp.count),
-                scaler_mean=qp.scaler_mean,
-                code_book=qp.code_book,
+                scaler_mean=qp.scaler_mean.to(self.local.device),  # one device per tensor (host when offloaded)
+                code_book=qp.code_book.to(self.local.device),
                 shape=(qp.count * layout.group_numel,),
             )
             qp.sharded = nn.Parameter(piece, requires_grad=False)
@@ -189,21 +208,28 @@ class QuantizedGroup:
     # ------------------------------------------------------------------ gather / free
     def _gather(self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str) -> list[torch.Tensor]:
         """Every weight of the group as a full NF4 tensor (one all-gather; a copy when not sharded)."""
+        local = self.local
+        if self.offload is not None:  # host -> device first; the staged copy lives until the gather has sent it
+            local = self.offload.to_device(self.local)
+            memory.add("comm_buffers", nbytes(local))
         if self.world == 1:
-            received = self.local
+            received = local
         else:
             group = self.mesh.shard_group
             assert group is not None  # a shard group of several ranks exists
             received = torch.empty(self.world * self.record_bytes, dtype=torch.uint8, device=self.device)
             memory.add("comm_buffers", nbytes(received))
-            comm.all_gather(received, self.local, group, unit=name, phase=phase)
+            comm.all_gather(received, local, group, unit=name, phase=phase)
+            if local is not self.local:
+                memory.add("comm_buffers", -nbytes(local))
+                del local
         records = received.view(self.world, self.record_bytes)
         fulls = []
         for qp in self.params:
             pieces = [self._views(records[r], qp, self._rank_count(qp, r)) for r in range(self.world)]
             parts = tuple(torch.cat([p[i] for p in pieces]) for i in range(len(COMPONENTS)))
             fulls.append(build_nf4(qp.layout, parts, scaler_mean=qp.scaler_mean, code_book=qp.code_book))
-        if received is not self.local:
+        if received is not self.local:  # an all-gather's output, or (offloaded, one rank) the staged copy
             memory.add("comm_buffers", -nbytes(received))
         return fulls
 

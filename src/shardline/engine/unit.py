@@ -133,7 +133,15 @@ class ShardUnit:
         self.params: list[ShardedParam] = [sp for sp in slots if sp is not None]
         # Frozen 4-bit (NF4) weights: outside the flat buffers (see engine/quantized.py).
         self.quantized: QuantizedGroup | None = (
-            QuantizedGroup(quantized, mesh=mesh, device=device, shard=self.policy.shard_params) if quantized else None
+            QuantizedGroup(
+                quantized,
+                mesh=mesh,
+                device=device,
+                shard=self.policy.shard_params,
+                offload=HostCopies(self.offload, device) if self.offload is not None else None,
+            )
+            if quantized
+            else None
         )
 
         self.residency = Residency.SHARDED

@@ -4,8 +4,11 @@ A fine-tune trains adapters beside a frozen base. Per rank, with ``W`` ranks sha
 (FULL_SHARD):
 
 * **frozen base**: the blocks' linear weights at ``base_bits`` per weight (16 for bf16 LoRA,
-  :func:`nf4_bits_per_param` for QLoRA), every other frozen parameter (embeddings, output head,
-  norms) in bf16; sharded, ``1/W`` each;
+  :func:`nf4_bits_per_param` for QLoRA; below 16 bits they are the ``quantized_shard`` part, the
+  engine's ``memory_stats().quantized_params``), every other frozen parameter (embeddings, output
+  head, norms) in bf16; sharded, ``1/W`` each. The engine gives each rank whole scaler groups of
+  each 4-bit weight, so it holds up to one group (and 16-byte alignment of three parts) more per
+  weight than ``1/W``: kilobytes, left out;
 * **adapters**: ``T`` trainable parameters (:func:`lora_params`), each holding an fp32 master (4 B),
   its reduced gradient (4 B) and AdamW's two moments (8 B), sharded, plus AdamW's 4-byte step per
   adapter tensor -- the optimizer state exists for these only;
@@ -19,8 +22,11 @@ A fine-tune trains adapters beside a frozen base. Per rank, with ``W`` ranks sha
 
 With ``offload``, the sharded part (frozen shards, adapter masters, gradients, optimizer state)
 lives in host memory, reported apart (per rank and per node); the device keeps the gathered units
-and the activations. Each gather then first copies the rank's shard to the device, and each
-reduction copies the adapters' gradient shard back, over the host link (``host_link_gbps``).
+and the activations. Each gather then first copies the unit's shard -- frozen part and adapters'
+fp32 masters -- to the device, and each reduction copies the adapters' gradient shard back, over
+the host link (``host_link_gbps``). Per micro-batch the root unit is gathered (and copied) once,
+as it stays gathered from forward into backward, and so is the block that runs last; every other
+block twice: ``root + (2L - 1) * block`` bytes to the device (the engine's ``transfer_stats``).
 
 Time per micro-batch: forward at the device's achieved rate (as :mod:`.cost`); backward *once*
 the forward -- the frozen weights need no weight gradient, only the input's (the adapters' weight
@@ -165,6 +171,7 @@ class FineTunePlan:
     grad_accum: int
     trainable_params: int
     frozen_shard: int
+    quantized_shard: int
     adapter_states: int
     gathered: int
     activations: int
@@ -175,6 +182,8 @@ class FineTunePlan:
     compute_s: float
     transfer_s: float
     copy_s: float
+    host_to_device_bytes: int
+    device_to_host_bytes: int
     optimizer_s: float
     step_time_s: float
     tokens_per_s_per_gpu: float
@@ -192,6 +201,7 @@ class FineTunePlan:
             "host_gib_per_node": self.host_bytes_per_node / gib,
             "memory_gib": {
                 "frozen_shard": self.frozen_shard / gib,
+                "quantized_shard": self.quantized_shard / gib,
                 "adapter_states": self.adapter_states / gib,
                 "gathered": self.gathered / gib,
                 "activations": self.activations / gib,
@@ -204,6 +214,10 @@ class FineTunePlan:
                 "host_copies": self.copy_s,
                 "optimizer": self.optimizer_s,
             },
+            "host_copy_bytes_per_micro_batch": {
+                "host_to_device": self.host_to_device_bytes,
+                "device_to_host": self.device_to_host_bytes,
+            },
         }
 
 
@@ -214,12 +228,20 @@ def _frozen_bytes(arch: Architecture, base_bits: float) -> tuple[float, float]:
     return arch.n_layers * block + arch.root_params * _BF16, block
 
 
+def _quantized_bytes(arch: Architecture, base_bits: float) -> float:
+    """Bytes of the blocks' linear weights when stored below 16 bits (the quantized part of the base), else 0."""
+    if base_bits >= 16:
+        return 0.0
+    return arch.n_layers * (arch.attention_matmul_params + arch.mlp_matmul_params) * base_bits / 8
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FineTuneMemory:
     """One rank's bytes for a :class:`FineTune`: the components, and where they live."""
 
     trainable_params: int
     frozen_shard: int
+    quantized_shard: int
     adapter_states: int
     gathered: int
     activations: int
@@ -267,6 +289,7 @@ def finetune_memory(
     return FineTuneMemory(
         trainable_params=trainable,
         frozen_shard=round(frozen / world_size),
+        quantized_shard=round(_quantized_bytes(arch, finetune.base_bits) / world_size),
         adapter_states=round(trainable * _ADAM_STATE_BYTES / world_size) + 4 * tensors,
         gathered=round(arch.root_params * _BF16 + 2 * (block + adapter_block) + largest),
         activations=activations,
@@ -292,7 +315,7 @@ def plan_finetune(
         param_dtype=training.param_dtype, reduce_dtype=training.reduce_dtype,
     )  # fmt: skip
     trainable, frozen_shard = memory.trainable_params, memory.frozen_shard
-    frozen, _ = _frozen_bytes(arch, finetune.base_bits)
+    frozen, block = _frozen_bytes(arch, finetune.base_bits)
     device_bytes, host_bytes = memory.device_bytes, memory.host_bytes
 
     eff = device.efficiency
@@ -305,8 +328,14 @@ def plan_finetune(
     gathered_bytes = frozen + trainable * _BF16
     transfers = (2 * gathered_bytes + trainable * 4) * ring / bus if world > 1 else 0.0
     link = finetune.host_link_gbps * 1e9 / 8
-    # Offload: this rank's frozen shard to the device before each of the two gathers, the adapters' gradients back.
-    copies = (2 * frozen_shard + trainable * 4 / world) / link if finetune.offload else 0.0
+    # Offload: each gather copies the unit's shard (frozen part, adapters' fp32 master) to the device first: the
+    # root once per micro-batch, the last block once, the other blocks twice; the adapters' gradients come back.
+    adapter_master_block = trainable / arch.n_layers * 4
+    to_device = (arch.root_params * _BF16 + (2 * arch.n_layers - 1) * (block + adapter_master_block)) / world
+    to_host = trainable * 4 / world
+    if not finetune.offload:
+        to_device = to_host = 0.0
+    copies = (to_device + to_host) / link
     per_micro = max(compute, transfers + copies) if eff.overlap else compute + transfers + copies
     # AdamW streams 28 B per local adapter parameter: on the device, or over the host link when offloaded.
     optimizer_rate = link if finetune.offload else device.memory_gbps * 1e9 / 8 * eff.memory
@@ -317,6 +346,7 @@ def plan_finetune(
         grad_accum=accum,
         trainable_params=trainable,
         frozen_shard=frozen_shard,
+        quantized_shard=memory.quantized_shard,
         adapter_states=memory.adapter_states,
         gathered=memory.gathered,
         activations=memory.activations,
@@ -327,6 +357,8 @@ def plan_finetune(
         compute_s=accum * compute,
         transfer_s=accum * transfers,
         copy_s=accum * copies,
+        host_to_device_bytes=round(to_device),
+        device_to_host_bytes=round(to_host),
         optimizer_s=optimizer,
         step_time_s=step,
         tokens_per_s_per_gpu=training.global_batch * training.seq_len / world / step,
