@@ -42,8 +42,10 @@ from shardline.errors import ConfigurationError
 __all__ = ["Params4bitFormat", "bnb_api", "is_params4bit"]
 
 _QUANT_STATE = ("absmax", "shape", "code", "blocksize", "quant_type", "dtype", "offset", "state2")
-_PARAMS = ("data", "requires_grad", "quant_state", "blocksize", "compress_statistics", "quant_type")
-_PARAMS += ("quant_storage", "bnb_quantized")
+_PARAMS = (
+    *("data", "requires_grad", "quant_state", "blocksize", "compress_statistics", "quant_type"),
+    *("quant_storage", "bnb_quantized"),
+)
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ def bnb_api() -> _API:
     try:
         import bitsandbytes
         from bitsandbytes.functional import QuantState
-        from bitsandbytes.nn import Params4bit
+        from bitsandbytes.nn.modules import Params4bit
     except ImportError as exc:
         raise ConfigurationError(
             f"bitsandbytes 4-bit weights need bitsandbytes, which cannot be imported ({exc}). Install it: pip "
@@ -220,7 +222,7 @@ class Params4bitFormat:
         return built
 
     # ------------------------------------------------------------------ check
-    def problems(self, tensor: object, *, groups: int) -> list[str]:
+    def problems(self, tensor: Any, *, groups: int) -> list[str]:
         if not is_params4bit(tensor):
             return [f"is a {type(tensor).__name__}, no longer a Params4bit"]
         if self.numel % self.group_numel:
