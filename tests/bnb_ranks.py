@@ -197,4 +197,71 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         unchecked = shard(build(), dist.group.WORLD)
     with qr.check_disabled():
         out["faulty_run"] = qr.train(unchecked, dist.group.WORLD)
+    out["hf"] = hf_parity(rank, groups)
+    return out
+
+
+class _Logits(nn.Module):
+    """A Hugging Face causal LM as ``tokens -> logits`` (what tests/qlora_ranks.py's training loop calls)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.model(input_ids=tokens).logits
+        return logits
+
+
+def build_hf(folder: str) -> nn.Module:
+    """A tiny Llama loaded in 4 bits through transformers' BitsAndBytesConfig, with PEFT LoRA adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    base = LlamaForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
+    torch.manual_seed(2)
+    lora = LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    return _Logits(get_peft_model(base, lora))
+
+
+def hf_parity(rank: int, groups: dict[int, dist.ProcessGroup]) -> dict[str, Any]:
+    """Losses of the 4-bit tiny Llama + LoRA: one process, and sharded by decoder layer at W=2 and W=4."""
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as mine:
+        shared: list[Any] = [mine]
+        dist.broadcast_object_list(shared, src=0)  # transformers saves on the main process only: rank 0's folder
+        folder = str(shared[0])
+        if rank == 0:
+            torch.manual_seed(0)
+            LlamaForCausalLM(config).save_pretrained(folder)
+        dist.barrier()
+        reference = build_hf(folder)
+        out["kinds"] = sorted({type(p).__name__ for p in reference.parameters()})
+        out["reference"] = qr.train(reference, None)[0]
+        for size in (2, 4):
+            model = shardline.wrap(build_hf(folder), shardline.layer_policy(LlamaDecoderLayer), mesh=groups[size])
+            out[f"run{size}"] = qr.train(model, groups[size])[0]
+            if size == 4:
+                out["quantized"] = shardline.memory_stats(model).quantized_params
+        dist.barrier()  # rank 0's folder outlives every rank's loading
     return out
