@@ -257,6 +257,10 @@ def hf_parity(rank: int, groups: dict[int, dist.ProcessGroup]) -> dict[str, Any]
         dist.barrier()
         reference = build_hf(folder)
         out["kinds"] = sorted({type(p).__name__ for p in reference.parameters()})
+        # Bytes of each 4-bit weight by the format: packed codes (uint8), absmax codes (uint8), nested absmax (fp32).
+        states = [p.quant_state for p in reference.parameters() if type(p).__name__ == "Params4bit"]
+        codes = sum(torch.Size(s.shape).numel() // 2 for s in states)
+        out["four_bit"] = (codes + sum(s.absmax.numel() + 4 * s.state2.absmax.numel() for s in states), len(states))
         out["reference"] = qr.train(reference, None)[0]
         for size in (2, 4):
             model = shardline.wrap(build_hf(folder), shardline.layer_policy(LlamaDecoderLayer), mesh=groups[size])
