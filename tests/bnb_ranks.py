@@ -172,6 +172,8 @@ def parity(rank: int, world: int) -> dict[str, Any]:
             registered = dict(model.named_parameters())
             out["shard_types"] = {n: type(registered[n]).__name__ for n in FORMATS}
             out["state_dict_keys"] = sorted(model.state_dict())
+            owners = [model.get_submodule(n.removesuffix(".weight")) for n in FORMATS]
+            out["owner_states"] = [type(getattr(m, "quant_state", None)).__name__ for m in owners]
         out[f"run{size}"] = qr.train(model, group)
         if size == 4:
             stats = shardline.memory_stats(model)

@@ -112,6 +112,7 @@ def test_bnb_shards_hold_a_quarter_of_the_four_bit_bytes(runs: list[dict[str, An
         assert total / 4 <= held <= total / 4 + slack, (rank, held, total)
         assert out["memory"]["unsharded"] == 0
         assert set(out["shard_types"].values()) == {"Params4bit"}
+        assert out["owner_states"] == ["NoneType"] * len(br.FORMATS)  # no Linear4bit keeps the whole state
         assert not [k for k in out["state_dict_keys"] if "base.weight" in k or "down.weight" in k]
 
 

@@ -173,6 +173,13 @@ class Params4bitFormat:
     def requantize_hint(self) -> str:
         return "Load or quantize it again with bitsandbytes (Linear4bit(...).to(device)) before sharding."
 
+    def release_owner(self, module: nn.Module) -> None:
+        # Note: a Linear4bit keeps its weight's whole QuantState as `module.quant_state` (to restore a weight that
+        # lost it). Kept, every rank would hold the full absmax state (1/9 of the 4-bit bytes without double
+        # quantization); the engine's weights always carry their state (checked before the first step).
+        if getattr(module, "quant_state", None) is not None:
+            setattr(module, "quant_state", None)  # noqa: B010  (an attribute of Linear4bit, not of nn.Module)
+
     def component_numels(self, groups: int) -> tuple[int, ...]:
         numels = (groups * self.group_numel // 2, groups * self.blocks_per_group)
         return (*numels, groups) if self.nested is not None else numels

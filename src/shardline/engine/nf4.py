@@ -254,6 +254,9 @@ class NF4Format:
     def requantize_hint(self) -> str:
         return "Quantize it again with torchao's to_nf4 before sharding."
 
+    def release_owner(self, module: torch.nn.Module) -> None:
+        pass  # a module keeps nothing of an NF4 weight but the weight
+
     def component_numels(self, groups: int) -> tuple[int, ...]:
         return self.layout.component_numels(groups)
 

@@ -63,6 +63,10 @@ class QuantFormat(Protocol):
         """How a user makes a fresh, consistent weight of this format."""
         ...
 
+    def release_owner(self, module: nn.Module) -> None:
+        """Drop what ``module`` (an owner of the weight) keeps of the whole weight's state besides the weight."""
+        ...
+
     def component_numels(self, groups: int) -> tuple[int, ...]:
         """Elements of each component for ``groups`` groups."""
         ...

@@ -162,6 +162,8 @@ class QuantizedGroup:
                     view.copy_(part)
             qp.sharded = layout.build(self._views(self.local, qp, qp.count), shape=(qp.count * layout.group_numel,))
             qp.register(qp.sharded)
+            for module, _ in qp.locations:
+                layout.release_owner(module)
         self._gathered = False
         self._held = 0  # bytes of the gathered weights, counted in unsharded_params
 
