@@ -201,19 +201,21 @@ class Params4bitFormat:
     def build(self, parts: tuple[torch.Tensor, ...], *, shape: tuple[int, ...] | None = None) -> nn.Parameter:
         api = bnb_api()
         data, absmax = parts[0], parts[1]
+        device = data.device  # the shared state follows the parts (host memory under CPU offload)
         state2 = None
         if self.nested is not None:
+            nested_code = self.nested.code.to(device)
             state2 = api.quant_state(
-                absmax=parts[2], code=self.nested.code, blocksize=self.nested.blocksize, dtype=self.nested.dtype
+                absmax=parts[2], code=nested_code, blocksize=self.nested.blocksize, dtype=self.nested.dtype
             )
         state = api.quant_state(
             absmax=absmax,
             shape=torch.Size(self.shape if shape is None else shape),
-            code=self.code,
+            code=self.code.to(device),
             blocksize=self.blocksize,
             quant_type=self.quant_type,
             dtype=self.dtype,
-            offset=self.nested.offset if self.nested is not None else None,
+            offset=self.nested.offset.to(device) if self.nested is not None else None,
             state2=state2,
         )
         built: nn.Parameter = api.params_class(

@@ -271,7 +271,9 @@ class NF4Format:
         return tuple(out)
 
     def build(self, parts: tuple[torch.Tensor, ...], *, shape: tuple[int, ...] | None = None) -> torch.nn.Parameter:
-        built = build_nf4(self.layout, parts, scaler_mean=self.scaler_mean, code_book=self.code_book, shape=shape)
+        device = parts[0].device  # the shared state follows the parts (host memory under CPU offload)
+        mean, book = self.scaler_mean.to(device), self.code_book.to(device)
+        built = build_nf4(self.layout, parts, scaler_mean=mean, code_book=book, shape=shape)
         return torch.nn.Parameter(built, requires_grad=False)
 
     def problems(self, tensor: object, *, groups: int) -> list[str]:
