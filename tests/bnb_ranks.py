@@ -195,6 +195,11 @@ def parity(rank: int, world: int) -> dict[str, Any]:
         layer = replaced.blocks[1].up.base
         layer._parameters["weight"] = nn.Parameter(layer.weight.data, requires_grad=False)
     out["replaced"] = _refusal(replaced)
+    # On rank 2, the registered shard's quant_state dropped after wrapping (the state axolotl's FSDP2 runs lose).
+    dropped = shard(build(), dist.group.WORLD)
+    if rank == 2:
+        dropped.blocks[0].down.weight.quant_state = None
+    out["dropped_after_wrap"] = _refusal(dropped)
     with dropped_absmax():
         unchecked = shard(build(), dist.group.WORLD)
     with qr.check_disabled():

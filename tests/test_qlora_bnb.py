@@ -98,6 +98,16 @@ def test_bnb_refuses_a_weight_replaced_after_wrapping_on_one_rank(runs: list[dic
         assert "blocks.0" not in message
 
 
+def test_bnb_refuses_a_quant_state_dropped_after_wrapping_on_one_rank(runs: list[dict[str, Any]]) -> None:
+    """A shard whose quant_state is set to None after wrapping, on rank 2: every rank refuses, naming it."""
+    for out in runs:
+        message = out["dropped_after_wrap"]
+        assert message is not None
+        assert "'blocks.0.down.weight' (this rank's shard): its quant_state is None" in message, message
+        assert "(rank 2)" in message
+        assert "blocks.1" not in message
+
+
 def test_bnb_shards_hold_a_quarter_of_the_four_bit_bytes(runs: list[dict[str, Any]]) -> None:
     """At W=4 a rank holds 1/4 of the 4-bit bytes (by the format's formula), nothing gathered between steps.
 
