@@ -165,17 +165,17 @@ def shard(model: nn.Module, group: dist.ProcessGroup, **kwargs: Any) -> nn.Modul
 @contextlib.contextmanager
 def dropped_factors() -> Iterator[None]:
     """Fault: while sharding, each weight's quantization factors are replaced by ones (its scale state lost)."""
-    original = quantized_module._nf4_parts
+    original = quantized_module._quantized_parts
 
     def faulty(tensor: Any, layout: Any, start: int, count: int) -> tuple[torch.Tensor, ...]:
         factor, scalers, data = original(tensor, layout, start, count)
         return torch.ones_like(factor), scalers, data
 
-    quantized_module._nf4_parts = faulty  # type: ignore[assignment]
+    quantized_module._quantized_parts = faulty  # type: ignore[assignment]
     try:
         yield
     finally:
-        quantized_module._nf4_parts = original  # type: ignore[assignment]
+        quantized_module._quantized_parts = original  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

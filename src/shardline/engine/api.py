@@ -19,7 +19,7 @@ from shardline.engine.mesh import MeshLike, ShardMesh, resolve_mesh
 from shardline.engine.mixed_precision import MixedPrecision
 from shardline.engine.offload import OffloadPolicy
 from shardline.engine.param import OWNER_ATTR, REPLACED_ATTR
-from shardline.engine.quantized import split_quantized
+from shardline.engine.quantized import is_quantized, split_quantized
 from shardline.engine.registry import get_unit, subtree_units
 from shardline.engine.state_dict import install_state_dict_hooks
 from shardline.engine.strategy import ShardingStrategy
@@ -430,7 +430,7 @@ def _unit_device(
 ) -> torch.device:
     """The unit's device: its parameters', else ``device=``, its sub-units', its buffers' (see ``engine/device.py``)."""
     for fqn, p, _ in owned:
-        if not p.dtype.is_floating_point:
+        if not p.dtype.is_floating_point and not is_quantized(p):  # a Params4bit holds packed uint8 codes
             raise ShardingError(
                 f"parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters can be sharded. Register "
                 "integer state as a buffer (module.register_buffer) instead."

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
+from shardline.engine.quant_format import byte_checksum
 from shardline.errors import ConfigurationError
 
-__all__ = ["COMPONENTS", "NF4Layout", "build_nf4", "checksum", "is_nf4", "nf4_api", "to_nf4"]
+__all__ = ["COMPONENTS", "NF4Format", "NF4Layout", "build_nf4", "checksum", "is_nf4", "nf4_api", "to_nf4"]
 
 # The component tensors, in the order the engine packs them.
 COMPONENTS = ("quantization_factor", "quantized_scalers", "quantized_data")
@@ -205,21 +206,80 @@ def build_nf4(
 
 
 def checksum(tensor: Any) -> tuple[int, ...]:
-    """A position-sensitive checksum of each component of the NF4 tensor ``tensor`` (computed where it lives).
+    """A position-sensitive checksum of each component of the NF4 tensor ``tensor`` (see ``byte_checksum``)."""
+    return byte_checksum([getattr(tensor, name) for name in (*COMPONENTS, *_REPLICATED)])
 
-    Two sums per component over its bytes: plain, and weighted by position (mod 65521), so a
-    zeroed, replaced or shifted component changes it. Compared, not stored: any change of the
-    formula only has to agree within one process.
+
+@dataclass(frozen=True, eq=False)
+class NF4Format:
+    """An NF4 weight's :class:`~shardline.engine.quant_format.QuantFormat`: its layout and shared state.
+
+    A group is one scaler group (see the module note).
     """
-    out: list[int] = []
-    for name in (*COMPONENTS, *_REPLICATED):
-        raw = getattr(tensor, name).detach().contiguous().reshape(-1).view(torch.uint8)
-        plain = weighted = 0
-        chunk = 1 << 22
-        for start in range(0, raw.numel(), chunk):
-            piece = raw[start : start + chunk].to(torch.int64)
-            weights = (torch.arange(start, start + piece.numel(), device=piece.device) % 65521) + 1
-            plain += int(piece.sum())
-            weighted += int((piece * weights).sum())
-        out += [raw.numel(), plain, weighted]
-    return tuple(out)
+
+    layout: NF4Layout
+    scaler_mean: torch.Tensor
+    code_book: torch.Tensor
+    kind: str = "NF4Tensor"
+    components: tuple[str, ...] = COMPONENTS
+    checksum_names: tuple[str, ...] = (*COMPONENTS, *_REPLICATED)
+
+    @classmethod
+    def of(cls, tensor: Any) -> NF4Format:
+        """The format of the NF4 tensor ``tensor`` (its shared state copied)."""
+        return cls(NF4Layout.of(tensor), tensor.scaler_mean.detach().clone(), tensor.nf4.detach().clone())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.shape
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def group_numel(self) -> int:
+        return self.layout.group_numel
+
+    @property
+    def groups(self) -> int:
+        return self.layout.groups
+
+    def describe(self) -> str:
+        return (
+            f"shape {self.layout.shape}, block_size {self.layout.block_size}, scaler_block_size "
+            f"{self.layout.scaler_block_size}"
+        )
+
+    def requantize_hint(self) -> str:
+        return "Quantize it again with torchao's to_nf4 before sharding."
+
+    def release_owner(self, module: torch.nn.Module) -> None:
+        pass  # a module keeps nothing of an NF4 weight but the weight
+
+    def component_numels(self, groups: int) -> tuple[int, ...]:
+        return self.layout.component_numels(groups)
+
+    def component_dtypes(self) -> tuple[torch.dtype, ...]:
+        return self.layout.component_dtypes()
+
+    def parts(self, tensor: Any, start: int, count: int) -> tuple[torch.Tensor, ...]:
+        out = []
+        for name, per_group in zip(COMPONENTS, self.layout.component_numels(1), strict=True):
+            flat = getattr(tensor, name).reshape(-1)
+            out.append(flat[start * per_group : (start + count) * per_group])
+        return tuple(out)
+
+    def build(self, parts: tuple[torch.Tensor, ...], *, shape: tuple[int, ...] | None = None) -> torch.nn.Parameter:
+        device = parts[0].device  # the shared state follows the parts (host memory under CPU offload)
+        mean, book = self.scaler_mean.to(device), self.code_book.to(device)
+        built = build_nf4(self.layout, parts, scaler_mean=mean, code_book=book, shape=shape)
+        return torch.nn.Parameter(built, requires_grad=False)
+
+    def problems(self, tensor: object, *, groups: int) -> list[str]:
+        if self.layout.numel % self.layout.group_numel:
+            return [f"{self.layout.numel} elements are not whole scaler groups of {self.layout.group_numel}"]
+        return self.layout.problems(tensor, groups=groups)
+
+    def checksum(self, tensor: Any) -> tuple[int, ...]:
+        return checksum(tensor)

@@ -1,4 +1,10 @@
-"""A unit's 4-bit (NF4) frozen weights: sharded along their quantization blocks, gathered with the unit.
+"""A unit's 4-bit frozen weights: sharded along their quantization blocks, gathered with the unit.
+
+Formats: torchao's ``NF4Tensor`` and bitsandbytes' ``Params4bit`` (nf4 or fp4, with or without
+double quantization). The notes below speak of NF4; each format's own layout -- what a *group*
+is, its components, how it is rebuilt -- lives in its module behind one small protocol
+(:class:`~shardline.engine.quant_format.QuantFormat`: :mod:`~shardline.engine.nf4`,
+:mod:`~shardline.engine.bnb4`).
 
 Note: why NF4 weights stay out of the flat buffers. A :class:`~shardline.engine.flat.FlatGroup`
 packs parameters into one floating-point buffer per dtype; an NF4 weight copied into one would
@@ -42,14 +48,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardline.engine.bnb4 import Params4bitFormat, is_params4bit
 from shardline.engine.comm import Comm
 from shardline.engine.memory import MemoryTracker, nbytes
 from shardline.engine.mesh import ShardMesh
-from shardline.engine.nf4 import COMPONENTS, NF4Layout, build_nf4, checksum, is_nf4
+from shardline.engine.nf4 import NF4Format, is_nf4
 from shardline.engine.offload import HostCopies
+from shardline.engine.quant_format import QuantFormat
 from shardline.errors import ShardingError
 
-__all__ = ["QuantizedGroup", "QuantizedParam", "split_quantized", "verify_quantized"]
+__all__ = ["QuantizedGroup", "QuantizedParam", "is_quantized", "split_quantized", "verify_quantized"]
 
 _ALIGN = 16  # byte alignment of each part inside the per-rank buffer (so float parts can be viewed in place)
 
@@ -57,10 +65,22 @@ Entry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
 
 
 def split_quantized(entries: Sequence[Entry]) -> tuple[list[Entry], list[Entry]]:
-    """``entries`` split into (ordinary parameters, NF4 weights)."""
-    plain = [e for e in entries if not is_nf4(e[1])]
-    quantized = [e for e in entries if is_nf4(e[1])]
+    """``entries`` split into (ordinary parameters, 4-bit weights)."""
+    plain = [e for e in entries if not is_quantized(e[1])]
+    quantized = [e for e in entries if is_quantized(e[1])]
     return plain, quantized
+
+
+def is_quantized(tensor: object) -> bool:
+    """Whether ``tensor`` is a 4-bit weight the engine shards by quantization group."""
+    return is_nf4(tensor) or is_params4bit(tensor)
+
+
+def _format_of(fqn: str, tensor: object) -> QuantFormat:
+    try:
+        return Params4bitFormat.of(tensor) if is_params4bit(tensor) else NF4Format.of(tensor)
+    except ValueError as exc:
+        raise ShardingError(f"4-bit weight '{fqn}' ({type(tensor).__name__}) cannot be sharded: {exc}.") from exc
 
 
 def _aligned(n: int) -> int:
@@ -69,17 +89,15 @@ def _aligned(n: int) -> int:
 
 @dataclass(eq=False)
 class QuantizedParam:
-    """One NF4 weight of a unit (see the module note)."""
+    """One 4-bit weight of a unit (see the module note)."""
 
     fqn: str
     locations: list[tuple[nn.Module, str]]
-    layout: NF4Layout
-    start: int  # this rank's first scaler group
-    count: int  # scaler groups this rank holds
-    chunk: int  # scaler groups every rank's record has room for
+    layout: QuantFormat
+    start: int  # this rank's first group
+    count: int  # groups this rank holds
+    chunk: int  # groups every rank's record has room for
     offsets: tuple[int, ...]  # byte offset of each component in the per-rank record
-    scaler_mean: torch.Tensor
-    code_book: torch.Tensor
     expected: tuple[int, ...]  # checksum of the weight handed to fully_shard
     sharded: nn.Parameter | None = None
     unsharded: nn.Parameter | None = None
@@ -89,17 +107,13 @@ class QuantizedParam:
             module._parameters[name] = tensor
 
 
-def _nf4_parts(tensor: torch.Tensor, layout: NF4Layout, start: int, count: int) -> tuple[torch.Tensor, ...]:
-    """The components of scaler groups ``[start, start + count)`` of the NF4 tensor ``tensor`` (flat views)."""
-    parts = []
-    for name, per_group in zip(COMPONENTS, layout.component_numels(1), strict=True):
-        flat = getattr(tensor, name).reshape(-1)
-        parts.append(flat[start * per_group : (start + count) * per_group])
-    return tuple(parts)
+def _quantized_parts(tensor: torch.Tensor, layout: QuantFormat, start: int, count: int) -> tuple[torch.Tensor, ...]:
+    """The components of groups ``[start, start + count)`` of the 4-bit weight ``tensor`` (flat views)."""
+    return layout.parts(tensor, start, count)
 
 
 class QuantizedGroup:
-    """The NF4 weights of one unit: this rank's blocks of each in one byte buffer, gathered together."""
+    """The 4-bit weights of one unit: this rank's blocks of each in one byte buffer, gathered together."""
 
     def __init__(
         self,
@@ -119,25 +133,20 @@ class QuantizedGroup:
         self.params: list[QuantizedParam] = []
         offset = 0
         for fqn, original, locations in entries:
-            tensor: Any = original.detach()  # torchao's NF4Tensor (untyped)
+            tensor: Any = original  # a torchao NF4Tensor or bitsandbytes Params4bit (untyped)
             if tensor.device.type == "meta" or tensor.device != device:
                 raise ShardingError(
-                    f"NF4 weight '{fqn}' is on {tensor.device}, the unit on {device}. Quantize real weights on the "
-                    "unit's device before sharding (an NF4 tensor cannot be materialized from the meta device: its "
+                    f"4-bit weight '{fqn}' is on {tensor.device}, the unit on {device}. Quantize real weights on the "
+                    "unit's device before sharding (a 4-bit tensor cannot be materialized from the meta device: its "
                     "blocks are computed from the weights' values)."
                 )
-            layout = NF4Layout.of(tensor)
+            layout = _format_of(fqn, tensor)
             groups = layout.groups
-            broken = (
-                layout.problems(tensor, groups=groups)
-                if layout.numel % layout.group_numel == 0
-                else [f"{layout.numel} elements are not whole scaler groups of {layout.group_numel}"]
-            )
+            broken = layout.problems(tensor, groups=groups)
             if broken:
                 raise ShardingError(
-                    f"NF4 weight '{fqn}' (shape {layout.shape}, block_size {layout.block_size}, scaler_block_size "
-                    f"{layout.scaler_block_size}) is not a consistent NF4 tensor: {'; '.join(broken)}. Quantize it "
-                    "again with torchao's to_nf4 before sharding."
+                    f"4-bit weight '{fqn}' ({layout.describe()}) is not a consistent {layout.kind}: "
+                    f"{'; '.join(broken)}. {layout.requantize_hint()}"
                 )
             chunk = -(-groups // self.world)
             start = min(rank * chunk, groups)
@@ -155,9 +164,7 @@ class QuantizedGroup:
                     count=count,
                     chunk=chunk,
                     offsets=tuple(offsets),
-                    scaler_mean=tensor.scaler_mean.detach().clone(),
-                    code_book=tensor.nf4.detach().clone(),
-                    expected=checksum(tensor),
+                    expected=layout.checksum(tensor),
                 )
             )
         self.record_bytes = offset
@@ -172,15 +179,10 @@ class QuantizedGroup:
             with torch.no_grad():
                 for view, part in zip(self._views(self.local, qp, qp.count), _local_parts(original, qp), strict=True):
                     view.copy_(part)
-            piece = build_nf4(
-                layout,
-                self._views(self.local, qp, qp.count),
-                scaler_mean=qp.scaler_mean.to(self.local.device),  # one device per tensor (host when offloaded)
-                code_book=qp.code_book.to(self.local.device),
-                shape=(qp.count * layout.group_numel,),
-            )
-            qp.sharded = nn.Parameter(piece, requires_grad=False)
+            qp.sharded = layout.build(self._views(self.local, qp, qp.count), shape=(qp.count * layout.group_numel,))
             qp.register(qp.sharded)
+            for module, _ in qp.locations:
+                layout.release_owner(module)
         self._gathered = False
         self._held = 0  # bytes of the gathered weights, counted in unsharded_params
 
@@ -206,8 +208,8 @@ class QuantizedGroup:
         return max(0, min(qp.chunk, groups - rank * qp.chunk))
 
     # ------------------------------------------------------------------ gather / free
-    def _gather(self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str) -> list[torch.Tensor]:
-        """Every weight of the group as a full NF4 tensor (one all-gather; a copy when not sharded)."""
+    def _gather(self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str) -> list[nn.Parameter]:
+        """Every weight of the group as a full 4-bit weight (one all-gather; a copy when not sharded)."""
         local = self.local
         if self.offload is not None:  # host -> device first; the staged copy lives until the gather has sent it
             local = self.offload.to_device(self.local)
@@ -227,22 +229,22 @@ class QuantizedGroup:
         fulls = []
         for qp in self.params:
             pieces = [self._views(records[r], qp, self._rank_count(qp, r)) for r in range(self.world)]
-            parts = tuple(torch.cat([p[i] for p in pieces]) for i in range(len(COMPONENTS)))
-            fulls.append(build_nf4(qp.layout, parts, scaler_mean=qp.scaler_mean, code_book=qp.code_book))
+            parts = tuple(torch.cat([p[i] for p in pieces]) for i in range(len(qp.layout.components)))
+            fulls.append(qp.layout.build(parts))
         if received is not self.local:  # an all-gather's output, or (offloaded, one rank) the staged copy
             memory.add("comm_buffers", -nbytes(received))
         return fulls
 
     def unshard(self, *, comm: Comm, memory: MemoryTracker, name: str, phase: str) -> None:
-        """Gather every weight and register the full NF4 tensors on the modules (no-op when gathered)."""
+        """Gather every weight and register the full 4-bit weights on the modules (no-op when gathered)."""
         if self._gathered:
             return
         fulls = self._gather(comm=comm, memory=memory, name=name, phase=phase)
         held = 0
         for qp, full in zip(self.params, fulls, strict=True):
-            qp.unsharded = nn.Parameter(full, requires_grad=False)
+            qp.unsharded = full
             qp.register(qp.unsharded)
-            held += sum(nbytes(part) for part in _local_parts(full, None))
+            held += sum(nbytes(part) for part in qp.layout.parts(full, 0, qp.layout.groups))
         self._held = held
         memory.add("unsharded_params", held)
         self._gathered = True
@@ -260,7 +262,7 @@ class QuantizedGroup:
 
     # ------------------------------------------------------------------ the check
     def verify(self, *, comm: Comm, memory: MemoryTracker, name: str) -> list[str]:
-        """Problems of this rank's weights (empty if none): each still NF4, with the quantization state it came with.
+        """Problems of this rank's weights (empty if none): each still 4-bit, with the quantization state it came with.
 
         A collective (one gather of the group) on the shard group's ranks.
         """
@@ -271,17 +273,18 @@ class QuantizedGroup:
                 if registered is not qp.sharded and registered is not qp.unsharded:
                     found.append(
                         f"'{name}.{qp.fqn}': the module holds another tensor ({type(registered).__name__}) than the "
-                        "NF4 shard fully_shard registered"
+                        "4-bit shard fully_shard registered"
                     )
             for problem in qp.layout.problems(qp.sharded, groups=qp.count):
                 found.append(f"'{name}.{qp.fqn}' (this rank's shard): {problem}")
         fulls = self._gather(comm=comm, memory=memory, name=name, phase="init")
         for qp, full in zip(self.params, fulls, strict=True):
-            if checksum(full) != qp.expected:
+            got = qp.layout.checksum(full)
+            if got != qp.expected:
                 changed = [
                     part
-                    for i, part in enumerate((*COMPONENTS, "scaler_mean", "nf4"))
-                    if checksum(full)[3 * i : 3 * i + 3] != qp.expected[3 * i : 3 * i + 3]
+                    for i, part in enumerate(qp.layout.checksum_names)
+                    if got[3 * i : 3 * i + 3] != qp.expected[3 * i : 3 * i + 3]
                 ]
                 parts = ", ".join(changed)
                 found.append(
@@ -292,15 +295,13 @@ class QuantizedGroup:
         return found
 
 
-def _local_parts(tensor: torch.Tensor, qp: QuantizedParam | None) -> tuple[torch.Tensor, ...]:
-    """Components of ``tensor`` -- only this rank's scaler groups of them when ``qp`` is given."""
-    if qp is None:
-        return tuple(getattr(tensor, name) for name in COMPONENTS)
-    return _nf4_parts(tensor, qp.layout, qp.start, qp.count)
+def _local_parts(tensor: torch.Tensor, qp: QuantizedParam) -> tuple[torch.Tensor, ...]:
+    """Components of this rank's groups of ``tensor``."""
+    return _quantized_parts(tensor, qp.layout, qp.start, qp.count)
 
 
 def verify_quantized(units: Sequence[object], *, comm: Comm, group: dist.ProcessGroup | None) -> None:
-    """Refuse to go on unless every NF4 weight of ``units`` kept its quantization state (a collective).
+    """Refuse to go on unless every 4-bit weight of ``units`` kept its quantization state (a collective).
 
     Every rank gathers each unit's quantized group once and compares it with what was sharded
     (see the module note); then the ranks agree, so all of them raise (naming each weight and
@@ -328,9 +329,9 @@ def verify_quantized(units: Sequence[object], *, comm: Comm, group: dist.Process
         ]
     if found:
         raise ShardingError(
-            f"{len(found)} 4-bit (NF4) weight problem(s) found before the first step: "
+            f"{len(found)} 4-bit weight problem(s) found before the first step: "
             + "; ".join(found[:10])
             + ". Training would compute with corrupted base weights (wrong or NaN losses and gradients). "
-            "Quantize the weights (torchao to_nf4) on their final device before fully_shard, and do not replace "
-            "or modify them afterwards."
+            "Quantize the weights (torchao to_nf4, or bitsandbytes Params4bit) on their final device before "
+            "fully_shard, and do not replace or modify them afterwards."
         )

@@ -217,6 +217,9 @@ class _DropQuantized:  # no __slots__: torch tags public state-dict hooks with a
         self.prefixes.add(prefix)
         for key in self.keys:
             state_dict.pop(prefix + key, None)
+            # bitsandbytes' Linear4bit also saves its weight's quantization state as "<weight>.<stat>" entries
+            for stat in [k for k in state_dict if k.startswith(f"{prefix}{key}.")]:
+                del state_dict[stat]
 
 
 class _ForgiveQuantized:
