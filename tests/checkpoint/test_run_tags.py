@@ -40,9 +40,12 @@ def test_manager_and_request_tags_are_recorded_in_manifest_and_statement(tmp_pat
     assert record.manifest_sha256 == hashlib.sha256(raw).hexdigest()
     assert record.parent_manifest_sha256 == hashlib.sha256((first / "manifest.json").read_bytes()).hexdigest()
     assert record.run_tags == {"owner": "ana", "ticket": "ABC-1"}
-    on_disk = sorted(
-        p.name for p in second.iterdir() if p.name not in ("manifest.json", "manifest.sha256", "SHA256SUMS")
-    )
+    # The statement names the manifest (its one subject), so the manifest's file table -- and the record's --
+    # lists every other file; the statement is pinned by SHA256SUMS and the ledger row.
+    statement = json.loads((second / "provenance.intoto.json").read_bytes())
+    assert statement["subject"][0]["digest"]["sha256"] == record.manifest_sha256
+    derived = ("manifest.json", "manifest.sha256", "SHA256SUMS", "provenance.intoto.json")
+    on_disk = sorted(p.name for p in second.iterdir() if p.name not in derived)
     assert [f[1] for f in record.files] == on_disk
     for rank, name, size, sha in record.files:
         assert (rank, size, sha) == (
