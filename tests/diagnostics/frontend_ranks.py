@@ -39,7 +39,8 @@ def lightning_fit(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def hf_train(rank: int, world: int, root: str) -> dict[str, Any]:
-    """4 steps of a tiny Llama under ShardlineTrainer with report_to=["mlflow"]."""
+    """4 steps of a tiny Llama under ShardlineTrainer with report_to=["mlflow", "tensorboard"], run tags, and a
+    checkpoint every 2 steps."""
     import os
 
     warnings.filterwarnings("ignore")
@@ -50,8 +51,16 @@ def hf_train(rank: int, world: int, root: str) -> dict[str, Any]:
     from tests.hf.trainer_script import Tokens, llama, targs
 
     callback = DiagnosticsCallback(memory_steps=2)
-    args = targs(__import__("pathlib").Path(root), "out", report_to=["mlflow"])
-    trainer = ShardlineTrainer(model=llama(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    args = targs(
+        __import__("pathlib").Path(root),
+        "out",
+        report_to=["mlflow", "tensorboard"],
+        save_strategy="steps",
+        save_steps=2,
+    )
+    trainer = ShardlineTrainer(
+        model=llama(), args=args, train_dataset=Tokens(), callbacks=[callback], run_tags={"ticket": "HF-7"}
+    )
     trainer.train()
     import mlflow
 
