@@ -39,9 +39,20 @@ def _read_back(root: Path, run_id: str, tmp_path: Path) -> tuple[str, dict[str, 
     return text, history
 
 
-def test_lightning_callback_logs_the_train_diagnostics_to_its_logger(tmp_path: Path) -> None:
-    (out,) = run_distributed(frontend_ranks.lightning_fit, 1, args=(str(tmp_path),), timeout=120)
-    text, history = _read_back(tmp_path, out["run_id"], tmp_path / "dl")
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One Lightning launch (4 steps under ShardlineStrategy, checkpoints at 2 and 4, run tags, MLflow and
+    TensorBoard loggers)."""
+    root = tmp_path_factory.mktemp("lit")
+    (out,) = run_distributed(frontend_ranks.lightning_fit, 1, args=(str(root),), timeout=120)
+    return root, out
+
+
+def test_lightning_callback_logs_the_train_diagnostics_to_its_logger(
+    lightning_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, out = lightning_run
+    text, history = _read_back(root, out["run_id"], tmp_path / "dl")
     assert text == out["text"]
     assert "strategy shardline (full_shard), world size 1" in text
     assert "3 units over 1 ranks" in text
@@ -55,14 +66,14 @@ def test_lightning_callback_logs_the_train_diagnostics_to_its_logger(tmp_path: P
         assert set(history[f"diagnostics/peak_rss_mib/{phase}"]) == {1, 2}, phase
         assert all(v > 0 for v in history[f"diagnostics/peak_rss_mib/{phase}"].values())
         assert set(history[f"diagnostics/engine_mib/{phase}"]) == {1, 2}
-    folder = next(tmp_path.rglob("memory_phases.csv")).parent
+    folder = next(root.rglob("memory_phases.csv")).parent
     with open(folder / "memory_phases.csv", newline="") as f:
         rows = [(int(r["step"]), r["phase"]) for r in csv.DictReader(f)]
     assert rows == [(s, p) for s in (1, 2) for p in phases]
     assert (folder / "diagnostics.txt").read_text() == text
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent), size_guidance={"tensors": 0})
+    events = EventAccumulator(str(next(root.rglob("events.out.tfevents.*")).parent), size_guidance={"tensors": 0})
     events.Reload()
     (entry,) = events.Tensors("diagnostics/text_summary")
     assert entry.tensor_proto.string_val[0].decode() == "```\n" + text + "```"
@@ -151,3 +162,24 @@ def test_hf_trainer_records_each_checkpoint_and_the_run_tags_in_mlflow_and_tenso
     assert event.step == 4
     assert f"manifest `{digest}`" in event.tensor_proto.string_val[0].decode()
     assert "| tag ticket | `HF-7` |" in event.tensor_proto.string_val[0].decode()
+    (tags,) = events.Tensors("run_tags/text_summary")
+    assert "| ticket | `HF-7` |" in tags.tensor_proto.string_val[0].decode()
+
+
+def test_lightning_strategy_records_each_checkpoint_and_the_run_tags_in_its_loggers(
+    lightning_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, out = lightning_run
+    folders = {n: root / "ckpt" / f"epoch=0-step={n}.ckpt" for n in (2, 4)}
+    checkpoints = {f"epoch_0-step_{n}.ckpt": folder for n, folder in folders.items()}
+    assert_checkpoints_in_mlflow(root / "mlflow.db", out["run_id"], "lit", "LIT-3", checkpoints, tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(root.rglob("events.out.tfevents.*")).parent), size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("checkpoint/epoch_0-step_4.ckpt/text_summary")
+    digest = hashlib.sha256((folders[4] / "manifest.json").read_bytes()).hexdigest()
+    assert event.step == 4
+    assert f"manifest `{digest}`" in event.tensor_proto.string_val[0].decode()
+    (tags,) = events.Tensors("run_tags/text_summary")
+    assert "| ticket | `LIT-3` |" in tags.tensor_proto.string_val[0].decode()

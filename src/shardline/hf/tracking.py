@@ -104,7 +104,8 @@ def _to_trackers(tags: Mapping[str, str], path: str | None, name: str | None, wr
     if writer is not None:
 
         def _tensorboard() -> None:
-            tensorboard_run_tags(writer, tags)
+            if not records:  # a record's markdown lists its run tags
+                tensorboard_run_tags(writer, tags)
             tensorboard_checkpoints(writer, records)
 
         _send(what, _tensorboard)
