@@ -114,19 +114,27 @@ def _files(manifest: dict[str, Any]) -> list[list[Any]]:
 
 
 def assert_checkpoints_in_mlflow(
-    db: Path, run_id: str, experiment: str, ticket: str, checkpoints: dict[str, Path], tmp_path: Path
-) -> None:
+    db: Path,
+    run_id: str | None,
+    experiment: str,
+    ticket: str,
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    *,
+    parent: str = "none",
+) -> str:
     """Each checkpoint's record in the MLflow run, read back with MlflowClient, against its manifest on disk; the
-    run found by its ticket tag; the parent tags chained in the order given."""
+    run (``run_id``; None: any one run) found by its ticket tag, and its id returned; the parent tags chained in the
+    order given, from ``parent``."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     exp = client.get_experiment_by_name(experiment)
-    found = client.search_runs([exp.experiment_id], filter_string=f"tags.ticket = '{ticket}'")
-    assert [r.info.run_id for r in found] == [run_id]
+    (found,) = client.search_runs([exp.experiment_id], filter_string=f"tags.ticket = '{ticket}'")
+    assert run_id in (None, found.info.run_id)
+    run_id = found.info.run_id
     assert client.search_runs([exp.experiment_id], filter_string="tags.ticket = 'nope'") == []
     tags = client.get_run(run_id).data.tags
-    parent = "none"
     for name, folder in checkpoints.items():
         raw = (folder / "manifest.json").read_bytes()
         manifest, digest = json.loads(raw), hashlib.sha256(raw).hexdigest()
@@ -134,7 +142,8 @@ def assert_checkpoints_in_mlflow(
         assert tags[f"checkpoint/{name}/manifest_sha256"] == digest
         assert tags[f"checkpoint/{name}/parent_manifest_sha256"] == parent
         assert tags[f"checkpoint/{name}/files"] == str(len(manifest["files"]))
-        assert tags[f"checkpoint/{name}/world_size"] == "1"
+        assert tags[f"checkpoint/{name}/world_size"] == str(manifest["world_size"])
+        assert tags[f"checkpoint/{name}/step"] == str(manifest["step"])
         got = Path(client.download_artifacts(run_id, f"checkpoint/{name}/manifest.json", str(tmp_path)))
         assert got.read_bytes() == raw, "the manifest byte for byte"
         table = json.loads(
@@ -143,6 +152,7 @@ def assert_checkpoints_in_mlflow(
         assert table["columns"] == ["rank", "path", "bytes", "sha256"]
         assert sorted(table["data"], key=lambda r: r[1]) == _files(manifest)
         parent = digest
+    return run_id
 
 
 def test_hf_trainer_records_each_checkpoint_and_the_run_tags_in_mlflow_and_tensorboard(

@@ -42,7 +42,7 @@ from shardline.checkpoint.provenance.tracker_send import (
 )
 from shardline.errors import PublishError
 
-__all__ = ["RunTagsCallback", "active", "record_checkpoint", "tensorboard_writer"]
+__all__ = ["RunTagsCallback", "active", "attach_run_tags", "record_checkpoint", "tensorboard_writer"]
 
 
 def active(name: str) -> Any:
@@ -134,6 +134,17 @@ def record_checkpoint(
     rank0_decides(lambda: _to_trackers(dict(tags or {}), where, name, writer, f"checkpoint {where}"), None)
 
 
+def attach_run_tags(tags: Mapping[str, str], *, callbacks: Iterable[Any] = ()) -> None:
+    """Attach run tags to the trackers' runs open on this process (call it on world process zero, where
+    Trainer's integrations open them; ``callbacks``: where a ``TensorBoardCallback``'s writer is looked for).
+
+    Raises:
+        PublishError: a tracker call failed.
+    """
+    if tags:
+        _to_trackers(dict(tags), None, None, tensorboard_writer(callbacks), "the run tags")
+
+
 class RunTagsCallback(TrainerCallback):
     """Attach run tags to the trackers' runs as training begins (world process zero).
 
@@ -149,6 +160,5 @@ class RunTagsCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if state.is_world_process_zero and self.tags:
-            writer = tensorboard_writer(self._callbacks() if self._callbacks is not None else ())
-            _to_trackers(self.tags, None, None, writer, "the run tags")
+        if state.is_world_process_zero:
+            attach_run_tags(self.tags, callbacks=self._callbacks() if self._callbacks is not None else ())
