@@ -237,7 +237,7 @@ class ShardlineTrainerMixin(_TrainerBase):
             self._shardline_parent = info.manifest_hash
             self._shardline_run_dir = os.path.dirname(os.path.abspath(output_dir))
             record_checkpoint(
-                os.fspath(info.path),
+                str(info.path),
                 name=os.path.basename(os.path.abspath(output_dir)),
                 callbacks=self.callback_handler.callbacks,
             )

@@ -461,7 +461,7 @@ class ShardlineStrategy(ParallelStrategy):
             ) from None
         self._parent_manifest_hash = info.manifest_hash  # committed: the next save chains to it in any case
         record_commit(path, info)
-        record_checkpoint(self.lightning_module.trainer, path, step=info.step)
+        record_checkpoint(self.lightning_module.trainer if self.lightning_module is not None else None, path)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify and load a shardline checkpoint into the sharded model (and optimizer, when fitting), any world size.

@@ -100,7 +100,7 @@ def _loggers(trainer: Any) -> list[Any]:
     return list(getattr(trainer, "loggers", None) or [])
 
 
-def record_checkpoint(trainer: Any, path: str | os.PathLike[str], *, step: int) -> None:
+def record_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> None:
     """Record the committed checkpoint at ``path`` in ``trainer``'s loggers (a collective: every rank calls; rank 0
     sends).
 
@@ -108,7 +108,7 @@ def record_checkpoint(trainer: Any, path: str | os.PathLike[str], *, step: int) 
         PublishError: a logger call failed (on every rank; the checkpoint is committed).
     """
     loggers, where = _loggers(trainer), os.fspath(path)
-    rank0_decides(lambda: _send(loggers, {}, where, step, f"checkpoint {where}"), None)
+    rank0_decides(lambda: _send(loggers, {}, where, 0, f"checkpoint {where}"), None)
 
 
 def attach_run_tags(trainer: Any, tags: Mapping[str, str]) -> None:
