@@ -8,26 +8,31 @@ from typing import Any
 
 
 def lightning_fit(rank: int, world: int, root: str) -> dict[str, Any]:
-    """4 optimizer steps of the Lightning test model under ShardlineStrategy, with an MLFlowLogger and a
-    TensorBoardLogger."""
+    """4 optimizer steps of the Lightning test model under ShardlineStrategy (run tags; a checkpoint every 2 steps),
+    with an MLFlowLogger and a TensorBoardLogger."""
     warnings.filterwarnings("ignore")
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
 
     from shardline.lightning import DiagnosticsCallback, ShardlineStrategy
     from tests.lightning.ranks import _loader, lit_module
     from tests.lightning.reference import Block
 
-    logger = MLFlowLogger(experiment_name="lit", tracking_uri=f"sqlite:///{root}/mlflow.db", save_dir=None)
+    logger = MLFlowLogger(
+        experiment_name="lit",
+        tracking_uri=f"sqlite:///{root}/mlflow.db",
+        save_dir=None,
+        artifact_location=f"{root}/mlartifacts",  # not ./mlruns in the working directory
+    )
     callback = DiagnosticsCallback(memory_steps=2)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=ShardlineStrategy(auto_wrap_policy=[Block]),
+        strategy=ShardlineStrategy(auto_wrap_policy=[Block], run_tags={"ticket": "LIT-3"}),
         max_steps=4,
-        callbacks=[callback],
+        callbacks=[callback, ModelCheckpoint(dirpath=f"{root}/ckpt", every_n_train_steps=2, save_top_k=-1)],
         logger=[logger, TensorBoardLogger(save_dir=root, name="tb")],
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -39,21 +44,31 @@ def lightning_fit(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def hf_train(rank: int, world: int, root: str) -> dict[str, Any]:
-    """4 steps of a tiny Llama under ShardlineTrainer with report_to=["mlflow"]."""
+    """4 steps of a tiny Llama under ShardlineTrainer with report_to=["mlflow", "tensorboard"], run tags, and a
+    checkpoint every 2 steps."""
     import os
 
     warnings.filterwarnings("ignore")
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
     os.environ["MLFLOW_EXPERIMENT_NAME"] = "hf"
     os.environ["DISABLE_MLFLOW_INTEGRATION"] = "FALSE"
+    import mlflow
+
+    mlflow.create_experiment("hf", artifact_location=f"{root}/mlartifacts")  # not ./mlruns in the working directory
     from shardline.hf import DiagnosticsCallback, ShardlineTrainer
     from tests.hf.trainer_script import Tokens, llama, targs
 
     callback = DiagnosticsCallback(memory_steps=2)
-    args = targs(__import__("pathlib").Path(root), "out", report_to=["mlflow"])
-    trainer = ShardlineTrainer(model=llama(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    args = targs(
+        __import__("pathlib").Path(root),
+        "out",
+        report_to=["mlflow", "tensorboard"],
+        save_strategy="steps",
+        save_steps=2,
+    )
+    trainer = ShardlineTrainer(
+        model=llama(), args=args, train_dataset=Tokens(), callbacks=[callback], run_tags={"ticket": "HF-7"}
+    )
     trainer.train()
-    import mlflow
-
     run = mlflow.last_active_run()
     return {"run_id": run.info.run_id if run else None, "lines": callback.probe.lines, "text": callback.probe.text()}

@@ -5,7 +5,8 @@ without ``shardline.hf.LineageCallback``.
 
 * ``train``: ``plain`` -- ``Trainer(fsdp=...)`` saving sharded checkpoints at steps 2 and 4, no
   callback (the framework's own checkpoints); ``lined`` -- the same run with the callback;
-  ``rotated`` -- saves every step with ``save_total_limit=1`` and the callback.
+  ``rotated`` -- saves every step with ``save_total_limit=1`` and the callback with run tags, reporting to
+  MLflow (a local store, ``OUT/mlflow.db``).
 * ``resume`` (a fresh launch): a byte of ``lined/checkpoint-2``'s model shard flipped, then
   ``train(resume_from_checkpoint=...)`` with the callback (what every rank raised goes to
   ``refused.json``); the byte restored, the same resume trains on to step 4 (``resumed``).
@@ -58,10 +59,10 @@ def targs(out: Path, name: str, **kw) -> TrainingArguments:
     return TrainingArguments(**{**base, **kw})
 
 
-def trainer(out: Path, name: str, *, lineage: bool, **kw) -> Trainer:
+def trainer(out: Path, name: str, *, lineage: bool, run_tags: dict[str, str] | None = None, **kw) -> Trainer:
     args = targs(out, name, **kw)
     fsdp_on_cpu()
-    callbacks = [LineageCallback()] if lineage else []
+    callbacks = [LineageCallback(run_tags=run_tags)] if lineage else []
     built = Trainer(model=llama(), args=args, train_dataset=Tokens(), callbacks=callbacks)
     assert built.is_fsdp_enabled
     assert built.accelerator.state.distributed_type == DistributedType.FSDP
@@ -85,7 +86,15 @@ def train_phase(out: Path) -> None:
         run = trainer(out, name, lineage=lineage)
         run.train()
         record(out, name, run)
-    trainer(out, "rotated", lineage=True, max_steps=3, save_steps=1, save_total_limit=1).train()
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{out}/mlflow.db"
+    os.environ["MLFLOW_EXPERIMENT_NAME"] = "rotated"
+    os.environ["DISABLE_MLFLOW_INTEGRATION"] = "FALSE"
+    if dist.get_rank() == 0:  # Trainer's MLflow integration runs on rank 0 only
+        import mlflow
+
+        mlflow.create_experiment("rotated", artifact_location=f"{out}/mlartifacts")
+    rotated = {"max_steps": 3, "save_steps": 1, "save_total_limit": 1, "report_to": ["mlflow"]}
+    trainer(out, "rotated", lineage=True, run_tags={"ticket": "FSDP-9"}, **rotated).train()
 
 
 def _flip(path: Path) -> None:

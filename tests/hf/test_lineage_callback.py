@@ -12,7 +12,8 @@ then intact. The checks:
 * the resume in new processes ends with the uninterrupted run's weights, bit for bit; the later
   checkpoint of the abandoned branch is moved aside and recorded; the flipped byte stops the
   resume on every rank with an IntegrityError naming the file;
-* checkpoints Trainer's rotation deleted get tombstone rows; the ledger verifies.
+* checkpoints Trainer's rotation deleted get tombstone rows; the ledger verifies;
+* each adopted checkpoint is recorded in the MLflow run ``report_to`` started, which its run tag finds.
 
 Without a launch: what the callback refuses (arguments that save no DCP folders, a resume from a
 checkpoint not under lineage, a fresh start over adopted checkpoints).
@@ -150,6 +151,27 @@ def test_checkpoints_deleted_by_save_total_limit_are_tombstoned(fsdp_runs: Path)
     assert ("tombstone", "checkpoint-1") in events
     assert ("tombstone", "checkpoint-2") in events
     assert ckpt.verify_checkpoint(run / "checkpoint-3").ok
+
+
+@pytest.mark.slow
+def test_adopted_checkpoints_and_the_run_tags_are_recorded_in_the_mlflow_run(fsdp_runs: Path, tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    from tests.diagnostics.test_frontend_callbacks import assert_checkpoints_in_mlflow
+
+    run = fsdp_runs / "rotated"
+    commits = [r for r in ckpt.Ledger(run / "lineage.sqlite").rows() if r.is_commit]
+    checkpoints = {"checkpoint-3": run / "checkpoint-3"}
+    db = fsdp_runs / "mlflow.db"
+    run_id = assert_checkpoints_in_mlflow(
+        db, None, "rotated", "FSDP-9", checkpoints, tmp_path, parent=commits[1].manifest_sha256
+    )
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(tracking_uri=f"sqlite:///{db}").get_run(run_id).data.tags
+    # The checkpoints the rotation deleted since were recorded at their save.
+    for row in commits:
+        assert tags[f"checkpoint/{row.checkpoint}/manifest_sha256"] == row.manifest_sha256
+    assert read_manifest(run / "checkpoint-3")[0]["run_tags"] == {"ticket": "FSDP-9"}
 
 
 # ---------------------------------------------------------------------- refusals, no launch

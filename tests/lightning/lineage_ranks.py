@@ -58,35 +58,58 @@ def lit_module(kind: str, seed: int = 0) -> Any:
     return Regressor()
 
 
-def strategy(kind: str, *, lineage: bool) -> Any:
+def strategy(kind: str, *, lineage: bool, run_tags: dict[str, str] | None = None) -> Any:
     from shardline.lightning import LineageFSDPStrategy, LineageModelParallelStrategy
 
     if kind == "fsdp":
-        return LineageFSDPStrategy() if lineage else OwnFSDPStrategy(state_dict_type="sharded")
+        return LineageFSDPStrategy(run_tags=run_tags) if lineage else OwnFSDPStrategy(state_dict_type="sharded")
     world = dist.get_world_size()
     if lineage:
-        return LineageModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        return LineageModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, run_tags=run_tags)
     return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
 
 
 def _fit(
-    root: Path, kind: str, *, lineage: bool, saves: str | None = None, resume: Path | None = None, keep: int = -1
+    root: Path,
+    kind: str,
+    *,
+    lineage: bool,
+    saves: str | None = None,
+    resume: Path | None = None,
+    keep: int = -1,
+    tracked: bool = False,
 ) -> Any:
     """Two epochs (4 steps each) at this rank's share of the data. With ``saves``: a checkpoint there after each
-    epoch (all kept), or with ``keep=1`` every 2 steps, each pruning the one before."""
+    epoch (all kept), or with ``keep=1`` every 2 steps, each pruning the one before. ``tracked``: run tags
+    (ticket ``LIN-<kind>``) and an MLFlowLogger (``root/mlflow.db``, experiment ``kind``)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    logger: Any = False
+    if tracked:
+        if dist.get_rank() == 0:  # the store's schema, made once: each rank's logger opens the store
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db").search_experiments()
+        dist.barrier()
+        logger = MLFlowLogger(
+            experiment_name=kind,
+            tracking_uri=f"sqlite:///{root}/mlflow.db",
+            save_dir=None,
+            artifact_location=f"{root}/mlartifacts",
+        )
 
     every = {"every_n_epochs": 1} if keep == -1 else {"every_n_train_steps": 2}
     callbacks = [ModelCheckpoint(dirpath=root / saves, save_top_k=keep, **every)] if saves else []
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=dist.get_world_size(),
-        strategy=strategy(kind, lineage=lineage),
+        strategy=strategy(kind, lineage=lineage, run_tags={"ticket": f"LIN-{kind}"} if tracked else None),
         max_epochs=2,
         callbacks=callbacks,
         enable_checkpointing=bool(saves),
-        logger=False,
+        logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -171,7 +194,7 @@ def train_resume(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
     _fit(base, kind, lineage=False, saves="own")
     own = sorted((base / "own").iterdir())
     own_resumed = _fit(base, kind, lineage=False, resume=own[0])
-    straight = _fit(base, kind, lineage=True, saves="lineage")
+    straight = _fit(base, kind, lineage=True, saves="lineage", tracked=True)
     saved = sorted((base / "lineage").glob("epoch=*"))
     resumed = _fit(base, kind, lineage=True, saves="resumed", resume=saved[0], keep=1)
     by_own = _fit(base, kind, lineage=False, resume=saved[0])  # Lightning's own strategy reads the same layout

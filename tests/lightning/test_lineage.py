@@ -81,6 +81,19 @@ def test_checkpoints_verify_in_lightnings_layout_and_chain_in_the_ledger(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_each_checkpoint_and_the_run_tags_are_recorded_in_the_mlflow_logger(
+    runs: list[dict[str, dict[str, Any]]], kind: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("mlflow")
+    from tests.diagnostics.test_frontend_callbacks import assert_checkpoints_in_mlflow
+
+    first, second = (Path(p) for p in runs[0][kind]["saved"])
+    checkpoints = {p.name.replace("=", "_"): p for p in (first, second)}
+    db = first.parent.parent / "mlflow.db"
+    assert_checkpoints_in_mlflow(db, None, kind, f"LIN-{kind}", checkpoints, tmp_path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_flipped_byte_is_refused_on_every_rank_before_anything_is_loaded(
     runs: list[dict[str, dict[str, Any]]], kind: str
 ) -> None:

@@ -80,9 +80,10 @@ def save_training_checkpoint(
     config: Mapping[str, Any],
     parent_manifest_hash: str | None,
     scaler: ShardedGradScaler | None = None,
+    run_tags: Mapping[str, str] | None = None,
 ) -> ckpt.CheckpointInfo:
     """Write ``output_dir/shardline`` (a collective): model shards, optimizer (if given), scheduler and
-    fp16 loss scaler state (scale and growth counter, the same on every rank).
+    fp16 loss scaler state (scale and growth counter, the same on every rank); ``run_tags`` go in its manifest.
 
     The commit is recorded in ``lineage.sqlite`` in ``output_dir``'s parent (the run directory).
     """
@@ -100,6 +101,7 @@ def save_training_checkpoint(
         step=step,
         config=dict(config),
         parent_manifest_hash=parent_manifest_hash,
+        run_tags=run_tags,
     )
     record_commit(path.parent.parent, path, info)
     return info

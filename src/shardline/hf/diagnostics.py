@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from shardline.diagnostics.probe import DIAGNOSTICS_FILE, DiagnosticsProbe, Setup, policies_from_model
 from shardline.diagnostics.summaries import PhaseMemory
 from shardline.engine import subtree_units
+from shardline.hf.tracking import active as _active
 
 __all__ = ["DIAGNOSTICS_FILE", "DiagnosticsCallback"]
 
@@ -146,16 +146,6 @@ class DiagnosticsCallback(TrainerCallback):
             mlflow.log_text(text, DIAGNOSTICS_FILE)
         if wandb is not None:
             wandb.run.summary["diagnostics"] = text
-
-
-def _active(name: str) -> Any:
-    """The tracker module ``name`` when it is imported and has a run open (an integration started it), else None."""
-    module = sys.modules.get(name)
-    if module is None:
-        return None
-    if name == "mlflow":
-        return module if module.active_run() is not None else None
-    return module if getattr(module, "run", None) is not None else None
 
 
 def _log_metrics(probe: DiagnosticsProbe, row: PhaseMemory, step: int) -> None:

@@ -12,7 +12,8 @@ checkpoints, rather than :class:`~shardline.hf.ShardlineTrainer`: one callback, 
   tokenizer's files) are hashed into one manifest, whose parent is the previous save (or the
   checkpoint resumed). The ledger ``output_dir/lineage.sqlite`` gets a commit row marked adopted;
   the checkpoints Trainer's ``save_total_limit`` deleted get tombstone rows. Every rank learns the
-  outcome, or the same error.
+  outcome, or the same error. The adopted checkpoint's record (manifest, sharding, parent, file
+  table) then goes to the MLflow and W&B runs ``report_to`` started (:mod:`shardline.hf.tracking`).
 * **Resumes** (``on_train_begin``, when Trainer restored a step > 0): rank 0 verifies the
   resumed ``checkpoint-N`` -- every byte against its manifest, the manifest against the hash the
   ledger recorded -- and every rank raises if it is damaged or not under lineage. Later
@@ -30,6 +31,7 @@ while it wrote them, as :func:`shardline.checkpoint.save` does.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +44,11 @@ from shardline.checkpoint.integrity.manifest import MANIFEST
 from shardline.checkpoint.integrity.verify import VerifyLevel, verify_checkpoint
 from shardline.checkpoint.lifecycle.adopt import adopt
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigurationError, IntegrityError
 from shardline.hf.checkpoints import record_rotations
 from shardline.hf.resume import checkpoints_in, move_to_abandoned
+from shardline.hf.tracking import attach_run_tags, record_checkpoint
 
 __all__ = ["LineageCallback"]
 
@@ -64,9 +68,13 @@ class LineageCallback(TrainerCallback):
     Args:
         verify: What a resume checks first: ``"full"`` (default: every byte hashed against the
             manifest) or ``"sizes"``.
+        run_tags: ``{key: value}`` strings the run is filed under (``{"ticket": "ABC-1"}``),
+            recorded in every adopted checkpoint's manifest and attached to the MLflow and W&B runs
+            ``report_to`` started, where each adopted checkpoint is recorded too
+            (:mod:`shardline.hf.tracking`; Trainer's TensorBoard writer is out of a callback's reach).
 
     Raises:
-        ConfigurationError: ``verify`` is ``"none"`` or unknown; at ``train()``, arguments that do
+        ConfigurationError: ``verify`` is ``"none"`` or unknown, a bad run tag; at ``train()``, arguments that do
             not save sharded DCP checkpoints.
         IntegrityError: at ``train()``, the resumed checkpoint does not verify.
         CheckpointNotFoundError: at ``train()``, the resumed checkpoint is not under lineage.
@@ -74,7 +82,10 @@ class LineageCallback(TrainerCallback):
             adopted checkpoints.
     """
 
-    def __init__(self, *, verify: VerifyLevel | str = VerifyLevel.FULL) -> None:
+    def __init__(
+        self, *, verify: VerifyLevel | str = VerifyLevel.FULL, run_tags: Mapping[str, str] | None = None
+    ) -> None:
+        self.run_tags = check_run_tags(run_tags, where="run_tags")
         level = VerifyLevel.parse(verify)
         if level is VerifyLevel.NONE:
             raise ConfigurationError(
@@ -94,6 +105,8 @@ class LineageCallback(TrainerCallback):
         resumed = _resumed_folder(args, run, step) if step > 0 else None
         level = self.verify
         self.parent_manifest_hash = rank0_decides(lambda: _begin(run, step, resumed, level), None)
+        if state.is_world_process_zero:  # Trainer's integrations opened their runs there
+            attach_run_tags(self.run_tags)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Adopt the ``checkpoint-N`` Trainer just wrote, and record what its rotation deleted (every rank)."""
@@ -103,8 +116,10 @@ class LineageCallback(TrainerCallback):
         parent = self.parent_manifest_hash
         if dist.is_initialized():
             dist.barrier()  # every rank's files (its DCP shards, rng_state_R.pth) are written before rank 0 hashes
-        self.parent_manifest_hash = rank0_decides(lambda: _adopt(folder, run, step, parent), None)
+        tags = self.run_tags
+        self.parent_manifest_hash = rank0_decides(lambda: _adopt(folder, run, step, parent, tags), None)
         record_rotations(run, "deleted by Trainer (save_total_limit)")
+        record_checkpoint(folder, name=folder.name)
 
 
 def _output_dir(args: TrainingArguments) -> str:
@@ -205,7 +220,7 @@ def _verify_resumed(folder: Path, level: VerifyLevel) -> str:
     return report.manifest_hash
 
 
-def _adopt(folder: Path, run: Path, step: int, parent: str | None) -> str:
+def _adopt(folder: Path, run: Path, step: int, parent: str | None, tags: Mapping[str, str]) -> str:
     """Rank 0: adopt ``folder`` (all its DCP subfolders and loose files); its manifest hash."""
     if not folder.is_dir():
         raise CheckpointNotFoundError(
@@ -218,5 +233,7 @@ def _adopt(folder: Path, run: Path, step: int, parent: str | None) -> str:
             f"{folder} holds no DCP folder to adopt ({', '.join(sorted(p.name for p in folder.iterdir())[:8])}): "
             f"FSDP saved full state dicts; set fsdp_config={{'state_dict_type': '{_SHARDED}'}}"
         )
-    done = adopt(folder, step=step, ledger=run / LEDGER_NAME, subfolders=True, parent_manifest_hash=parent)
+    done = adopt(
+        folder, step=step, ledger=run / LEDGER_NAME, subfolders=True, parent_manifest_hash=parent, run_tags=tags
+    )
     return done.manifest_hash

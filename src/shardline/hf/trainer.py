@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +45,7 @@ from transformers import Trainer
 
 import shardline.checkpoint as ckpt
 from shardline._transformers_compat import SUPPORTED_TRANSFORMERS, check_trainer_class
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.distributed import init_distributed
 from shardline.engine import LossScaling, MixedPrecision, ShardedModule, ShardingStrategy, original_class, wrap
 from shardline.errors import ConfigurationError
@@ -58,6 +60,7 @@ from shardline.hf.checkpoints import (
 from shardline.hf.options import WrapPolicyLike, refused_arguments, resolve_mixed_precision, resolve_wrap_policy
 from shardline.hf.resume import prepare_resume
 from shardline.hf.scaler import TrainerGradScaler, install_scaler, wants_scaler
+from shardline.hf.tracking import RunTagsCallback, record_checkpoint
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "ShardlineTrainer", "ShardlineTrainerMixin", "sharded"]
 
@@ -89,8 +92,10 @@ class ShardlineTrainerMixin(_TrainerBase):
         reshard_after_forward: bool | int | None = None,
         verify: ckpt.VerifyLevel | str = ckpt.VerifyLevel.FULL,
         loss_scaling: LossScaling | None = None,
+        run_tags: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
+        self._shardline_run_tags = check_run_tags(run_tags, where="run_tags")
         self._shardline_strategy = ShardingStrategy.parse(sharding_strategy)
         self._shardline_verify = ckpt.VerifyLevel.parse(verify)
         self._shardline_saving = False
@@ -126,6 +131,8 @@ class ShardlineTrainerMixin(_TrainerBase):
         self._shard(auto_wrap_policy, reshard_after_forward)
         if fp16:  # before train() prepares the optimizer: AcceleratedOptimizer takes the accelerator's scaler
             self._shardline_scaler = install_scaler(self.accelerator, self._sharded_model, loss_scaling)
+        if self._shardline_run_tags:  # after report_to's integrations: their runs are open when it runs
+            self.add_callback(RunTagsCallback(self._shardline_run_tags, lambda: self.callback_handler.callbacks))
 
     @property
     def _sharded_model(self) -> nn.Module:
@@ -225,9 +232,15 @@ class ShardlineTrainerMixin(_TrainerBase):
                 step=int(self.state.global_step),
                 config=self.args.to_sanitized_dict(),
                 parent_manifest_hash=self._shardline_parent,
+                run_tags=self._shardline_run_tags,
             )
             self._shardline_parent = info.manifest_hash
             self._shardline_run_dir = os.path.dirname(os.path.abspath(output_dir))
+            record_checkpoint(
+                str(info.path),
+                name=os.path.basename(os.path.abspath(output_dir)),
+                callbacks=self.callback_handler.callbacks,
+            )
             return
         os.makedirs(output_dir, exist_ok=True)
         model = self._sharded_model
@@ -340,9 +353,14 @@ class ShardlineTrainer(ShardlineTrainerMixin, Trainer):
             default: ``torch.amp.GradScaler``'s values). With ``fp16=True`` the loss is scaled by
             shardline's ``ShardedGradScaler``: an overflow on any rank's gradient shard skips
             the step, and backs off the scale, on every rank.
+        run_tags: ``{key: value}`` strings the run is filed under (``{"ticket": "ABC-1"}``),
+            recorded in every checkpoint's manifest and attached to the runs of ``report_to``'s
+            MLflow, W&B and TensorBoard, where each committed checkpoint is recorded too
+            (:mod:`shardline.hf.tracking`).
 
     Raises:
         ConfigurationError: TrainingArguments that cannot work with sharding (``fsdp=``,
             ``deepspeed=``, ``torch_compile``...; all named in one message), or no wrap policy
-            for a model that declares no ``_no_split_modules``, or ``loss_scaling=`` without fp16.
+            for a model that declares no ``_no_split_modules``, ``loss_scaling=`` without fp16, or a
+            bad run tag.
     """

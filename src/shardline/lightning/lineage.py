@@ -7,25 +7,27 @@ hashed while it is written, a manifest, an atomic commit and a row in ``lineage.
 it; a resume verifies the checkpoint before Lightning reads any of it. See docs/foreign-engines.md.
 
 Note: why a strategy subclass, not a ``CheckpointIO`` plugin or a callback. Both strategies write
-sharded checkpoints themselves: ``save_checkpoint`` calls ``torch.distributed.checkpoint.save``
-with the directory and then ``torch.save``s the rest of the checkpoint to ``meta.pt`` on rank 0;
-they refuse ``storage_options`` because they never call their ``CheckpointIO``, so a plugin is
-never reached. A callback's ``on_save_checkpoint`` runs before the files exist and no hook runs
-after they are written, and ``on_load_checkpoint`` runs after the weights were loaded: it could
-only hash the files after the fact and check them after they were used. The subclass overrides
-the three checkpoint methods and nothing else: ``save_checkpoint`` builds the state Lightning's
-own does (same keys) and passes it to ``dcp.save`` with :class:`~shardline.checkpoint.Writer`,
-which also writes ``meta.pt`` (as ``extra_files``), so the directory holds Lightning's own layout
-and Lightning's own strategies can resume from it; ``load_checkpoint`` verifies the checkpoint
-across the ranks (:func:`~shardline.checkpoint.lifecycle.load.check_checkpoint`, every byte at the
-default level) and then lets Lightning's own code load it; ``remove_checkpoint`` (``save_top_k``
-pruning) records a tombstone row first, so the ledger still verifies.
+sharded checkpoints themselves: ``save_checkpoint`` calls ``torch.distributed.checkpoint.save`` with
+the directory and then ``torch.save``s the rest of the checkpoint to ``meta.pt`` on rank 0; they
+refuse ``storage_options`` because they never call their ``CheckpointIO``, so a plugin is never
+reached. A callback's ``on_save_checkpoint`` runs before the files exist and no hook runs after they
+are written, and ``on_load_checkpoint`` runs after the weights were loaded: it could only hash the
+files after the fact and check them after they were used. The subclass overrides the three
+checkpoint methods (and ``setup``, to attach the run tags to the loggers' runs): ``save_checkpoint``
+builds the state Lightning's own does (same keys) and passes it to ``dcp.save`` with
+:class:`~shardline.checkpoint.Writer`, which also writes ``meta.pt`` (as ``extra_files``), so the
+directory holds Lightning's own layout and Lightning's own strategies can resume from it;
+``load_checkpoint`` verifies the checkpoint across the ranks
+(:func:`~shardline.checkpoint.lifecycle.load.check_checkpoint`, every byte at the default level) and
+then lets Lightning's own code load it; ``remove_checkpoint`` (``save_top_k`` pruning) records a
+tombstone row first, so the ledger still verifies.
 """
 
 from __future__ import annotations
 
 import io
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from shardline.checkpoint.lifecycle.dcp_writer import Writer
 from shardline.checkpoint.lifecycle.load import check_checkpoint
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.retention import retire
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -50,6 +53,7 @@ from shardline.errors import (
     IntegrityError,
     ShardlineError,
 )
+from shardline.lightning.tracking import attach_run_tags, record_checkpoint
 
 __all__ = ["LineageFSDPStrategy", "LineageModelParallelStrategy"]
 
@@ -66,6 +70,7 @@ def _save(
     model_key: str,
     parent: str | None,
     storage_options: Any,
+    run_tags: Mapping[str, str],
 ) -> str | None:
     """Save Lightning's ``checkpoint`` as a shardline checkpoint in Lightning's layout; the manifest hash on rank 0."""
     name = type(strategy).__name__
@@ -81,7 +86,13 @@ def _save(
         buffer = io.BytesIO()
         torch.save(rest, buffer)
         extra = {META_FILE: buffer.getvalue()}
-    writer = Writer(path, step=int(checkpoint.get("global_step", 0)), parent_manifest_hash=parent, extra_files=extra)
+    writer = Writer(
+        path,
+        step=int(checkpoint.get("global_step", 0)),
+        parent_manifest_hash=parent,
+        extra_files=extra,
+        run_tags=run_tags,
+    )
     try:
         dcp.save(state, storage_writer=writer)
     except CheckpointException as e:  # DCP's gathered per-rank errors: raise the lowest failing rank's
@@ -144,6 +155,12 @@ class _LineageCheckpoints:
     _model_key: str
     _verify_level: VerifyLevel
     _parent: str | None
+    run_tags: dict[str, str]
+
+    def setup(self, trainer: Any) -> None:
+        """The Lightning strategy's setup; then the run tags go on the runs of the trainer's loggers."""
+        super().setup(trainer)  # type: ignore[misc]
+        attach_run_tags(trainer, self.run_tags)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Save ``checkpoint`` as a committed shardline checkpoint directory at ``filepath`` (a collective)."""
@@ -154,7 +171,11 @@ class _LineageCheckpoints:
             model_key=self._model_key,
             parent=self._parent,
             storage_options=storage_options,
+            run_tags=self.run_tags,
         )
+        strategy = self._strategy()
+        path = Path(strategy.broadcast(os.fspath(filepath))).absolute()
+        record_checkpoint(strategy.lightning_module.trainer if strategy.lightning_module else None, path)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify the checkpoint on every rank, then load it as the Lightning strategy does."""
@@ -183,6 +204,10 @@ class LineageFSDPStrategy(_LineageCheckpoints, FSDPStrategy):
         verify: How much a resume checks: ``"full"`` (default: every byte against the manifest, the files shared
             over the ranks), or the opt-ins ``"sizes"`` and ``"none"`` (``"none"`` also loads a checkpoint of
             Lightning's own strategy, which has no manifest).
+        run_tags: ``{key: value}`` strings the run is filed under (``{"ticket": "ABC-1"}``), recorded in every
+            checkpoint's manifest and attached to the runs of the trainer's ``MLFlowLogger``, ``WandbLogger`` and
+            ``TensorBoardLogger``, where each committed checkpoint is recorded too
+            (:mod:`shardline.lightning.tracking`).
         **kwargs: ``FSDPStrategy``'s arguments.
 
     Raises:
@@ -192,7 +217,10 @@ class LineageFSDPStrategy(_LineageCheckpoints, FSDPStrategy):
 
     _model_key = "model"
 
-    def __init__(self, *, verify: VerifyLevel | str = VerifyLevel.FULL, **kwargs: Any) -> None:
+    def __init__(
+        self, *, verify: VerifyLevel | str = VerifyLevel.FULL, run_tags: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> None:
+        self.run_tags = check_run_tags(run_tags, where="run_tags")
         state_dict_type = kwargs.pop("state_dict_type", "sharded")
         if state_dict_type != "sharded":
             raise ConfigurationError(
@@ -214,6 +242,7 @@ class LineageModelParallelStrategy(_LineageCheckpoints, ModelParallelStrategy):
 
     Args:
         verify: How much a resume checks: ``"full"`` (default), ``"sizes"`` or ``"none"``.
+        run_tags: As for :class:`LineageFSDPStrategy`.
         **kwargs: ``ModelParallelStrategy``'s arguments.
 
     Raises:
@@ -223,7 +252,10 @@ class LineageModelParallelStrategy(_LineageCheckpoints, ModelParallelStrategy):
 
     _model_key = "state_dict"
 
-    def __init__(self, *, verify: VerifyLevel | str = VerifyLevel.FULL, **kwargs: Any) -> None:
+    def __init__(
+        self, *, verify: VerifyLevel | str = VerifyLevel.FULL, run_tags: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> None:
+        self.run_tags = check_run_tags(run_tags, where="run_tags")
         if kwargs.get("save_distributed_checkpoint", True) is not True:
             raise ConfigurationError(
                 "LineageModelParallelStrategy saves distributed checkpoints (save_distributed_checkpoint=True), got "

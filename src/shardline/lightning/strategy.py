@@ -48,11 +48,13 @@ from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.provenance import records
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.retention import retire
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.checkpoint.state.model_state import SAVE_KINDS, SaveKind
 from shardline.engine import MixedPrecision, ShardingStrategy
 from shardline.errors import CheckpointError, CheckpointExistsError, ConfigurationError, PublishError
 from shardline.lightning.clipping import clip_globally, log_metric
 from shardline.lightning.state import plain_state
+from shardline.lightning.tracking import attach_run_tags, record_checkpoint
 
 __all__ = ["ShardlineStrategy", "record_commit"]
 
@@ -116,6 +118,10 @@ class ShardlineStrategy(ParallelStrategy):
         log_grad_norm: Name under which the global gradient norm is logged every step (``None``: not logged).
         process_group_backend: ``gloo``/``nccl`` (default: from the device).
         timeout: Collective timeout.
+        run_tags: ``{key: value}`` strings the run is filed under (``{"ticket": "ABC-1"}``), recorded in
+            every checkpoint's manifest and attached to the runs of the trainer's ``MLFlowLogger``,
+            ``WandbLogger`` and ``TensorBoardLogger``, where each committed checkpoint is recorded too
+            (:mod:`shardline.lightning.tracking`).
     """
 
     strategy_name = "shardline"
@@ -139,7 +145,9 @@ class ShardlineStrategy(ParallelStrategy):
         cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
+        run_tags: Mapping[str, str] | None = None,
     ) -> None:
+        self.run_tags = check_run_tags(run_tags, where="run_tags")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -293,6 +301,7 @@ class ShardlineStrategy(ParallelStrategy):
                     "ModelCheckpoint(save_last=True) rewrites last.ckpt at every save, and shardline never "
                     "overwrites a checkpoint; use save_last='link' (last.ckpt links to the newest checkpoint)"
                 )
+        attach_run_tags(trainer, self.run_tags)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model = self._shard(self.model)
@@ -443,6 +452,7 @@ class ShardlineStrategy(ParallelStrategy):
                 step=int(checkpoint.get("global_step", 0)),
                 kind=self.state_dict_type,
                 parent_manifest_hash=self._parent_manifest_hash,
+                run_tags=self.run_tags,
             )
         except CheckpointExistsError as exc:
             raise CheckpointExistsError(
@@ -451,6 +461,7 @@ class ShardlineStrategy(ParallelStrategy):
             ) from None
         self._parent_manifest_hash = info.manifest_hash  # committed: the next save chains to it in any case
         record_commit(path, info)
+        record_checkpoint(self.lightning_module.trainer if self.lightning_module is not None else None, path)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify and load a shardline checkpoint into the sharded model (and optimizer, when fitting), any world size.

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from shardline.checkpoint.provenance.ledger import Ledger
 from shardline.checkpoint.provenance.tracker_record import committed_records
+from shardline.checkpoint.provenance.tracker_send import tensorboard_checkpoints
 from shardline.train.records import LEDGER_NAME, LOSS_PLOT_FILE, METRICS_FILE, SUMMARY_FILE, attempt_path
 
 if TYPE_CHECKING:
@@ -243,8 +244,7 @@ class TensorBoard(Callback):
         if rows:
             self._ledger_seq = max(r.seq for r in rows)
             self._logged_step = max(r.step for r in rows)
-        for record in committed_records(self._ledger, rows):
-            self._writer.add_text(record.prefix, record.markdown(), record.step)
+        tensorboard_checkpoints(self._writer, committed_records(self._ledger, rows))
 
     def on_validation_end(self, trainer: Trainer, step: int, val_loss: float) -> None:
         if self._writer is not None:

@@ -54,13 +54,18 @@ import queue
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from shardline.checkpoint import Ledger
-from shardline.checkpoint.provenance.tracker_record import FILE_COLUMNS, TrackerRecord, committed_records
+from shardline.checkpoint.provenance.tracker_record import TrackerRecord, committed_records
+from shardline.checkpoint.provenance.tracker_send import MLFLOW_BATCH as _MLFLOW_BATCH
+from shardline.checkpoint.provenance.tracker_send import chunks as _chunks
+from shardline.checkpoint.provenance.tracker_send import clip as _clip
+from shardline.checkpoint.provenance.tracker_send import mlflow_checkpoints, wandb_checkpoints
+from shardline.checkpoint.provenance.tracker_send import wandb_tags as _wandb_tags
 from shardline.diagnostics.probe import DIAGNOSTICS_FILE, DiagnosticsProbe
 from shardline.errors import ConfigurationError
 from shardline.train.callbacks import Callback
@@ -322,15 +327,9 @@ def run_tags(cfg: Any) -> dict[str, str]:
     return dict(getattr(tracking, "tags", None) or {})
 
 
-def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
-
-
 # MLflow's limits on one parameter and on one log_batch call.
 _MLFLOW_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")
 _MLFLOW_PARAM_VALUE = 6000
-_MLFLOW_BATCH = 100
 _MLFLOW_METRICS_BATCH = 1000
 
 
@@ -409,17 +408,8 @@ class MLflow(_Tracker):
             self._client.log_batch(self._run_id, metrics=chunk)
 
     def _log_checkpoints(self, hashes: dict[str, str], records: list[TrackerRecord]) -> None:
-        from mlflow.entities import RunTag
-
-        tags = dict(hashes)
-        for record in records:
-            tags.update(record.flat())
-        for chunk in _chunks([RunTag(k, v) for k, v in tags.items()], _MLFLOW_BATCH):
-            self._client.log_batch(self._run_id, tags=chunk)
-        for record in records:
-            # Note: the manifest's own bytes, so the downloaded file's SHA-256 is the manifest hash.
-            self._client.log_text(self._run_id, record.manifest_json.decode("utf-8"), f"{record.prefix}/manifest.json")
-            self._client.log_table(self._run_id, data=record.columns(), artifact_file=f"{record.prefix}/files.json")
+        assert self._run_id is not None  # _start ran first, on this thread
+        mlflow_checkpoints(self._client, self._run_id, records, hashes=hashes)
 
     def _log_diagnostics(self, text: str, rows: list[tuple[int, dict[str, float]]]) -> None:
         self._client.log_text(self._run_id, text, DIAGNOSTICS_FILE)
@@ -448,16 +438,6 @@ def _file_store_allowed() -> bool:
 
     flag = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)
     return flag is None or bool(flag.get())
-
-
-def _wandb_tags(tags: dict[str, str]) -> list[str]:
-    """The user's run tags as W&B run tags, ``KEY:VALUE`` (W&B holds 64 characters a tag; the full values are in
-    the run's config as ``tracking.tags.KEY``)."""
-    return [_clip(f"{k}:{v}", 64) for k, v in tags.items() if not k.startswith("shardline.")]
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class WandB(_Tracker):
@@ -512,25 +492,7 @@ class WandB(_Tracker):
             self._wb.log(values, step=step)
 
     def _log_checkpoints(self, hashes: dict[str, str], records: list[TrackerRecord]) -> None:
-        import wandb
-
-        summary = dict(hashes)
-        for record in records:
-            summary.update(record.flat())
-        self._wb.summary.update(summary)
-        for record in records:
-            # Note: the table goes in the artifact, not the history: a checkpoint commits (async) after later
-            # steps were logged, and W&B drops history rows for a step below the current one.
-            artifact = wandb.Artifact(
-                f"{self._wb.id}-{record.name}",
-                type="checkpoint-manifest",
-                description=f"manifest {record.manifest_sha256}",
-                metadata={**record.flat(), **{f"run_tags/{k}": v for k, v in record.run_tags.items()}},
-            )
-            with artifact.new_file("manifest.json", mode="xb") as f:
-                f.write(record.manifest_json)
-            artifact.add(wandb.Table(columns=list(FILE_COLUMNS), data=record.rows()), "files")
-            self._wb.log_artifact(artifact)
+        wandb_checkpoints(self._wb, records, hashes=hashes)
 
     def _log_diagnostics(self, text: str, rows: list[tuple[int, dict[str, float]]]) -> None:
         # Note: summary entries, not history: the rows are of the first steps, which W&B's history is past.

@@ -77,6 +77,7 @@ from shardline.checkpoint.integrity.verify import check_expected_hash
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, step_of
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.records import record_adoption
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.checkpoint.storage.protocol import CHECKPOINT_NAME, CommitRecord, Location
 from shardline.checkpoint.storage.stores import describe, local_path, locate, store_for
 from shardline.errors import (
@@ -335,6 +336,7 @@ def adopt(
     storage_options: Mapping[str, Any] | None = None,
     subfolders: bool = False,
     parent_manifest_hash: str | None = None,
+    run_tags: Mapping[str, str] | None = None,
 ) -> AdoptedCheckpoint:
     """Bring the DCP checkpoint at ``path`` (written by another tool) under lineage, in place (see the module note).
 
@@ -352,6 +354,7 @@ def adopt(
             Face Trainer's ``checkpoint-N`` under FSDP); see the module note.
         parent_manifest_hash: The manifest hash of the checkpoint this one continues (recorded as
             its parent in the manifest and the ledger row); default: unknown.
+        run_tags: ``{key: value}`` strings the run is filed under (ticket, owner...), recorded in the manifest.
 
     Returns:
         The adopted checkpoint; its manifest and ledger row say its hashes were taken after the fact.
@@ -362,12 +365,13 @@ def adopt(
             with ``subfolders``: a subfolder without one, or no subfolder).
         IntegrityError: a file ``.metadata`` names is missing or shorter than its chunks need.
         ConfigurationError: no step given and none in the name; no ledger for an object-store prefix;
-            a ``parent_manifest_hash`` that is not a SHA-256 in hex.
+            a ``parent_manifest_hash`` that is not a SHA-256 in hex; a bad run tag.
         LineageError: the ledger cannot be read.
         PublishError: it was committed, but its ledger row could not be written (``info`` is the checkpoint).
         Nothing is written when any error but the last is raised.
     """
     parent_manifest_hash = check_expected_hash(parent_manifest_hash, where="parent_manifest_hash")
+    tags = check_run_tags(run_tags, where="run_tags")
     root = locate(path, storage_options=storage_options).absolute()
     store = store_for(root)
     store.check_access(root)
@@ -425,6 +429,7 @@ def adopt(
         parent_manifest_sha256=parent_manifest_hash,
         files=digests,
         created=created,
+        run_tags=tags,
     )
     manifest["adopted"] = {
         "at": manifest["created_at"],

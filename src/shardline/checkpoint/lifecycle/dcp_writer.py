@@ -60,6 +60,7 @@ from shardline.checkpoint.lifecycle.save import CheckpointInfo, commit_written, 
 from shardline.checkpoint.provenance.directory import step_of
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger
 from shardline.checkpoint.provenance.records import record_commit
+from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE
 from shardline.checkpoint.state.layout import describe_state_sharding
 from shardline.checkpoint.storage.protocol import Location
@@ -135,6 +136,7 @@ class Writer(StorageWriter):
         extra_files: Small files to store beside DCP's, ``{name: bytes}`` (a framework's own metadata file,
             such as Lightning's ``meta.pt``); read on the coordinator only, written, hashed and committed
             with the checkpoint.
+        run_tags: ``{key: value}`` strings the run is filed under (ticket, owner...), recorded in the manifest.
 
     After the save, :attr:`info` holds the committed checkpoint on the coordinator (rank 0; None elsewhere).
 
@@ -157,8 +159,10 @@ class Writer(StorageWriter):
         files_per_rank: int = AUTO,
         storage_options: Mapping[str, Any] | None = None,
         extra_files: Mapping[str, bytes] | None = None,
+        run_tags: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
+        self._run_tags = check_run_tags(run_tags, where="run_tags")
         resolve_files_per_rank(files_per_rank)
         self._extra_files = _check_extra_files(extra_files)
         if tag is not None and (not isinstance(tag, str) or not TAG_PATTERN.match(tag)):
@@ -370,6 +374,7 @@ class Writer(StorageWriter):
             parent_manifest_hash=self._parent,
             config=self._config,
             sharding=self._sharding or {},
+            run_tags=self._run_tags,
         )
 
     def __reduce__(self) -> NoReturn:

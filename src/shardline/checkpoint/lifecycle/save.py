@@ -495,6 +495,7 @@ def save(
     observer: SaveObserver | None = None,
     files_per_rank: int = AUTO,
     storage_options: Mapping[str, Any] | None = None,
+    run_tags: Mapping[str, str] | None = None,
 ) -> CheckpointInfo:
     """Save a checkpoint into the new directory ``path`` and commit it atomically (a collective).
 
@@ -533,6 +534,7 @@ def save(
         data_fingerprint=data_fingerprint,
         kind=kind,
         tag=tag,
+        run_tags=run_tags,
     )
     return commit(
         path,
