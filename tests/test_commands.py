@@ -13,7 +13,7 @@ from shardline.cli import build_parser, main
 # update docs/*.md and README.md where they show the command, then this list.
 OPTIONS: dict[str, list[str]] = {
     "train": ["--cfg", "--config-dir", "--help-config", "-cd", "overrides"],
-    "estimate": ["--json", "--world-size", "overrides"],
+    "estimate": ["--json", "--lora-rank", "--lora-targets", "--offload", "--quantize", "--world-size", "overrides"],
     "plan": [
         "--ac",
         "--calibrate",
@@ -22,15 +22,20 @@ OPTIONS: dict[str, list[str]] = {
         "--gpu",
         "--gpus-per-node",
         "--hf-config",
+        "--host-link-gbps",
         "--inter-node-gbps",
         "--intra-node-gbps",
         "--json",
+        "--lora-rank",
+        "--lora-targets",
         "--memory-gib",
         "--micro-batch",
         "--nodes",
+        "--offload",
         "--peak-tflops",
         "--plot",
         "--precision",
+        "--quantize",
         "--reduce-dtype",
         "--reshard-after-forward",
         "--save-calibration",
@@ -79,7 +84,7 @@ OPTIONS: dict[str, list[str]] = {
         "--storage-option",
         "run_dir",
     ],
-    "adopt": ["--json", "--ledger", "--step", "--storage-option", "checkpoint"],
+    "adopt": ["--json", "--ledger", "--step", "--storage-option", "--subfolders", "checkpoint"],
     "sign": [
         "--expect",
         "--force",
