@@ -278,7 +278,8 @@ def retire(path: str | os.PathLike[str] | Location, *, ledger: Ledger, reason: s
     earlier = tombstones(rows).get(name)
     row = None
     if earlier is None or earlier.manifest_sha256 != digest:
-        row = record_tombstone(ledger, of=ckpt, checkpoint=name, reason=reason, held=_what_it_held(ckpt))
+        held = _what_it_held(ckpt, commit_rows(rows).get((name, digest)))  # its counts from its row, not reparsed
+        row = record_tombstone(ledger, of=ckpt, checkpoint=name, reason=reason, held=held)
         crash_point("retention.tombstone")
     _remove(ckpt.path)
     return row
