@@ -51,7 +51,8 @@ def test_each_kind_of_row_keeps_its_shape(tmp_path: Path) -> None:
 
     row = records.record_commit(ledger, saved, recovered=False)
     link = {"provenance": {"file": "provenance.intoto.json", "sha256": C}}
-    assert _row(row) == _expected(link, step=3, checkpoint="step-3", manifest_sha256=A, **commit)
+    held = {"held": {"files": 4, "bytes": 9}}  # what a tombstone of it records, without parsing its manifest
+    assert _row(row) == _expected({**link, **held}, step=3, checkpoint="step-3", manifest_sha256=A, **commit)
     row = records.record_commit(ledger, saved, recovered=False, statement=False)  # Lightning's and HF's rows
     assert _row(row) == _expected(None, step=3, checkpoint="step-3", manifest_sha256=A, **commit)
     row = records.record_commit(ledger, found, recovered=True)  # no statement on disk: no link

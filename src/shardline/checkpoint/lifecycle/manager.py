@@ -79,6 +79,7 @@ from shardline.checkpoint.provenance.directory import CommittedCheckpoint as Com
 from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, scan, step_recorded
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow
 from shardline.checkpoint.provenance.lineage import order
+from shardline.checkpoint.provenance.recorded_heads import from_ledger
 from shardline.checkpoint.provenance.records import record_commit, record_restart, record_resume
 from shardline.checkpoint.provenance.retention import RetentionPolicy, apply_retention
 from shardline.checkpoint.provenance.run_tags import check_run_tags
@@ -210,7 +211,8 @@ class CheckpointManager:
     def committed(self) -> list[CommittedCheckpoint]:
         """Committed checkpoints in the directory, oldest first by the ledger (ones whose manifest is damaged are
         left out; see the module note)."""
-        return order(scan(self.directory)[0], self._rows())
+        rows = self._rows()
+        return order(scan(self.directory, known=from_ledger(rows, self.ledger.name_of))[0], rows)
 
     def _rows(self) -> list[LedgerRow]:
         return self.ledger.rows() if self.ledger.path.is_file() else []

@@ -19,6 +19,7 @@ from typing import Any
 from shardline.checkpoint.provenance.directory import scan
 from shardline.checkpoint.provenance.ledger import Ledger
 from shardline.checkpoint.provenance.lineage import order
+from shardline.checkpoint.provenance.recorded_heads import from_ledger
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 
@@ -98,8 +99,8 @@ def find_candidates(
         CheckpointNotFoundError: an explicit ``resume`` that is not a checkpoint.
     """
     if is_auto_resume(resume):
-        found, broken = scan(directory)
         rows = ledger.rows() if ledger.path.is_file() else []
+        found, broken = scan(directory, known=from_ledger(rows, ledger.name_of))  # recorded ones: not parsed
         # The hash each one's newest commit row records (Ledger.recorded_hash), from the rows read once.
         recorded = {r.checkpoint: r.manifest_sha256 for r in rows if r.is_commit}
         candidates = tuple(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -83,9 +84,14 @@ def step_of(name: str) -> int | None:
     return int(match["step"]) if match else None
 
 
-def scan(directory: Location) -> tuple[list[CommittedCheckpoint], list[DamagedCheckpoint]]:
+def scan(
+    directory: Location, *, known: Callable[[Location], CommittedCheckpoint | None] | None = None
+) -> tuple[list[CommittedCheckpoint], list[DamagedCheckpoint]]:
     """Committed checkpoints (by step, then name: the ledger orders them, see the module note) and ``step-N``
     directories whose manifest is damaged. Directories without a manifest are neither.
+
+    ``known``: a ``step-N`` directory as the ledger records it, when its manifest's bytes prove it is that one
+    (:func:`.recorded_heads.from_ledger`), so its 131k-entry file list is not parsed; None reads it whole.
 
     Raises:
         CheckpointReadError: a manifest could not be read (an I/O error, a permission): that is not
@@ -98,6 +104,10 @@ def scan(directory: Location) -> tuple[list[CommittedCheckpoint], list[DamagedCh
     for child in directory.iterdir():
         match = _NAME.match(child.name)
         if not match or not child.is_dir():
+            continue
+        recorded = known(child) if known is not None else None
+        if recorded is not None:
+            found.append(recorded)
             continue
         try:
             manifest, digest = read_manifest(child)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, CommittedCheckpoint, scan
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.provenance.recorded_heads import from_ledger
 from shardline.checkpoint.provenance.records import commit_row
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import check_reachable, locate, sorted_locations, store_for
@@ -159,10 +160,11 @@ def unrecorded(
     run that resumed from another run directory, such as a fine-tune), and the ledger reaches the
     row its head record names.
     """
+    rows = ledger.rows() if ledger.path.is_file() else []
+    known = from_ledger(rows, ledger.name_of)  # recorded ones from their rows, manifests not parsed
     committed: list[CommittedCheckpoint] = []
     for directory in directories:
-        committed += scan(directory)[0]
-    rows = ledger.rows() if ledger.path.is_file() else []
+        committed += scan(directory, known=known)[0]
     recorded = {r.manifest_sha256 for r in rows if r.is_commit}
     missing = [c for c in order(committed, rows) if c.manifest_hash not in recorded]
     if len(missing) != 1 or ledger.head_problems(rows):  # a ledger short of its head lost rows: nothing interrupted

@@ -74,12 +74,18 @@ def commit_row(
     """The fields of ``checkpoint``'s commit row (keyword arguments of :meth:`.Ledger.append`).
 
     With ``statement``, ``detail`` names the checkpoint's provenance statement and that file's SHA-256
-    (the one the save reported, else the one read from the checkpoint), so the ledger chains the statements.
+    (the one the save reported, else the one read from the checkpoint), so the ledger chains the statements,
+    and ``held``: the file count and bytes a save's ``CheckpointInfo`` reports (what a tombstone of it records,
+    served without parsing its manifest, :mod:`.recorded_heads`; absent for a checkpoint found on disk).
     ``metrics`` (each value as text) and the best-k policy ``keep_best`` go into ``detail`` when given
     (:mod:`.best`).
     """
     detail = _statement_link(checkpoint) if statement else None
-    extra = {"metrics": dict(metrics) if metrics else None, "keep_best": dict(keep_best) if keep_best else None}
+    extra = {
+        "held": _held(checkpoint) if statement else None,
+        "metrics": dict(metrics) if metrics else None,
+        "keep_best": dict(keep_best) if keep_best else None,
+    }
     if any(v is not None for v in extra.values()):
         detail = {**(detail or {}), **{key: value for key, value in extra.items() if value is not None}}
     return {
@@ -285,3 +291,12 @@ def _statement_link(checkpoint: Committed) -> dict[str, Any] | None:
             found = None
         digest = found[1] if found else None
     return {"provenance": {"file": STATEMENT_FILE, "sha256": digest}} if digest else None
+
+
+def _held(checkpoint: Committed) -> dict[str, int] | None:
+    """``{"files", "bytes"}`` of a save's ``CheckpointInfo`` (the data files, ``.metadata`` and the statement), or
+    None for a checkpoint that does not carry them."""
+    files, size = getattr(checkpoint, "files", None), getattr(checkpoint, "total_bytes", None)
+    if isinstance(files, int) and isinstance(size, int) and not isinstance(files, bool):
+        return {"files": files, "bytes": size}
+    return None
