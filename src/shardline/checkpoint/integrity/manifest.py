@@ -49,6 +49,7 @@ __all__ = [
     "read_checkpoint_file",
     "read_error",
     "read_manifest",
+    "recorded_manifest_hash",
     "render_manifest_hash_file",
     "render_sums",
 ]
@@ -232,7 +233,7 @@ def read_manifest(path: str | os.PathLike[str] | Location) -> tuple[dict[str, An
             f"{file} is altered: its bytes are not the canonical JSON shardline writes (sha256 of file "
             f"{sha256_hex(raw)} vs canonical {digest})"
         )
-    recorded = _recorded_manifest_hash(path)
+    recorded = recorded_manifest_hash(path)
     if recorded is None:
         raise IntegrityError(f"{path / MANIFEST_HASH_FILE} is missing or unreadable; the checkpoint is not committed")
     if recorded != digest:
@@ -269,7 +270,8 @@ def read_error(file: Location, error: OSError) -> CheckpointReadError:
     )
 
 
-def _recorded_manifest_hash(path: Location) -> str | None:
+def recorded_manifest_hash(path: Location) -> str | None:
+    """The hash ``manifest.sha256`` at ``path`` records (None: missing or not in its format)."""
     try:
         text = read_checkpoint_file(path / MANIFEST_HASH_FILE).decode("ascii")
     except (FileNotFoundError, UnicodeDecodeError):

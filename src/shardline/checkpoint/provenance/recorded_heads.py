@@ -25,7 +25,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeGuard
 
 from shardline.checkpoint.format.canonical import sha256_hex
-from shardline.checkpoint.integrity.manifest import MANIFEST, MANIFEST_HASH_FILE, read_checkpoint_file
+from shardline.checkpoint.integrity.manifest import (
+    MANIFEST,
+    read_checkpoint_file,
+    recorded_manifest_hash,
+)
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint
 from shardline.checkpoint.provenance.ledger import LedgerRow
 from shardline.checkpoint.storage.protocol import CHECKPOINT_NAME, Location
@@ -53,7 +57,7 @@ def from_ledger(
         match = CHECKPOINT_NAME.match(child.name)
         if not known or match is None:
             return None
-        digest = _recorded_hash(child)
+        digest = recorded_manifest_hash(child)
         row = known.get((rel(child), digest)) if digest else None
         if row is None or row.step != int(match["step"]) or row.tag != match["tag"]:
             return None
@@ -101,18 +105,6 @@ def held_recorded(row: LedgerRow | None) -> dict[str, int] | None:
 
 def _count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _recorded_hash(path: Location) -> str | None:
-    """The hash ``manifest.sha256`` records (None: missing or not in its format)."""
-    try:
-        text = read_checkpoint_file(path / MANIFEST_HASH_FILE).decode("ascii")
-    except (FileNotFoundError, UnicodeDecodeError):
-        return None
-    parts = text.split()
-    if len(parts) != 2 or parts[1] != MANIFEST or len(parts[0]) != 64:
-        return None
-    return parts[0]
 
 
 def _created_unix_ns(raw: bytes) -> int | None:
