@@ -53,10 +53,7 @@ def overlapping_pairs(
     chunks: Sequence[ChunkStorageMetadata], dim: int
 ) -> tuple[list[tuple[ChunkStorageMetadata, ChunkStorageMetadata]], int]:
     """The overlapping pairs of ``chunks`` (later in sweep order first) and the number of box comparisons made."""
-    dims = len(chunks[0].offsets) if chunks else 0
-    order = sorted(
-        range(len(chunks)), key=lambda i: (chunks[i].offsets[dim], *(chunks[i].offsets[d] for d in range(dims)))
-    )
+    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].offsets[dim], tuple(chunks[i].offsets)))
     active: list[tuple[int, int]] = []  # (end along dim, chunk index), sorted
     pairs = []
     compared = 0
