@@ -12,7 +12,9 @@ two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it 
   timed on its own. ``bytes gathered`` is the pickled size of every rank's write results (DCP's
   ``gather_object``): the digest records plus DCP's own per-item results.
 * **DCP planning**: torch's ``DefaultSavePlanner.create_global_plan`` over W local plans of
-  ``WriteItem`` chunks, and ``.metadata`` as ``FileSystemWriter.finish`` pickles it.
+  ``WriteItem`` chunks, and ``.metadata`` as ``FileSystemWriter.finish`` pickles it. The plan's
+  validation is timed twice: torch's ``_validate_global_plan`` (quadratic for some tensors, run up
+  to ``--validate-max-world``) and shardline's save planner's (``plan_validation.py``, every W).
 * **Load planning**: every rank's check and unpickling of ``.metadata`` (``opening.py``: SHA-256, then
   ``dcp_io.unpickle_metadata``), one rank's read plan against that metadata (torch's
   ``create_read_items_for_chunk_list``, the resharding planner every rank runs), and rank 0's
@@ -92,6 +94,7 @@ from shardline.checkpoint.format.dcp_io import unpickle_metadata
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import digest_result, split_digests
 from shardline.checkpoint.integrity.manifest import DCP_METADATA, MANIFEST_HASH_FILE, build_manifest
+from shardline.checkpoint.integrity.plan_validation import validate_global_plan
 from shardline.checkpoint.integrity.reading import VerifyingReader
 from shardline.checkpoint.lifecycle import commit_records
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint
@@ -286,6 +289,10 @@ def simulate(
         # DefaultSavePlanner._create_global_plan, in its two parts: the plan and metadata, then their validation
         t, (global_plan, metadata) = timed(lambda: create_default_global_save_plan(planner._dedup_save_plans(plans)), 1)
         v["dcp_global_plan_s"] = t * scale
+        # shardline's save planner validates along the split dimension (plan_validation.py): every W
+        t, errors = timed(lambda: validate_global_plan(global_plan, metadata), 1)
+        assert not errors, errors[:3]
+        v["shardline_validate_s"] = t * scale
         if world <= validate_max_world:
             t, errors = timed(lambda: _validate_global_plan(global_plan, metadata), 1)
             assert not errors, errors[:3]
@@ -375,6 +382,7 @@ def simulate(
     out.scaled = [
         "dcp_global_plan_s",
         "dcp_validate_s",
+        "shardline_validate_s",
         "dcp_finish_s",
         "dcp_metadata_bytes",
         "gathered_bytes",
@@ -394,6 +402,7 @@ SAVE_COLUMNS = [
     ("gathered_bytes", "gathered to rank 0 *", "bytes"),
     ("dcp_global_plan_s", "DCP global plan (s) *", "{:.1f}"),
     ("dcp_validate_s", "DCP plan validation (s) *", "{:.0f}"),
+    ("shardline_validate_s", "shardline plan validation (s) *", "{:.2f}"),
     ("dcp_finish_s", "DCP finish (s) *", "{:.1f}"),
     ("dcp_metadata_bytes", ".metadata *", "bytes"),
 ]
@@ -469,6 +478,7 @@ PLOT_SECONDS = [
     ("load_global_plan_s", "rank-0 load global plan"),
     ("dcp_global_plan_s", "DCP global plan *"),
     ("dcp_validate_s", "DCP plan validation *"),
+    ("shardline_validate_s", "shardline plan validation *"),
     ("dcp_finish_s", "DCP finish *"),
     ("metadata_open_per_rank_s", "open .metadata, per rank *"),
     ("load_plan_per_rank_s", "load plan, per rank *"),

@@ -49,6 +49,19 @@ def test_a_missing_private_api_is_named_at_import(monkeypatch: pytest.MonkeyPatc
     ), message
 
 
+def test_a_missing_save_planner_api_is_named_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """shardline's save planner overrides DCP's private global-plan step: without it, the import fails naming it."""
+    from torch.distributed.checkpoint import default_planner
+
+    monkeypatch.delattr(default_planner.DefaultSavePlanner, "_create_global_plan")
+    monkeypatch.delattr(default_planner, "_validate_global_plan")
+    with pytest.raises(ConfigurationError) as info:
+        runpy.run_path(_torch_compat.__file__, run_name="shardline_torch_compat_at_import")
+    message = str(info.value)
+    assert "  - torch.distributed.checkpoint.default_planner._validate_global_plan is missing\n" in message, message
+    assert "  - DefaultSavePlanner._create_global_plan is missing\n" in message, message
+
+
 def test_the_declared_floor_is_the_checked_one() -> None:
     assert _torch_compat.SUPPORTED_TORCH == ">=2.11"
     assert torch.__version__ >= "2.11"  # this process imported shardline: the check passed

@@ -5,7 +5,8 @@ module is first imported (by ``import shardline``) it checks the installed torch
 version against :data:`SUPPORTED_TORCH` and every private API used here that ``import torch``
 has loaded (:func:`_check_installed`), raising one error that names each one missing, the
 installed version and the supported range. The few that live in modules torch loads on demand
-(dynamo, DCP) are not imported for the check; ``nox -s compat`` runs them on the releases listed
+(dynamo, most of DCP) are not imported for the check (DCP's save planner is: shardline's save
+planner subclasses it here); ``nox -s compat`` runs them on the releases listed
 in docs/testing.md.
 
 Note: why torch 2.11 is the floor. torch 2.6, the floor declared before, fails on its first
@@ -17,7 +18,9 @@ oldest release run since (docs/testing.md).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
 
 from shardline.errors import ConfigurationError
 
@@ -33,12 +38,15 @@ if TYPE_CHECKING:
 
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
     from torch.distributed.launcher.api import LaunchConfig
     from torch.distributed.tensor import DTensor
 
 __all__ = [
     "DCP_METADATA_CLASSES",
     "SUPPORTED_TORCH",
+    "ValidatingSavePlanner",
     "all_gather_into",
     "compiled_autograd_active",
     "dtensor_with_local",
@@ -58,6 +66,7 @@ __all__ = [
     "sharded_tensor_local_bytes",
     "storage_key",
     "tensor_pickle_global",
+    "torch_validate_global_plan",
     "typed_storage_dtype",
     "version_of",
 ]
@@ -355,6 +364,44 @@ def dtensor_local_bytes(value: DTensor) -> int:
     return local.numel() * local.element_size()
 
 
+def torch_validate_global_plan(global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
+    """torch DCP's own check of a global save plan (``default_planner._validate_global_plan``): its error messages."""
+    errors: list[str] = default_planner._validate_global_plan(global_plan, metadata)
+    return errors
+
+
+class ValidatingSavePlanner(DefaultSavePlanner):
+    """torch DCP's ``DefaultSavePlanner`` whose global-plan check is :meth:`validate_global_plan`.
+
+    Note: ``DefaultSavePlanner.create_global_plan`` (rank 0) builds the global plan and metadata
+    in the private ``_create_global_plan`` and validates them there with the module function
+    ``_validate_global_plan``; there is no hook for the check alone. This override makes the
+    same calls into torch's code in the same order (deduplicate the plans, build plan and
+    metadata, merge the flattening mappings) and only the validation is replaced; a failed
+    check raises ``ValueError`` with torch's message form, which DCP turns into its collective
+    ``CheckpointException`` on every rank. Plan caching (``enable_plan_caching``) calls this
+    method too. The default here is torch's own check; subclasses override it.
+    """
+
+    def validate_global_plan(self, global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
+        """The problems of ``global_plan`` and ``metadata`` (empty: valid); torch's own check by default."""
+        return torch_validate_global_plan(global_plan, metadata)
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        deduped = self._dedup_save_plans(all_plans)
+        global_plan, metadata = create_default_global_save_plan(deduped)
+        if self.flatten_state_dict:
+            merged = dict(collections.ChainMap(*(p.planner_data for p in global_plan)))
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+        errors = self.validate_global_plan(global_plan, metadata)
+        if errors:
+            summary = "; ".join(errors)
+            if len(summary) > 500:
+                summary = summary[:500] + "... (truncated)"
+            raise ValueError(f"Failed to validate global plan: {summary}")
+        return global_plan, metadata
+
+
 def _private_api_problems() -> list[str]:
     """The private torch APIs used above that this torch lacks (only those ``import torch`` loads)."""
     from torch.distributed.tensor import DTensor
@@ -368,6 +415,11 @@ def _private_api_problems() -> list[str]:
         "torch.Tensor._version": lambda: torch.Tensor._version,
         "torch.UntypedStorage._cdata": lambda: torch.UntypedStorage._cdata,
         "DTensor._spec": lambda: DTensor._spec,
+        "torch.distributed.checkpoint.default_planner._validate_global_plan": (
+            lambda: default_planner._validate_global_plan
+        ),
+        "DefaultSavePlanner._create_global_plan": lambda: DefaultSavePlanner._create_global_plan,
+        "DefaultSavePlanner._dedup_save_plans": lambda: DefaultSavePlanner._dedup_save_plans,
     }
     problems = []
     for name, read in checks.items():

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.format.canonical import manifest_hash
 from shardline.checkpoint.integrity.manifest import MANIFEST
+from shardline.checkpoint.integrity.plan_validation import ShardlineSavePlanner
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.dcp_writer import Writer
 from shardline.checkpoint.lifecycle.load import check_checkpoint
@@ -94,7 +95,7 @@ def _save(
         run_tags=run_tags,
     )
     try:
-        dcp.save(state, storage_writer=writer)
+        dcp.save(state, storage_writer=writer, planner=ShardlineSavePlanner())
     except CheckpointException as e:  # DCP's gathered per-rank errors: raise the lowest failing rank's
         raise _save_error(path, e) from None
     return writer.info.manifest_hash if writer.info is not None else parent

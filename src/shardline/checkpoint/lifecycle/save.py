@@ -68,6 +68,7 @@ from shardline.checkpoint.integrity.manifest import (
     SUMS_FILE,
     render_manifest_hash_file,
 )
+from shardline.checkpoint.integrity.plan_validation import ShardlineSavePlanner
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveKind, SaveRequest, capture
 from shardline.checkpoint.lifecycle.commit_records import build_records
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
@@ -289,6 +290,7 @@ def write_and_commit(
             dcp.save(
                 captured.state_dict,
                 storage_writer=writer,
+                planner=ShardlineSavePlanner(),
                 process_group=process_group,
                 no_dist=not dist.is_initialized(),
             )
