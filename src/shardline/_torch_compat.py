@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DCP_METADATA_CLASSES",
     "SUPPORTED_TORCH",
+    "TORCH_PLAN_CHECK_FAILED",
     "ValidatingSavePlanner",
     "all_gather_into",
     "compiled_autograd_active",
@@ -364,10 +365,20 @@ def dtensor_local_bytes(value: DTensor) -> int:
     return local.numel() * local.element_size()
 
 
+TORCH_PLAN_CHECK_FAILED = "torch's plan check failed (this torch logs the problems instead of returning them)"
+"""What :func:`torch_validate_global_plan` returns for an invalid plan where torch's check answers only a bool."""
+
+
 def torch_validate_global_plan(global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
-    """torch DCP's own check of a global save plan (``default_planner._validate_global_plan``): its error messages."""
-    errors: list[str] = default_planner._validate_global_plan(global_plan, metadata)
-    return errors
+    """torch DCP's own check of a global save plan (``default_planner._validate_global_plan``): its error messages.
+
+    torch 2.13 returns the messages; torch 2.11 and 2.12 return a bool and log them: there an invalid plan gives
+    ``[TORCH_PLAN_CHECK_FAILED]``.
+    """
+    result: list[str] | bool = default_planner._validate_global_plan(global_plan, metadata)
+    if isinstance(result, bool):
+        return [] if result else [TORCH_PLAN_CHECK_FAILED]
+    return list(result)
 
 
 class ValidatingSavePlanner(DefaultSavePlanner):

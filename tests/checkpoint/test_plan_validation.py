@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 import shardline.checkpoint as ckpt
-from shardline._torch_compat import torch_validate_global_plan
+from shardline._torch_compat import TORCH_PLAN_CHECK_FAILED, torch_validate_global_plan
 from shardline.checkpoint.integrity.plan_validation import (
     ShardlineSavePlanner,
     overlapping_pairs,
@@ -123,7 +123,9 @@ def test_same_verdict_as_torch_on_valid_and_invalid_layouts() -> None:
             md = _metadata({f"w.{name}": (size, broken)})
             theirs, ours = torch_validate_global_plan(PLANS, md), validate_global_plan(PLANS, md)
             assert theirs, (name, bad, broken)
-            assert _kinds(ours) == _kinds(theirs), (name, bad, ours, theirs)
+            assert ours, (name, bad, broken)
+            if theirs != [TORCH_PLAN_CHECK_FAILED]:  # torch < 2.13 answers only valid/invalid
+                assert _kinds(ours) == _kinds(theirs), (name, bad, ours, theirs)
             assert all(f"key:w.{name} " in e for e in ours), ours
             seen_invalid.add(bad)
     assert seen_invalid == {"gap", "out of bounds", "overlap", "overlap + gap, same volume"}
