@@ -42,10 +42,12 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "MANIFEST_HASH_FILE",
+    "STATEMENT_FILE",
     "SUMS_FILE",
     "build_manifest",
     "describe_units",
     "manifest_files",
+    "named_manifest",
     "read_checkpoint_file",
     "read_error",
     "read_manifest",
@@ -59,6 +61,9 @@ FORMAT_VERSION = 1
 MANIFEST = COMMIT_RECORD  # "manifest.json": the commit record of the storage protocol
 MANIFEST_HASH_FILE = "manifest.sha256"
 SUMS_FILE = "SHA256SUMS"
+STATEMENT_FILE = "provenance.intoto.json"
+"""The provenance statement (written by :mod:`shardline.checkpoint.provenance.statement`). Since it names the
+manifest, the manifest cannot list it: ``SHA256SUMS`` does, and :mod:`.verify` checks it as a derived record."""
 DCP_METADATA = ".metadata"
 DERIVED_FILES = (MANIFEST, MANIFEST_HASH_FILE, SUMS_FILE)
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
@@ -280,3 +285,16 @@ def recorded_manifest_hash(path: Location) -> str | None:
     if len(parts) != 2 or parts[1] != MANIFEST or len(parts[0]) != 64:
         return None
     return parts[0]
+
+
+def named_manifest(raw: bytes) -> str | None:
+    """The manifest hash a provenance statement (its bytes) names as its one subject; None for the earlier form
+    (per-file subjects) or bytes that are not such a statement."""
+    try:
+        statement = json.loads(raw.decode("utf-8"))
+        subject = statement["subject"]
+        if len(subject) == 1 and subject[0]["name"] == MANIFEST:
+            return str(subject[0]["digest"]["sha256"])
+    except Exception:
+        return None
+    return None

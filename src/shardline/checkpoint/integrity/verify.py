@@ -28,13 +28,14 @@ from shardline.checkpoint.integrity.manifest import (
     FORMAT,
     MANIFEST,
     MANIFEST_HASH_FILE,
+    STATEMENT_FILE,
     SUMS_FILE,
     manifest_files,
+    named_manifest,
     read_error,
     render_manifest_hash_file,
     render_sums,
 )
-from shardline.checkpoint.provenance.statement import STATEMENT_FILE, named_manifest
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 from shardline.errors import ConfigurationError

@@ -44,6 +44,7 @@ import torch
 
 from shardline._version import __version__
 from shardline.checkpoint.format.canonical import canonical_json, manifest_hash, sha256_hex, tag_floats
+from shardline.checkpoint.integrity.manifest import STATEMENT_FILE, named_manifest
 from shardline.checkpoint.storage.protocol import COMMIT_RECORD, Location
 from shardline.checkpoint.storage.stores import locate
 from shardline.errors import IntegrityError
@@ -60,7 +61,6 @@ __all__ = [
     "statement_problems",
 ]
 
-STATEMENT_FILE = "provenance.intoto.json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://github.com/shardline/shardline/blob/main/docs/provenance.md#checkpoint-provenance-v1"
 _SHA = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
@@ -234,19 +234,6 @@ def read_statement(path: str | os.PathLike[str] | Location) -> tuple[dict[str, A
             f"{statement.get('predicateType')!r})"
         )
     return statement, sha256_hex(raw)
-
-
-def named_manifest(raw: bytes) -> str | None:
-    """The manifest hash a statement (its bytes) names as its subject; None for the earlier form (per-file
-    subjects) or bytes that are not such a statement."""
-    try:
-        statement = json.loads(raw.decode("utf-8"))
-        subject = statement["subject"]
-        if len(subject) == 1 and subject[0]["name"] == COMMIT_RECORD:
-            return str(subject[0]["digest"]["sha256"])
-    except Exception:
-        return None
-    return None
 
 
 def statement_problems(
