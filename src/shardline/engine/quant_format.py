@@ -29,65 +29,57 @@ class QuantFormat(Protocol):
     @property
     def kind(self) -> str:
         """The format's name in messages, e.g. ``"NF4Tensor"``."""
-        ...
 
     @property
-    def shape(self) -> tuple[int, ...]: ...
+    def shape(self) -> tuple[int, ...]:
+        """The whole weight's shape."""
 
     @property
     def components(self) -> tuple[str, ...]:
         """Names of the per-group component tensors, in the order :meth:`parts` returns them."""
-        ...
 
     @property
     def checksum_names(self) -> tuple[str, ...]:
         """Names of what :meth:`checksum` covers, three integers each."""
-        ...
 
     @property
-    def numel(self) -> int: ...
+    def numel(self) -> int:
+        """Elements of the whole weight."""
 
     @property
     def group_numel(self) -> int:
         """Elements of one group: the smallest piece that is a weight of this format by itself."""
-        ...
 
     @property
-    def groups(self) -> int: ...
+    def groups(self) -> int:
+        """Groups in the whole weight (:attr:`numel` / :attr:`group_numel`)."""
 
     def describe(self) -> str:
         """Shape and block structure, for messages."""
-        ...
 
     def requantize_hint(self) -> str:
         """How a user makes a fresh, consistent weight of this format."""
-        ...
 
     def release_owner(self, module: nn.Module) -> None:
         """Drop what ``module`` (an owner of the weight) keeps of the whole weight's state besides the weight."""
-        ...
 
     def component_numels(self, groups: int) -> tuple[int, ...]:
         """Elements of each component for ``groups`` groups."""
-        ...
 
-    def component_dtypes(self) -> tuple[torch.dtype, ...]: ...
+    def component_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Dtype of each component, in :attr:`components` order."""
 
     def parts(self, tensor: Any, start: int, count: int) -> tuple[torch.Tensor, ...]:
         """The components of groups ``[start, start + count)`` of ``tensor`` (flat views)."""
-        ...
 
     def build(self, parts: tuple[torch.Tensor, ...], *, shape: tuple[int, ...] | None = None) -> nn.Parameter:
         """A frozen weight of this format (or the 1-D piece ``shape``) from its component ``parts``."""
-        ...
 
     def problems(self, tensor: object, *, groups: int) -> list[str]:
         """How ``tensor`` fails to be a piece of ``groups`` groups of this layout (empty if it is one)."""
-        ...
 
     def checksum(self, tensor: Any) -> tuple[int, ...]:
         """A checksum of ``tensor``'s components and shared state (see :func:`byte_checksum`)."""
-        ...
 
 
 def byte_checksum(tensors: list[torch.Tensor]) -> tuple[int, ...]:
