@@ -460,3 +460,20 @@ def async_host_staging(rank: int, world: int, directory: str) -> dict[str, Any]:
     got = snapshot(loaded, loaded_optimizer)  # rank 0 holds the full state
     out["resumed_identical"] = _same(unpack(got), unpack(expected)) if rank == 0 else None
     return out
+
+
+def stateless_optimizer_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Save with plain SGD (no momentum: its state dict's ``state`` is empty), load into a fresh SGD."""
+    model, _ = build(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+    train_step(model, optimizer, 0, rank, world)
+    before = snapshot(model, optimizer)
+    ckpt.save(path, model=model, optimizer=optimizer, step=1)
+    fresh_model, _ = build(seed=2)
+    fresh = torch.optim.SGD(fresh_model.parameters(), lr=0.5)
+    ckpt.load(path, model=fresh_model, optimizer=fresh)
+    return {
+        "same_model": snapshot(fresh_model, fresh) == before,
+        "lr": fresh.param_groups[0]["lr"],
+        "state": len(fresh.state),
+    }

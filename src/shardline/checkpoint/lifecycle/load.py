@@ -248,6 +248,8 @@ def _optim_targets(
                 f"optimizer state '{name}' of '{fqn}': checkpoint shape {size} vs parameter {managed.global_shape}"
             )
     tree: dict[str, Any] = build_tree(placed)  # keyed "state" / "param_groups" at the top
+    # A stateless optimizer (plain SGD) saves an empty "state", which DCP stores as no item at all.
+    tree.setdefault("state", {})
     return tree
 
 
