@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import shardline.checkpoint as ckpt
 from shardline import cli
 from shardline.checkpoint import consolidate
 from shardline.checkpoint.integrity.manifest import read_manifest
@@ -118,3 +119,30 @@ def test_consolidate_memory_is_bounded(tmp_path: Path) -> None:
     # bound: one 16 MiB read batch + the largest tensor twice + allocator slack; the model is 128 MiB
     assert growth < 56 * 2**20, f"peak RSS grew by {growth / 2**20:.1f} MiB while exporting a 128 MiB model"
     assert len(list((tmp_path / "out").glob("*.safetensors"))) == 8
+
+
+def test_export_of_a_resumed_run_keeps_the_earlier_export(saved_run: Path, tmp_path: Path) -> None:
+    """The Export callback at the end of a resumed run: the earlier export is moved aside, never overwritten."""
+    from types import SimpleNamespace
+
+    from shardline.checkpoint.lifecycle.consolidate import SIDECAR
+    from shardline.train.export import Export
+
+    def finish(step: int) -> None:
+        row = next(r for r in ckpt.Ledger(saved_run / "lineage.sqlite").rows() if r.is_commit and r.step == step)
+        last = SimpleNamespace(path=saved_run / f"step-{step}", step=step, manifest_hash=row.manifest_sha256)
+        manager = SimpleNamespace(wait=lambda: last)
+        trainer = SimpleNamespace(is_rank0=True, run_dir=tmp_path, checkpoints=SimpleNamespace(manager=manager))
+        Export().on_fit_end(trainer, None)  # type: ignore[arg-type]
+
+    def source(folder: Path) -> dict:
+        return json.loads((folder / SIDECAR).read_text())["source"]
+
+    finish(2)
+    first = (tmp_path / "export" / "model" / SIDECAR).read_bytes()
+    finish(4)  # the resumed run ends at step 4
+    assert source(tmp_path / "export" / "model")["step"] == 4
+    assert (tmp_path / "export" / "model-step-2" / SIDECAR).read_bytes() == first
+    finish(4)  # the same checkpoint again: kept as it is, nothing moved
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["model", "model-step-2"]
+    assert source(tmp_path / "export" / "model")["step"] == 4

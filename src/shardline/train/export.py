@@ -6,15 +6,22 @@ with ``config.json`` for a transformers model; the base model of a PEFT model) a
 ``adapters``, ``RUN_DIR/export/adapter`` (``PeftModel.from_pretrained`` loads it). It is
 exactly ``shardline consolidate`` of that checkpoint, so each folder carries the checkpoint's
 manifest hash in its ``consolidation.json``.
+
+A resumed run finds its earlier export in place. Exports never overwrite, so: a folder that
+already holds this very checkpoint (its ``consolidation.json`` names the same manifest hash) is
+kept as it is; any other is moved aside to ``<name>-step-<its step>`` (``<name>-previous`` when
+it records none) and the new export takes the name.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.checkpoint.integrity.verify import VerifyLevel
-from shardline.checkpoint.lifecycle.consolidate import consolidate
+from shardline.checkpoint.lifecycle.consolidate import SIDECAR, consolidate
 from shardline.train.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -51,6 +58,38 @@ class Export(Callback):
             if not wanted:
                 continue
             out = trainer.run_dir / self.folder / name
+            if _already_exported(out, last.manifest_hash):
+                log.info("export: %s already holds step %d (manifest %s); kept", out, last.step, last.manifest_hash)
+                continue
+            _move_aside(out)
             result = consolidate(last.path, out, dtype=self.dtype, verify=VerifyLevel.FULL, adapters=adapters)
             log.info("exported the %s of step %d to %s (%d tensors)", name, last.step, out, result.tensors)
             print(f"exported the {name} of step {last.step} to {out} ({result.tensors} tensors)", flush=True)
+
+
+def _recorded_source(out: Path) -> dict[str, object] | None:
+    try:
+        source = json.loads((out / SIDECAR).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, dict) else None
+
+
+def _already_exported(out: Path, manifest_hash: str) -> bool:
+    source = _recorded_source(out)
+    return source is not None and source.get("manifest_sha256") == manifest_hash
+
+
+def _move_aside(out: Path) -> None:
+    """Move an earlier, non-empty export out of the way, under a name that says which step it holds."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    step = (_recorded_source(out) or {}).get("step")
+    base = f"{out.name}-step-{step}" if isinstance(step, int) else f"{out.name}-previous"
+    target, n = out.with_name(base), 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = out.with_name(f"{base}.{n}")
+    out.rename(target)
+    log.warning("export: %s held an earlier export; moved it to %s", out, target)
+    print(f"moved the earlier export {out} to {target}", flush=True)
