@@ -101,8 +101,17 @@ def test_resume_from_a_checkpoint_url_and_every_command_with_storage_options(
     assert code == 0, err
     assert f"OK: signature {step3}.sig verifies" in out
 
-    # lineage and report of the run directory: the options its config.yaml recorded, or the ones given.
+    # lineage and report of the run directory: the options its config.yaml recorded (its endpoint; the credentials
+    # were redacted there), overlaid by the ones given.
+    recorded = (bucket_run / "config.yaml").read_text()
+    assert options["secret"] not in recorded, "the run recorded its credentials"
+    assert s3_server.endpoint in recorded
     code, out, err = shardline("lineage", str(bucket_run))
+    assert code == 2, "no credentials given and none recorded: the store refuses"
+    assert S3_BUCKET in err
+    creds = [f for f in flags if f.split("=", 2)[1] in ("key", "secret")]
+    assert len(creds) == 2
+    code, out, err = shardline("lineage", str(bucket_run), *creds)
     assert code == 0, err
     assert f"the bucket prefix {url}/ (endpoint {s3_server.endpoint}) is in the chain" in out
     code, out, err = shardline("lineage", str(bucket_run), "--json", *flags)
@@ -111,7 +120,7 @@ def test_resume_from_a_checkpoint_url_and_every_command_with_storage_options(
     wrong_flags = [f.replace(options["secret"], "wrong") for f in flags]
     code, out, err = shardline("lineage", str(bucket_run), *wrong_flags)
     assert code == 2, out + err
-    code, out, err = shardline("report", str(bucket_run))
+    code, out, err = shardline("report", str(bucket_run), *creds)
     assert code == 0, err
     assert "1 checkpoint(s), 1 verified" in out
     code, out, err = shardline("report", str(bucket_run), *wrong_flags)

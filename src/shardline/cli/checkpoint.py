@@ -163,7 +163,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     from shardline.checkpoint.provenance.retention import record_deletions
     from shardline.checkpoint.provenance.statement import chain_statements
     from shardline.checkpoint.storage.stores import local_path
-    from shardline.train.records import recorded_checkpoint_dirs, recorded_storage_options
+    from shardline.train.records import recorded_checkpoint_dirs, run_storage_options
 
     if local_path(args.run_dir) is None and args.ledger is None:
         print(
@@ -176,7 +176,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     try:
         found = find_ledger(args.ledger or args.run_dir)
         options = storage_options(args)
-        ledger = Ledger(found, storage_options=recorded_storage_options(found.parent) if options is None else options)
+        ledger = Ledger(found, storage_options=run_storage_options(found.parent, options))
         also = [args.run_dir] if args.ledger else []
         dirs = checkpoint_directories(ledger, also=[*also, *recorded_checkpoint_dirs(ledger.path.parent)])
         if args.record_deletions:

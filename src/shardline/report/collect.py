@@ -37,7 +37,7 @@ from shardline.train.records import (
     METRICS_FILE,
     SUMMARY_FILE,
     recorded_checkpoint_dirs,
-    recorded_storage_options,
+    run_storage_options,
 )
 
 __all__ = ["CheckpointFacts", "RunFacts", "Status", "collect_run"]
@@ -227,8 +227,7 @@ def collect_run(
     )
     try:
         found = find_ledger(root)
-        options = recorded_storage_options(found.parent) if storage_options is None else storage_options
-        ledger = Ledger(found, storage_options=options)
+        ledger = Ledger(found, storage_options=run_storage_options(found.parent, storage_options))
         dirs = checkpoint_directories(ledger, also=recorded_checkpoint_dirs(ledger.path.parent))
         report = audit(ledger, directories=dirs)
     except StorageAccessError:

@@ -42,6 +42,7 @@ from shardline.train.config_layers import (
     suggest,
 )
 from shardline.train.data.sources import check_data_config
+from shardline.train.redaction import redact_config
 from shardline.train.schema import ACCELERATORS, TrainConfig, register_schemas
 from shardline.train.strategy_keys import foreign_key_reason
 
@@ -490,4 +491,6 @@ def _check_mesh(cfg: TrainConfig, parsed: ShardingStrategy | None) -> None:
 def to_yaml(cfg: DictConfig | TrainConfig) -> str:
     """The resolved config as YAML (what ``--cfg job`` prints and the run directory keeps as ``config.yaml``)."""
     plain = cfg.to_dict() if isinstance(cfg, TrainConfig) else OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(plain, dict):
+        plain = redact_config({str(k): v for k, v in plain.items()})
     return OmegaConf.to_yaml(OmegaConf.create(plain))

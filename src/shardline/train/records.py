@@ -23,6 +23,7 @@ and ``shardline report`` reads them back.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate
+from shardline.train.redaction import without_redacted
 
 if TYPE_CHECKING:
     from shardline.train.schema import CheckpointConfig
@@ -48,6 +50,7 @@ __all__ = [
     "checkpoint_location",
     "recorded_checkpoint_dirs",
     "recorded_storage_options",
+    "run_storage_options",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -85,6 +88,24 @@ def recorded_checkpoint_dirs(run_dir: str | Path) -> list[str]:
     return found
 
 
+def run_storage_options(run_dir: str | Path, given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options to reach the buckets of the run at ``run_dir``: what it recorded, overlaid by ``given``.
+
+    The recorded options carry no credentials (they are redacted when recorded), so ``given``
+    (``--storage-option``) usually adds just those to the recorded endpoint; a key given
+    replaces the recorded one, nested dicts (``client_kwargs``) are merged key by key.
+    """
+    return _overlay(recorded_storage_options(run_dir), dict(given or {}))
+
+
+def _overlay(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        below = out.get(key)
+        out[key] = _overlay(below, value) if isinstance(below, dict) and isinstance(value, Mapping) else value
+    return out
+
+
 def recorded_storage_options(run_dir: str | Path) -> dict[str, Any]:
     """The ``checkpoint.storage_options`` the newest attempt of the run at ``run_dir`` recorded (empty: none).
 
@@ -95,7 +116,8 @@ def recorded_storage_options(run_dir: str | Path) -> dict[str, Any]:
     for section in _recorded_checkpoint_sections(run_dir):
         recorded = section.get("storage_options")
         if isinstance(recorded, dict) and recorded:
-            options = dict(recorded)
+            # Credentials were recorded redacted; they come from the environment or --storage-option.
+            options = without_redacted(recorded)
     return options
 
 

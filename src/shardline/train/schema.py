@@ -33,6 +33,7 @@ from shardline.engine import ShardingStrategy
 from shardline.errors import ConfigurationError
 from shardline.train.data.sources import check_source
 from shardline.train.precision import check_precision
+from shardline.train.redaction import redact_config
 
 __all__ = [
     "ACCELERATORS",
@@ -253,7 +254,8 @@ class CheckpointConfig:
     (s3://BUCKET/PREFIX; each checkpoint lands in PREFIX/step-N). The lineage ledger stays in RUN_DIR."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Options of the fsspec file system of a URL dir (e.g. endpoint_url, key, secret); default: the AWS
-    environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
+    environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...). Credentials among them are used, never recorded:
+    config.yaml, manifests and trackers show them as <redacted>."""
 
     every_n_steps: int = 0
     """Save every this many steps (0: no periodic checkpoints)."""
@@ -323,8 +325,12 @@ class TrainConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain data (what ``config.yaml`` and each checkpoint's manifest record)."""
-        return dataclasses.asdict(self)
+        """The config as plain data (what ``config.yaml`` and each checkpoint's manifest record).
+
+        Credentials in ``checkpoint.storage_options`` are redacted (:mod:`shardline.train.redaction`);
+        the run itself reads them from ``self.checkpoint``.
+        """
+        return redact_config(dataclasses.asdict(self))
 
 
 def register_schemas() -> None:
