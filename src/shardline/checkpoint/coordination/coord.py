@@ -63,8 +63,21 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 
 
 def control_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device the control messages of ``group`` travel on: CUDA only if the group has a CUDA backend.
+
+    Note: a group's backend name is not always a backend. One made before any device was named
+    (Accelerate's ``PartialState()`` ahead of ``TrainingArguments``) reads ``"undefined"``, and
+    a multi-device one ``"cpu:gloo,cuda:nccl"``; the per-device configuration says which device
+    types it serves. CPU whenever it serves CPU, or when this process has no CUDA.
+    """
     backend = str(dist.get_backend(group))
-    if "gloo" in backend or "cpu" in backend:
+    if "gloo" in backend or "cpu" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    try:
+        config = str(dist.get_backend_config(group))
+    except (RuntimeError, ValueError):
+        config = backend
+    if "cpu" in config or "gloo" in config or ("cuda" not in config and "nccl" not in config):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 
