@@ -197,3 +197,25 @@ def test_malformed_yaml_is_one_line_naming_your_file(capsys, tmp_path: Path, con
     assert "shardline-experiments-" not in err, "never the temporary copy"
     assert "_file0_" not in err, "never the temporary copy"
     assert not (tmp_path / "runs").exists(), "nothing started"
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("+trainer.max_step=10", "Did you mean 'trainer.max_steps'?"),
+        ("+optimizer.lrr=3", "Did you mean 'optimizer.lr'?"),
+        ("+checkpoint.keep_last=2", "Did you mean 'checkpoint.keep_last_n'?"),
+        ("+bogus_section=1", "Allowed keys under 'the config root'"),
+    ],
+)
+def test_a_key_added_with_plus_where_the_schema_is_typed_is_refused(override: str, hint: str) -> None:
+    key = override[1:].split("=")[0]
+    with pytest.raises(ConfigurationError, match=f"unknown config key '{key}'") as info:
+        to_train_config(compose_config([override]))
+    assert hint in str(info.value)
+
+
+def test_free_form_nodes_still_take_added_keys() -> None:
+    cfg = to_train_config(compose_config(["+checkpoint.storage_options.region_name=r", "+tracking.tags.team=x"]))
+    assert cfg.checkpoint.storage_options == {"region_name": "r"}
+    assert cfg.tracking.tags["team"] == "x"

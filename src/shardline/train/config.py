@@ -145,9 +145,9 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
 
     Raises:
         ConfigurationError: a setting outside its choices (naming the key, the value and the choices), or a
-            strategy key the schema does not have (added with ``+``), with the reason when it is torch FSDP's.
+            key the schema does not have (added with ``+``), with the reason when it is a torch FSDP strategy key.
     """
-    _check_strategy_keys(cfg)
+    _check_schema_keys(cfg)
     try:
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -159,24 +159,36 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return config
 
 
-def _check_strategy_keys(cfg: DictConfig) -> None:
-    """Refuse keys under ``trainer.strategy`` that the schema lacks (``+`` adds them past struct mode)."""
-    strategy = OmegaConf.select(cfg, "trainer.strategy")
-    if not isinstance(strategy, DictConfig):
+def _check_schema_keys(cfg: DictConfig) -> None:
+    """Refuse keys the schema lacks, anywhere it is typed (``+`` adds them past struct mode).
+
+    Free-form nodes (``model``, ``callbacks``, the strategy's policies, ``storage_options``,
+    ``tracking.tags``) take any key; every node the schema types takes only its fields, so a
+    misspelt ``+trainer.max_step=10`` fails instead of being ignored.
+    """
+    _check_node(cfg, [])
+
+
+def _check_node(node: DictConfig, path: list[str]) -> None:
+    allowed = _schema_fields(path) if path else [f.name for f in dataclasses.fields(TrainConfig)]
+    if allowed is None:
         return
-    allowed = _schema_fields(["trainer", "strategy"]) or []
-    for key in map(str, strategy):
-        if key in allowed:
-            continue
-        reason = foreign_key_reason(key)
-        if reason is not None:
-            raise ConfigurationError(reason)
-        close = difflib.get_close_matches(key, allowed, n=1)
-        hint = f" Did you mean 'trainer.strategy.{close[0]}'?" if close else ""
-        raise ConfigurationError(
-            f"unknown config key 'trainer.strategy.{key}'.{hint} Allowed keys under 'trainer.strategy': "
-            f"{', '.join(allowed)}."
-        )
+    where = ".".join(path)
+    for key in map(str, node):
+        if key not in allowed:
+            full = f"{where}.{key}" if where else key
+            reason = foreign_key_reason(key) if path == ["trainer", "strategy"] else None
+            if reason is not None:
+                raise ConfigurationError(reason)
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" Did you mean '{where + '.' if where else ''}{close[0]}'?" if close else ""
+            raise ConfigurationError(
+                f"unknown config key '{full}'.{hint} Allowed keys under '{where or 'the config root'}': "
+                f"{', '.join(allowed)}."
+            )
+        child = node._get_node(key)  # no interpolation resolved, no value copied
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            _check_node(child, [*path, key])
 
 
 def _compose(overrides: list[str]) -> DictConfig:
