@@ -43,7 +43,12 @@ if TYPE_CHECKING:
 
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
     from torch.distributed.checkpoint.planner import ReadItem, SavePlan
     from torch.distributed.launcher.api import LaunchConfig
     from torch.distributed.tensor import DTensor
@@ -445,7 +450,7 @@ def take_pre_2_4_keys(planner: DefaultLoadPlanner) -> None:
         planner.state_dict, planner.mappings = old_state_dict, old_mappings
 
 
-def local_chunks(value: object) -> list[ChunkStorageMetadata]:
+def local_chunks(value: Any) -> list[ChunkStorageMetadata]:
     """The chunks of a tensor this rank holds, as DCP's planners see them (a DTensor's piece, a ShardedTensor's
     local shards, or a whole plain tensor).
 
@@ -456,7 +461,7 @@ def local_chunks(value: object) -> list[ChunkStorageMetadata]:
     return chunks
 
 
-def read_items_by_torch(fqn: str, saved: object, value: object) -> list[ReadItem]:
+def read_items_by_torch(fqn: str, saved: TensorStorageMetadata | BytesStorageMetadata, value: Any) -> list[ReadItem]:
     """torch DCP's read items for one state-dict entry (its resharding planner, as ``DefaultLoadPlanner`` runs it)."""
     items: list[ReadItem] = planner_helpers._create_read_items(fqn, saved, value)
     return items

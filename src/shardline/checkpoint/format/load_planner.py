@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -159,7 +160,9 @@ class ShardlineLoadPlanner(SafeLoadPlanner):
             items += self._read_items(fqn, saved, value)
         return LoadPlan(items)
 
-    def _read_items(self, fqn: str, saved: object, value: object) -> list[ReadItem]:
+    def _read_items(
+        self, fqn: str, saved: TensorStorageMetadata | BytesStorageMetadata, value: object
+    ) -> list[ReadItem]:
         if isinstance(saved, TensorStorageMetadata) and len(saved.size) > 0:
             try:
                 pieces = _torch_compat.local_chunks(value)
