@@ -28,7 +28,9 @@ tensor saved whole); a miss builds the tensor's index of boxes once (C-speed pas
 chunks; a dict of box -> position), which also moves the probe to where this rank's chunks lie.
 A same-layout load therefore examines about one saved chunk per piece, plus one tensor's chunks
 where the first probe misses; a resharded load pays the index (linear) and then torch's planner
-(``n log n``), as before plus the index.
+(``n log n``), as before plus the index. Where DCP lists the chunks in another order per tensor
+(a hybrid mesh, whose replicated chunks DCP hands to writers by load), probes miss and each
+tensor pays its index: linear, in C, over the shard group's chunks only.
 """
 
 from __future__ import annotations
