@@ -188,9 +188,12 @@ def test_the_plan_is_torchs_on_random_layouts(seed: int) -> None:
     _compare(shape, saved, loaded)
 
 
-def test_a_save_and_load_at_two_ranks_reads_every_piece_by_its_box(tmp_path) -> None:
+@pytest.mark.parametrize(("strategy", "world"), [("full_shard", 2), ("hybrid_shard", 4)])
+def test_a_save_and_load_at_the_same_layout_reads_every_piece_by_its_box(tmp_path, strategy, world) -> None:
+    """Round trips through the planner: FULL_SHARD at W=2, and a 2x2 hybrid mesh (whose chunks DCP lists in another
+    order per tensor: found by the index)."""
     path = str(tmp_path / "step-2")
-    out = run_distributed(load_plan_ranks.save_then_load, 2, args=(path,), timeout=90)
+    out = run_distributed(load_plan_ranks.save_then_load, world, args=(path, strategy), timeout=90)
     expected, loaded, by_torch, exact = out[0]
     from tests.checkpoint.test_reshard import _assert_equal
 
