@@ -5,9 +5,9 @@ module is first imported (by ``import shardline``) it checks the installed torch
 version against :data:`SUPPORTED_TORCH` and every private API used here that ``import torch``
 has loaded (:func:`_check_installed`), raising one error that names each one missing, the
 installed version and the supported range. The few that live in modules torch loads on demand
-(dynamo, most of DCP) are not imported for the check (DCP's save planner is: shardline's save
-planner subclasses it here); ``nox -s compat`` runs them on the releases listed
-in docs/testing.md.
+(dynamo, most of DCP) are not imported for the check (DCP's planners are: shardline's save
+planner subclasses torch's here, and its load planner uses torch's planning helpers); ``nox -s
+compat`` runs them on the releases listed in docs/testing.md.
 
 Note: why torch 2.11 is the floor. torch 2.6, the floor declared before, fails on its first
 gradient reduction on CPU (gloo has no ``ReduceOp.AVG`` there), and its DCP lacks what the
@@ -28,8 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import default_planner
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
+from torch.distributed.checkpoint import _version, default_planner, planner_helpers
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_global_save_plan,
+)
 
 from shardline.errors import ConfigurationError
 
@@ -38,8 +43,13 @@ if TYPE_CHECKING:
 
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
-    from torch.distributed.checkpoint.metadata import Metadata
-    from torch.distributed.checkpoint.planner import SavePlan
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import ReadItem, SavePlan
     from torch.distributed.launcher.api import LaunchConfig
     from torch.distributed.tensor import DTensor
 
@@ -59,13 +69,16 @@ __all__ = [
     "in_backward",
     "is_dcp_metadata_global",
     "is_sharded_tensor",
+    "local_chunks",
     "parameter_fqns",
     "profiling_enabled",
     "queue_backward_callback",
+    "read_items_by_torch",
     "reduce_scatter_into",
     "set_writer_filesystem",
     "sharded_tensor_local_bytes",
     "storage_key",
+    "take_pre_2_4_keys",
     "tensor_pickle_global",
     "torch_validate_global_plan",
     "typed_storage_dtype",
@@ -413,6 +426,47 @@ class ValidatingSavePlanner(DefaultSavePlanner):
         return global_plan, metadata
 
 
+def take_pre_2_4_keys(planner: DefaultLoadPlanner) -> None:
+    """The first step of ``DefaultLoadPlanner.create_local_plan``: a checkpoint saved by torch <= 2.3 (whose flat
+    keys nest differently) gets the state dict flattened the way it was saved.
+
+    Note: torch keeps this step inside ``create_local_plan``, before the module function that plans
+    the reads; shardline's load planner replaces only the latter, so it takes the step from here. It
+    is torch's rule: keys of the checkpoint missing from the state dict that the 2.3 flattening
+    produces mean an old checkpoint (``_version._derived_version`` selects that flattening).
+    """
+    metadata = planner.metadata
+    if metadata is None:
+        raise AssertionError("the load planner was not set up with the checkpoint's metadata")
+    missing = set(metadata.state_dict_metadata) - set(planner.state_dict)
+    if not missing:
+        return
+    _version._derived_version = "2_3"
+    try:
+        old_state_dict, old_mappings = flatten_state_dict(planner.original_state_dict)
+    finally:
+        _version._derived_version = None
+    if set(old_state_dict) & missing:
+        planner.state_dict, planner.mappings = old_state_dict, old_mappings
+
+
+def local_chunks(value: Any) -> list[ChunkStorageMetadata]:
+    """The chunks of a tensor this rank holds, as DCP's planners see them (a DTensor's piece, a ShardedTensor's
+    local shards, or a whole plain tensor).
+
+    Raises:
+        ValueError: ``value`` is not a tensor DCP can load into.
+    """
+    chunks: list[ChunkStorageMetadata] = planner_helpers._create_chunk_list(value)
+    return chunks
+
+
+def read_items_by_torch(fqn: str, saved: TensorStorageMetadata | BytesStorageMetadata, value: Any) -> list[ReadItem]:
+    """torch DCP's read items for one state-dict entry (its resharding planner, as ``DefaultLoadPlanner`` runs it)."""
+    items: list[ReadItem] = planner_helpers._create_read_items(fqn, saved, value)
+    return items
+
+
 def _private_api_problems() -> list[str]:
     """The private torch APIs used above that this torch lacks (only those ``import torch`` loads)."""
     from torch.distributed.tensor import DTensor
@@ -431,6 +485,9 @@ def _private_api_problems() -> list[str]:
         ),
         "DefaultSavePlanner._create_global_plan": lambda: DefaultSavePlanner._create_global_plan,
         "DefaultSavePlanner._dedup_save_plans": lambda: DefaultSavePlanner._dedup_save_plans,
+        "torch.distributed.checkpoint._version._derived_version": lambda: _version._derived_version,
+        "torch.distributed.checkpoint.planner_helpers._create_chunk_list": lambda: planner_helpers._create_chunk_list,
+        "torch.distributed.checkpoint.planner_helpers._create_read_items": lambda: planner_helpers._create_read_items,
     }
     problems = []
     for name, read in checks.items():

@@ -8,10 +8,12 @@ import hashlib
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 from benchmarks.scale_layout import state_dict_keys
 from benchmarks.scale_sim import captured_checkpoint, rank_digests
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardline.checkpoint.format.canonical import canonical_json
@@ -84,3 +86,44 @@ def test_the_fast_canonical_check_keeps_the_rules_and_the_messages() -> None:
     assert (
         canonical_json({"t": (1, "a"), "e": _Level.HIGH, "b": [True, None]}) == b'{"b":[true,null],"e":2,"t":[1,"a"]}'
     )
+
+
+class _CountedResult:
+    """A gathered write result that counts how often rank 0 looks at its index."""
+
+    looked = 0
+
+    def __init__(self, result: WriteResult) -> None:
+        self._result = result
+
+    @property
+    def index(self) -> Any:
+        _CountedResult.looked += 1
+        return self._result.index
+
+    @property
+    def storage_data(self) -> Any:
+        return self._result.storage_data
+
+
+def test_rank_0_takes_the_digests_from_each_list_end_without_looking_at_dcps_results() -> None:
+    world, items, files = 4, 5000, 8
+    dcp_results = [
+        [WriteResult(MetadataIndex(f"model.w{i}", [r * 10]), 40, ("file", r, i)) for i in range(items)]
+        for r in range(world)
+    ]
+    records = [
+        FileDigest(path=f"__{r}_{n}.distcp", rank=r, bytes=n, sha256=f"{r * files + n:064x}")
+        for r in range(world)
+        for n in range(files)
+    ]
+    gathered = [
+        [_CountedResult(w) for w in dcp_results[r]] + [_CountedResult(digest_result(d)) for d in records[r::world]]
+        for r in range(world)
+    ]
+    _CountedResult.looked = 0
+    clean, found = split_digests(gathered)  # type: ignore[arg-type]
+    # each rank's digest records and the one DCP result before them: not the 5,000 DCP results
+    assert _CountedResult.looked == world * (files + 1), _CountedResult.looked
+    assert sorted(found.values()) == sorted(records)
+    assert [[c._result for c in rank] for rank in clean] == dcp_results  # DCP's results, all and in order

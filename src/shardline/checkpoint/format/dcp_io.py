@@ -18,6 +18,7 @@ of the classes DCP puts there, and only after its hash was checked (``opening.py
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -124,6 +125,15 @@ def unpickle_metadata(data: bytes, where: object) -> Metadata:
     Raises:
         IntegrityError: the bytes are not DCP metadata (damaged, or naming other classes: never run).
     """
+    # Note: the cyclic garbage collector is paused while the objects are built. ``.metadata`` holds one
+    # record per saved chunk of every tensor (35M at 16,384 ranks for a 70B model), and each
+    # collection the allocations trigger walks every object alive, so a load spent most of its
+    # unpickling in the collector (6x the unpickling itself at 1,024 ranks; docs/benchmarks.md).
+    # What is built here holds no reference cycles, so pausing leaves no garbage behind; the
+    # collector is switched back on only if it was on (another thread may switch it meanwhile:
+    # it then runs later, nothing is lost).
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:
@@ -131,6 +141,9 @@ def unpickle_metadata(data: bytes, where: object) -> Metadata:
             f"{where} cannot be read as torch.distributed.checkpoint metadata ({type(e).__name__}: {e}); nothing "
             "in it was run"
         ) from None
+    finally:
+        if collecting:
+            gc.enable()
     if not isinstance(metadata, Metadata):
         raise IntegrityError(f"{where} holds a {type(metadata).__name__}, not torch.distributed.checkpoint metadata")
     if getattr(metadata, "storage_meta", None) is None:

@@ -103,26 +103,30 @@ def split_digests(results: list[list[WriteResult]]) -> tuple[list[list[WriteResu
     """The coordinator's part of ``finish`` before DCP's own: every rank's results without the digest records
     (what DCP's ``finish`` gets), and the digest records by file name.
 
+    Note: ``write_data`` appends a rank's digest records after all of DCP's results, and DCP's gather
+    keeps each rank's list as that rank returned it, so the records are taken from each list's end:
+    the scan stops at the first of DCP's results (35M of them at 16,384 ranks, each examined before)
+    and the rest of the list is kept as one slice.
+
     Raises:
         CheckpointError: two ranks reported the same file.
     """
     digests: dict[str, FileDigest] = {}
     clean: list[list[WriteResult]] = []
     for rank_results in results:
-        kept: list[WriteResult] = []
-        clean.append(kept)
-        for r in rank_results:
-            if not r.index.fqn.startswith(DIGEST_INDEX_PREFIX):  # _is_digest, inline: 131k results at 16,384 ranks
-                kept.append(r)
-            else:
-                data = r.storage_data
-                record = FileDigest(*data) if type(data) is tuple else _record(data)
-                if record.path in digests:
-                    raise CheckpointError(
-                        f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "
-                        f"{record.path!r}; checkpoint file names must be unique per rank"
-                    )
-                digests[record.path] = record
+        end = len(rank_results)
+        while end and rank_results[end - 1].index.fqn.startswith(DIGEST_INDEX_PREFIX):
+            end -= 1
+        clean.append(rank_results[:end])
+        for r in rank_results[end:]:
+            data = r.storage_data
+            record = FileDigest(*data) if type(data) is tuple else _record(data)
+            if record.path in digests:
+                raise CheckpointError(
+                    f"two ranks ({digests[record.path].rank} and {record.rank}) reported writing "
+                    f"{record.path!r}; checkpoint file names must be unique per rank"
+                )
+            digests[record.path] = record
     return clean, digests
 
 

@@ -35,11 +35,11 @@ from shardline.checkpoint.format.dcp_io import (
     MODEL_KEY,
     TRAINER_KEY,
     MetadataReader,
-    SafeLoadPlanner,
     decode_state,
     key_paths,
 )
 from shardline.checkpoint.format.hf_export import export_layout
+from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
 from shardline.checkpoint.format.safetensors_io import SafetensorsWriter, TensorSpec
 from shardline.checkpoint.format.tokenizer_export import ExportedTokenizer, tokenizer_files
 from shardline.checkpoint.integrity.opening import open_checkpoint
@@ -158,7 +158,7 @@ def _read_batch(
     targets: dict[str, Any] = dict(tensors) if flat else {MODEL_KEY: tensors}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(targets, storage_reader=reader, planner=ShardlineLoadPlanner(), no_dist=True)
     return tensors
 
 
@@ -393,7 +393,7 @@ def _trainer_state(reader: MetadataReader, metadata: Metadata) -> dict[str, Any]
     target: dict[str, Any] = {TRAINER_KEY: None}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(target, storage_reader=reader, planner=ShardlineLoadPlanner(), no_dist=True)
     state: dict[str, Any] = decode_state(target[TRAINER_KEY])  # a trainer state is saved as a dict
     return state
 
@@ -405,7 +405,7 @@ def _config(reader: MetadataReader, metadata: Metadata) -> dict[str, Any] | None
     target: dict[str, Any] = {CONFIG_KEY: None}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(target, storage_reader=reader, planner=ShardlineLoadPlanner(), no_dist=True)
     try:
         config = json.loads(target[CONFIG_KEY])
     except (TypeError, ValueError):

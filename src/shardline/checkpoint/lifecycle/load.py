@@ -52,12 +52,12 @@ from shardline.checkpoint.format.dcp_io import (
     OPTIM_KEY,
     PER_RANK_KEY,
     TRAINER_KEY,
-    SafeLoadPlanner,
     build_tree,
     decode_state,
     key_paths,
     subtree,
 )
+from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
 from shardline.checkpoint.integrity.opening import (
     CheckedManifest,
     check_manifest,
@@ -413,7 +413,7 @@ def load(
             dcp.load(
                 targets,
                 storage_reader=reader,
-                planner=SafeLoadPlanner(),
+                planner=ShardlineLoadPlanner(),
                 process_group=process_group,
                 no_dist=not dist.is_initialized(),
             )
@@ -452,7 +452,7 @@ def _read_item(path: Location | str | os.PathLike[str], key: str, verify: Verify
     target: dict[str, Any] = {key: None}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(target, storage_reader=opened.reader(), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(target, storage_reader=opened.reader(), planner=ShardlineLoadPlanner(), no_dist=True)
     return target[key]
 
 
