@@ -88,8 +88,15 @@ def save_collectives(rank: int, world: int, root: str) -> dict[str, Any]:
     with counting_collectives() as large:
         got_large = coord.broadcast_object(big if rank == 0 else None, None)
         gathered_large = coord.all_gather_object(big, None)
+    # Messages around one frame's capacity (the encoded size crosses it somewhere in this range), on every rank.
+    edges_ok = True
+    for n in range(3_700, 4_300, 9):
+        payload = bytes([rank]) * (n + rank)
+        edges_ok &= coord.broadcast_object(payload, None) == bytes([0]) * n
+        edges_ok &= coord.all_gather_object(payload, None) == [bytes([r]) * (n + r) for r in range(world)]
     ok = (
-        got_small == {"rank": 0}
+        edges_ok
+        and got_small == {"rank": 0}
         and gathered_small == list(range(world))
         and got_large == "x" * 20_000
         and gathered_large == ["x" * (20_000 + r * 5_000) for r in range(world)]

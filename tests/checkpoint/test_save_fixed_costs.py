@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmarks import floors
 from torch import nn
 
 import shardline.checkpoint as ckpt
@@ -61,3 +62,15 @@ def test_a_save_fsyncs_each_file_and_directory_once(tmp_path: Path, monkeypatch)
     assert {expected.get(ino, ino): n for ino, n in seen.items() if n != 1} == {}, "flushed more than once"
     assert set(seen) == set(expected), sorted(expected[i] for i in set(expected) - set(seen))
     assert ckpt.verify_checkpoint(final).ok
+
+
+def test_the_durable_floor_adds_the_measured_fixed_work_to_the_floor(tmp_path: Path) -> None:
+    """benchmarks/floors.py: the manifest made durable and a ledger commit, timed on the given storage, added
+    to the floor (the ledger only where the save records a row); nothing is left behind."""
+    term = floors.fixed_cost(tmp_path)
+    assert term.manifest_s > 0
+    assert term.ledger_s > 0
+    assert term.round_trip_s == 0.0  # one process: no round trip
+    assert list(tmp_path.iterdir()) == []
+    assert floors.durable_floor_s(floor=1.0, fixed=term, ledger=False) == 1.0 + term.manifest_s
+    assert floors.durable_floor_s(floor=1.0, fixed=term, ledger=True) == 1.0 + term.manifest_s + term.ledger_s
