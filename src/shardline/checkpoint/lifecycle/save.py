@@ -7,8 +7,9 @@ the same exception class with the same message.
 1. **Preflight** (rank 0 decides): the final directory must not exist and its parent must be
    creatable and writable; rank 0 reserves it through its store (:meth:`.CheckpointStore.prepare`):
    on disk a hidden temporary directory beside it (``.step-100.tmp-<hex>``). Every rank then
-   checks it can see and write that directory (all agree), so an unwritable or unshared path
-   fails on every rank before any data is written. In an object store there is no temporary
+   checks it can see and write that directory (all agree; in step 2's agreement when the caller
+   passes ``check_writable=False``, as ``save`` and the manager do: one round trip fewer), so an
+   unwritable or unshared path fails on every rank before any data is written. In an object store there is no temporary
    directory: rank 0 claims the final prefix with a conditional PUT (``storage/claims.py``), and
    the manifest, uploaded last and conditionally, commits; the claim is deleted after it. A save
    that dies before its manifest leaves a prefix the next manager clears on open
