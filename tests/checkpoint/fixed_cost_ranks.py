@@ -80,6 +80,12 @@ def save_collectives(rank: int, world: int, root: str) -> dict[str, Any]:
     dist.barrier()
     with counting_collectives() as ours:
         info = ckpt.save(Path(root) / "step-1", model=model, optimizer=optimizer, step=1)
+    manager = ckpt.CheckpointManager(Path(root) / "run")
+    manager.save(ckpt.SaveRequest(step=1, model=model, optimizer=optimizer))  # the first: the ledger's genesis
+    dist.barrier()
+    with counting_collectives() as managed:
+        manager.save(ckpt.SaveRequest(step=2, model=model, optimizer=optimizer))
+    manager.close()
     dist.barrier()
     with counting_collectives() as small:
         got_small = coord.broadcast_object({"rank": rank} if rank == 0 else None, None)
@@ -105,6 +111,7 @@ def save_collectives(rank: int, world: int, root: str) -> dict[str, Any]:
         "plain": sum(plain.values()),
         "ours": sum(ours.values()),
         "ours_by_kind": dict(ours),
+        "manager": sum(managed.values()),
         "small": sum(small.values()),
         "large": sum(large.values()),
         "payloads_ok": ok,

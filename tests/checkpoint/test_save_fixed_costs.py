@@ -21,13 +21,14 @@ from tests.checkpoint import fixed_cost_ranks
 linux_only = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
 
 
-def test_a_two_rank_save_costs_three_round_trips_beyond_plain_dcp(tmp_path: Path) -> None:
+def test_a_two_rank_save_costs_three_round_trips_beyond_plain_dcp(tmp_path: Path) -> None:  # save() and the manager
     """Preflight (rank 0 reserves), the capture's agreement (writability checked in it), the outcome: one each."""
     results = run_distributed(fixed_cost_ranks.save_collectives, 2, args=(str(tmp_path),), timeout=120)
     for out in results:
         assert out["verified"]
         assert out["payloads_ok"], "control messages, small and longer than a frame, arrive whole on every rank"
         assert out["ours"] - out["plain"] == 3, out
+        assert out["manager"] - out["plain"] == 3, "CheckpointManager.save: the same three"
         assert out["small"] == 2, "a small broadcast and a small all-gather: one round trip each"
         assert out["large"] == 4, "a message longer than a frame: a second round trip for the rest"
 
