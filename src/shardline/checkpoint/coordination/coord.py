@@ -9,10 +9,11 @@ on while another raised):
 * :func:`all_agree` -- every rank runs a step and every rank learns whether all succeeded
   (staging a save, checking a model against a checkpoint).
 
-Note: objects travel as ``torch.save`` bytes in a uint8 tensor (a length broadcast, then the
-payload) and are read back with ``torch.load(weights_only=True)``, so only plain data (dicts,
-lists, strings, numbers, tensors) crosses ranks, never arbitrary pickles. Every call is a
-collective over ``group`` bounded by the group's timeout.
+Note: objects travel as ``torch.save`` bytes in a uint8 tensor (a fixed-size frame holding the
+length and the start of the payload, then the rest only if it did not fit) and are read back
+with ``torch.load(weights_only=True)``, so only plain data (dicts, lists, strings, numbers,
+tensors) crosses ranks, never arbitrary pickles. Every call is a collective over ``group``
+bounded by the group's timeout.
 """
 
 from __future__ import annotations
@@ -92,43 +93,82 @@ def _decode(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+# Note: one round trip for a small message. A control message (a verdict, a path, a size) is a
+# few hundred bytes, so the first collective carries a fixed-size frame -- the length, then the
+# first ``_FRAME - 8`` bytes -- and only a longer message costs a second one for the rest
+# (every rank learns the length from the first, so all take the same branch). Each saved round
+# trip is one gloo (or NCCL) latency on every save, load and resume.
+_FRAME = 4096
+_HEAD = 8  # the little-endian int64 length at the start of a frame
+
+
+def _frame(data: bytes) -> bytearray:
+    """``data`` as a fixed-size frame: its length, then as much of it as fits (zero-padded)."""
+    frame = bytearray(_FRAME)
+    frame[:_HEAD] = len(data).to_bytes(_HEAD, "little")
+    first = data[: _FRAME - _HEAD]
+    frame[_HEAD : _HEAD + len(first)] = first
+    return frame
+
+
+def _unframe(frame: bytes) -> tuple[int, bytes]:
+    """The length a frame announces, and the part of the message it carries."""
+    length = int.from_bytes(frame[:_HEAD], "little")
+    return length, bytes(frame[_HEAD : _HEAD + min(length, _FRAME - _HEAD)])
+
+
 def broadcast_object(obj: Any, group: dist.ProcessGroup | None, *, src_rank: int = 0) -> Any:
-    """``obj`` from group rank ``src_rank``, on every rank (plain data only)."""
+    """``obj`` from group rank ``src_rank``, on every rank (plain data only; one collective when it is small)."""
     if group_size(group) == 1:
         return obj
     pg = _group(group)
     device = control_device(pg)
+    src = dist.get_global_rank(pg, src_rank)
     is_src = dist.get_rank(pg) == src_rank
     data = _encode(obj) if is_src else b""
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=dist.get_global_rank(pg, src_rank), group=pg)
     if is_src:
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        frame = torch.frombuffer(_frame(data), dtype=torch.uint8).to(device)
     else:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=dist.get_global_rank(pg, src_rank), group=pg)
-    return obj if is_src else _decode(payload.cpu().numpy().tobytes())
+        frame = torch.empty(_FRAME, dtype=torch.uint8, device=device)
+    dist.broadcast(frame, src=src, group=pg)
+    if is_src:
+        rest_len = len(data) - (_FRAME - _HEAD)
+        if rest_len > 0:
+            rest = torch.frombuffer(bytearray(data[_FRAME - _HEAD :]), dtype=torch.uint8).to(device)
+            dist.broadcast(rest, src=src, group=pg)
+        return obj
+    length, head = _unframe(frame.cpu().numpy().tobytes())
+    if length > len(head):
+        rest = torch.empty(length - len(head), dtype=torch.uint8, device=device)
+        dist.broadcast(rest, src=src, group=pg)
+        head += rest.cpu().numpy().tobytes()
+    return _decode(head)
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's ``obj``, in group-rank order (plain data only)."""
+    """Every rank's ``obj``, in group-rank order (plain data only; one collective when every one is small)."""
     n = group_size(group)
     if n == 1:
         return [obj]
     pg = _group(group)
     device = control_device(pg)
     data = _encode(obj)
-    mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = torch.empty(n, dtype=torch.int64, device=device)
-    _torch_compat.all_gather_into(lengths, mine, pg)
-    width = int(lengths.max().item())
-    send = torch.zeros(width, dtype=torch.uint8, device=device)
-    if data:
-        send[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    out = torch.empty(n * width, dtype=torch.uint8, device=device)
-    _torch_compat.all_gather_into(out, send, pg)
-    rows = out.view(n, width).cpu()
-    return [_decode(rows[r, : int(lengths[r].item())].numpy().tobytes()) for r in range(n)]
+    send = torch.frombuffer(_frame(data), dtype=torch.uint8).to(device)
+    frames = torch.empty(n * _FRAME, dtype=torch.uint8, device=device)
+    _torch_compat.all_gather_into(frames, send, pg)
+    rows = frames.view(n, _FRAME).cpu().numpy()
+    parts = [_unframe(rows[r].tobytes()) for r in range(n)]
+    width = max(length - len(head) for length, head in parts)
+    if width > 0:  # some rank's message did not fit its frame: the rest of every one, padded to the longest
+        tail = data[_FRAME - _HEAD :]
+        rest = torch.zeros(width, dtype=torch.uint8, device=device)
+        if tail:
+            rest[: len(tail)] = torch.frombuffer(bytearray(tail), dtype=torch.uint8).to(device)
+        out = torch.empty(n * width, dtype=torch.uint8, device=device)
+        _torch_compat.all_gather_into(out, rest, pg)
+        tails = out.view(n, width).cpu().numpy()
+        parts = [(length, head + tails[r, : length - len(head)].tobytes()) for r, (length, head) in enumerate(parts)]
+    return [_decode(head) for _, head in parts]
 
 
 def error_payload(exc: BaseException) -> dict[str, str]:

@@ -152,10 +152,10 @@ class HashingWriter(FileSystemWriter):
         sync_later: False: every file is fsynced before ``torch.distributed.checkpoint.save`` returns,
             as DCP does. True, for a caller that fsyncs its own commit records (the save's
             ``_finalize``): the coordinator's data files are fsynced in the background from their
-            close on, so the flush overlaps the gather, ``.metadata`` and the records; ``.metadata``
-            is not fsynced. The caller must then call :meth:`wait_synced` and fsync ``.metadata``
-            before it commits. Other ranks still flush before their ``write_data`` returns: the
-            coordinator cannot wait for another process's flush.
+            close on, so the flush overlaps the gather, ``.metadata`` and the records (``.metadata``'s
+            own flush too). The caller must then call :meth:`wait_synced` before it commits. Other
+            ranks still flush before their ``write_data`` returns: the coordinator cannot wait for
+            another process's flush.
 
     Raises:
         ConfigurationError: ``files_per_rank`` is not a count.
@@ -179,7 +179,6 @@ class HashingWriter(FileSystemWriter):
         files = store_for(location).save_files(location)
         # DCP's own fsyncs are off: our streams flush each file as they close it (after starting its hash).
         super().__init__(files.root, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False)
-        self._durable = files.fsync
         self._files = files
         self.tuning: SaveTuning | None = None  # this rank's, once write_data has run
         self._hfs = HashingFileSystem(observer, files=files)
@@ -258,11 +257,9 @@ class HashingWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         clean, digests = split_digests(results)
         self._hfs.take()
-        self.sync_files = self._durable and not self._sync_later  # DCP's fsync of .metadata
-        try:
-            super().finish(metadata, clean)
-        finally:
-            self.sync_files = False
+        # Note: DCP's own fsync of .metadata stays off (sync_files=False): .metadata is written through a hashing
+        # stream, whose close fsyncs it (in the background with sync_later) -- a second fsync would flush nothing.
+        super().finish(metadata, clean)
         for full, (size, digest) in self._hfs.take().items():
             name = os.path.relpath(full, self.path)
             digests[name] = FileDigest(path=name, rank=self.rank or 0, bytes=size, sha256=digest)

@@ -280,7 +280,8 @@ class CheckpointManager:
             request = dataclasses.replace(request, run_tags={**self.tags, **(request.run_tags or {})})
         path = self.path_for(request.step, request.tag)
         self._metrics[path] = metrics_detail(request.metrics or {})
-        tmp = preflight(path, process_group=self._io_group, run=self._run)
+        # capture_agreed checks that every rank can write tmp, in its own agreement (one collective fewer).
+        tmp = preflight(path, process_group=self._io_group, run=self._run, check_writable=False)
         captured = capture_agreed(
             request,
             path=path,

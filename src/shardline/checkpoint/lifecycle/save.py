@@ -7,8 +7,9 @@ the same exception class with the same message.
 1. **Preflight** (rank 0 decides): the final directory must not exist and its parent must be
    creatable and writable; rank 0 reserves it through its store (:meth:`.CheckpointStore.prepare`):
    on disk a hidden temporary directory beside it (``.step-100.tmp-<hex>``). Every rank then
-   checks it can see and write that directory (all agree), so an unwritable or unshared path
-   fails on every rank before any data is written. In an object store there is no temporary
+   checks it can see and write that directory (all agree; in step 2's agreement when the caller
+   passes ``check_writable=False``, as ``save`` and the manager do: one round trip fewer), so an
+   unwritable or unshared path fails on every rank before any data is written. In an object store there is no temporary
    directory: rank 0 claims the final prefix with a conditional PUT (``storage/claims.py``), and
    the manifest, uploaded last and conditionally, commits; the claim is deleted after it. A save
    that dies before its manifest leaves a prefix the next manager clears on open
@@ -62,7 +63,6 @@ from shardline.checkpoint.integrity.copy_check import check_written
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import HashingWriter
 from shardline.checkpoint.integrity.manifest import (
-    DCP_METADATA,
     MANIFEST,
     MANIFEST_HASH_FILE,
     SUMS_FILE,
@@ -118,19 +118,23 @@ def preflight(
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
     run: Callable[[], str | None] | str | None = None,
+    check_writable: bool = True,
 ) -> Location:
     """Step 1 of the protocol (a collective): rank 0 reserves the target through its store, every rank checks it
     can write there.
 
     Returns the in-progress location on every rank (on disk the temporary directory; in an object
     store the final prefix, claimed). ``run``: the run an object-store claim names (a callable is
-    asked on rank 0 only, when a claim is made).
+    asked on rank 0 only, when a claim is made). ``check_writable=False`` leaves the check to
+    :func:`capture_agreed`, which runs it in its own agreement (one collective fewer per save).
 
     Raises:
         CheckpointExistsError: the final directory exists (on every rank, nothing written).
         CheckpointError: the path is not writable or not visible from every rank.
     """
-    return _preflight(path, process_group=process_group, storage_options=storage_options, run=run)[0]
+    return _preflight(
+        path, process_group=process_group, storage_options=storage_options, run=run, check_writable=check_writable
+    )[0]
 
 
 def _preflight(
@@ -139,6 +143,7 @@ def _preflight(
     process_group: dist.ProcessGroup | None,
     storage_options: Mapping[str, Any] | None,
     run: Callable[[], str | None] | str | None,
+    check_writable: bool = True,
 ) -> tuple[Location, Location | None]:
     """:func:`preflight`, and the newest committed checkpoint beside the target when the store found it."""
     final = locate(path, storage_options=storage_options).absolute()
@@ -146,6 +151,9 @@ def _preflight(
     asked = run if callable(run) or run is None else (lambda: run)
     name, found = coord.rank0_decides(lambda: store.prepare(final, run=asked), process_group)
     in_progress = final.with_name(name)
+    last_good = final.with_name(found.rsplit("/", 1)[-1]) if found else None
+    if not check_writable:
+        return in_progress, last_good
     rank = coord.group_rank(process_group)
     try:
         coord.all_agree(
@@ -157,7 +165,7 @@ def _preflight(
         if rank == 0:
             store.discard(in_progress)
         raise
-    return in_progress, (final.with_name(found.rsplit("/", 1)[-1]) if found else None)
+    return in_progress, last_good
 
 
 def capture_agreed(
@@ -177,12 +185,18 @@ def capture_agreed(
     A rank whose capture fails (e.g. trainer state that cannot be saved safely) would otherwise
     leave its peers waiting in the write; instead every rank raises the same error and the temp
     directory goes. The returned ``total_bytes`` counts every rank's share.
+
+    Every rank first checks that it can see and write ``tmp`` (as :func:`preflight` does), in the
+    same agreement: a save whose preflight skipped that check (``check_writable=False``) still
+    fails on every rank, before any data is written, when the directory is not shared.
     """
 
     captured: CapturedCheckpoint | None = None
+    rank = coord.group_rank(process_group)
 
     def capture_here() -> int:
         nonlocal captured
+        store_for(tmp).check_writable(tmp, prepared_here=rank == 0)
         captured = capture(
             request,
             path=path,
@@ -196,7 +210,7 @@ def capture_agreed(
     try:
         sizes = coord.all_agree(capture_here, process_group, what=f"stage its part of checkpoint {path}")
     except Exception:
-        if coord.group_rank(process_group) == 0:
+        if rank == 0:
             store_for(tmp).discard(tmp)
         raise
     assert captured is not None  # all_agree returned, so this rank's step succeeded
@@ -433,7 +447,10 @@ def _finalize(
         tmp,
         final,
         records=records,
-        flush=[DCP_METADATA],  # DCP wrote it unflushed: flushed with the records
+        # Note: nothing else to flush. .metadata went through a hashing stream like the data files, whose close
+        # started its fsync in the background (sync_later); wait_synced waits for it before the commit point, so
+        # flushing it again with the records would be a second fsync of the same file.
+        flush=[],
         observer=observer,
         wait_synced=wait_synced,
         on_commit=lambda: done.update(hash=digest, files=files, provenance=statement_digest),
@@ -467,7 +484,10 @@ def commit(
     # The capture records the final location (with its storage options); the preflight may also find the newest
     # committed checkpoint beside it, which a failure message names.
     final = locate(path, storage_options=storage_options).absolute()
-    tmp, last_good = _preflight(final, process_group=process_group, storage_options=storage_options, run=None)
+    # The writability check runs inside the capture's agreement (one collective, not two).
+    tmp, last_good = _preflight(
+        final, process_group=process_group, storage_options=storage_options, run=None, check_writable=False
+    )
     captured = capture_agreed(
         request, path=final, tmp=tmp, parent_manifest_hash=parent_manifest_hash, process_group=process_group
     )
