@@ -46,7 +46,7 @@ class BackgroundWriteback:
     ) -> None:
         self._fd = os.dup(fd)
         self._start = start
-        self._pool = pool if pool is not None else fsync_pool()
+        self._pool = pool  # None: the process's fsync threads, looked up at each hint (a forked child has its own)
         self._cond = threading.Condition()
         self._pending: tuple[int, int] | None = None  # (start, end) of the bytes not yet asked for
         self._running = False
@@ -68,7 +68,7 @@ class BackgroundWriteback:
                 return True  # the call in progress takes the merged range next
             self._running = True
         try:
-            self._pool.submit(self._drain)
+            (self._pool or fsync_pool()).submit(self._drain)
         except RuntimeError:  # the pool is shut down (interpreter exit): the fsync at close does the work
             with self._cond:
                 self._running = False
