@@ -168,7 +168,7 @@ class _HashingStream(io.RawIOBase):
             self._on_error(e)
             raise
         try:
-            if len(view) < _COALESCE_MAX:
+            if len(view) <= _COALESCE_MAX:  # a block of gathered small writes is at most this long
                 written = self._raw.write(view)  # a blocking file writes it all, or raises
                 if written != len(view):
                     written = (written or 0) + self._write_all(view[written or 0 :])
@@ -276,6 +276,22 @@ class _HashingStream(io.RawIOBase):
             self._digest.discard()
             self._end_writeback()
             super().close()
+
+
+class _GatheredWrites(io.BufferedWriter):
+    """What DCP writes into: gathers torch.save's small writes in C before they reach the hashing stream.
+
+    Note: torch.save writes each tensor as some forty writes of a few bytes around one of its
+    storage; each through :class:`_HashingStream`'s Python ``write`` cost about 0.5 us at idle and
+    several times that under load (1,250 per 192 MiB). Gathered here, the stream sees one block per
+    64 KiB of them; a write larger than the free space (a tensor's storage) still reaches it as is,
+    a view of the caller's memory, so a retained tensor is queued without a copy as before.
+    """
+
+    def fileno(self) -> int:
+        # DCP fsyncs through fileno() without a flush: what is gathered here must reach the file first.
+        self.flush()
+        return super().fileno()
 
 
 class HashingFileSystem(FileSystem):
@@ -387,11 +403,15 @@ class HashingFileSystem(FileSystem):
                 sync=self._sync_file(failed) if self._files.fsync else None,
                 writeback_every=self.writeback_every,
             )
+            buffered = _GatheredWrites(stream, buffer_size=_COALESCE_MAX)
             try:
-                yield stream
+                yield buffered
             finally:
                 try:
-                    stream.close()
+                    try:
+                        buffered.close()  # flushes what it gathered into the stream, then closes it
+                    finally:
+                        stream.close()  # a no-op once closed; after a failed flush it still ends the hashing
                 finally:
                     raw.close()  # a no-op once the stream closed it; after a failed flush it frees the descriptor
             self._files.written(key)
