@@ -45,3 +45,16 @@ def test_a_save_hands_the_hashing_stream_a_few_writes_per_tensor_not_forty(tmp_p
     # block of the small writes before it.
     assert sum(calls.values()) <= 3 * tensors, (sum(calls.values()), tensors)
     assert ckpt.verify_checkpoint(tmp_path / "step-1").ok, "every file matches the digest hashed while it was written"
+
+
+def test_what_is_gathered_reaches_the_file_before_an_fsync_through_fileno(tmp_path: Path) -> None:
+    """DCP fsyncs a file through ``fileno()`` without flushing it first: nothing may stay gathered in memory."""
+    import os
+
+    fs = hashing.HashingFileSystem()
+    target = tmp_path / ".metadata"
+    with fs.create_stream(target, "wb") as stream:
+        stream.write(b"pickled metadata" * 10)  # small: gathered, not yet in the file
+        fd = stream.fileno()
+        assert os.fstat(fd).st_size == 160, "the fsync would miss bytes still gathered in memory"
+    assert target.stat().st_size == 160
