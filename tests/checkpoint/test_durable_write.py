@@ -62,10 +62,13 @@ def test_writeback_is_started_as_the_file_grows_and_its_fsync_still_ends_it(tmp_
             small[:10] = b"0123456789"
     content = target.read_bytes()
     assert fs.take()[str(target)] == (len(content), hashlib.sha256(content).hexdigest())
-    assert len(started) == 5
-    assert [offset for offset, _ in started] == [sum(n for _, n in started[:i]) for i in range(5)]  # contiguous
+    # The hints run on the fsync threads (storage/writeback.py): ranges that wait behind a call in progress are
+    # merged, and those still waiting at close are left to the fsync.
+    assert 1 <= len(started) <= 5
+    n = len(started)
+    assert [offset for offset, _ in started] == [sum(k for _, k in started[:i]) for i in range(n)]  # contiguous
     assert all(length >= hashing._WRITEBACK_EVERY for _, length in started)
-    assert synced == [(str(target), 5)], "one fsync, at close, after every writeback hint"
+    assert synced == [(str(target), n)], "one fsync, at close, after every writeback hint"
 
 
 @linux_only

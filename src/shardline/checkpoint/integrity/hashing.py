@@ -38,6 +38,7 @@ from shardline.checkpoint.storage.calibration import DEFAULT_WRITEBACK_EVERY
 from shardline.checkpoint.storage.fsutil import fsync_pool, start_writeback
 from shardline.checkpoint.storage.local import LocalFiles
 from shardline.checkpoint.storage.protocol import Location, SaveFiles
+from shardline.checkpoint.storage.writeback import BackgroundWriteback
 from shardline.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -118,7 +119,8 @@ class _HashingStream(io.RawIOBase):
     each of those cost more than the copy. Updates stay in file order.
 
     A local file (``sync`` given) also has its writeback started every few MiB as it grows
-    (:func:`~shardline.checkpoint.storage.fsutil.start_writeback`), and is fsynced by ``close``
+    (:func:`~shardline.checkpoint.storage.fsutil.start_writeback`, asked for on the fsync threads:
+    :mod:`~shardline.checkpoint.storage.writeback`), and is fsynced by ``close``
     through ``sync``: at once, or in the background for a save that waits for it before its
     commit (``HashingWriter(sync_later=True)``). The hash queue starts before that fsync.
     """
@@ -149,6 +151,7 @@ class _HashingStream(io.RawIOBase):
         # A local file, fsynced at close: its writeback starts early (unless writeback_every is None).
         self._writeback_every = writeback_every if sync is not None else None
         self._flushing = 0  # bytes handed to the OS's writeback so far
+        self._writeback: BackgroundWriteback | None = None  # the file's hints, asked for off this thread
 
     def writable(self) -> bool:
         return True
@@ -165,7 +168,7 @@ class _HashingStream(io.RawIOBase):
             self._on_error(e)
             raise
         try:
-            if len(view) < _COALESCE_MAX:
+            if len(view) <= _COALESCE_MAX:  # a block of gathered small writes is at most this long
                 written = self._raw.write(view)  # a blocking file writes it all, or raises
                 if written != len(view):
                     written = (written or 0) + self._write_all(view[written or 0 :])
@@ -190,12 +193,21 @@ class _HashingStream(io.RawIOBase):
         return written
 
     def _start_writeback(self) -> None:
-        # Ask the OS to start writing what reached it so far (it returns without waiting for the disk), so the
-        # fsync at close finds most of the file on its way already. A file system that cannot is not asked again.
+        # Ask the OS to start writing what reached it so far, so the fsync at close finds most of the file on its way
+        # already. The call itself runs on the fsync threads (storage/writeback.py): on a busy disk it can wait for
+        # room in the disk's queue, and this thread would copy nothing meanwhile. A file system that cannot is not
+        # asked again.
         self._flush_raw()
-        if not start_writeback(self._raw.fileno(), offset=self._flushing, length=self._size - self._flushing):
+        if self._writeback is None:
+            self._writeback = BackgroundWriteback(self._raw.fileno(), start=start_writeback)
+        if not self._writeback.request(offset=self._flushing, length=self._size - self._flushing):
             self._writeback_every = None
         self._flushing = self._size
+
+    def _end_writeback(self) -> None:
+        # Before the fsync (which writes whatever no hint reached) and whenever the stream closes.
+        if self._writeback is not None:
+            self._writeback.close()
 
     def _queue_small(self) -> None:
         if self._small:
@@ -245,6 +257,7 @@ class _HashingStream(io.RawIOBase):
                 # The queued hashing starts first, so it runs while the disk flushes.
                 self._queue_small()
                 self._digest.start()
+                self._end_writeback()
                 try:
                     self._sync(self._raw.fileno())
                 except OSError as e:
@@ -261,7 +274,24 @@ class _HashingStream(io.RawIOBase):
             # A failed close leaves the queue unhashed: drop it, so no helper thread reads the retained
             # tensors after the writer releases them.
             self._digest.discard()
+            self._end_writeback()
             super().close()
+
+
+class _GatheredWrites(io.BufferedWriter):
+    """What DCP writes into: gathers torch.save's small writes in C before they reach the hashing stream.
+
+    Note: torch.save writes each tensor as some forty writes of a few bytes around one of its
+    storage; each through :class:`_HashingStream`'s Python ``write`` cost about 0.5 us at idle and
+    several times that under load (1,250 per 192 MiB). Gathered here, the stream sees one block per
+    64 KiB of them; a write larger than the free space (a tensor's storage) still reaches it as is,
+    a view of the caller's memory, so a retained tensor is queued without a copy as before.
+    """
+
+    def fileno(self) -> int:
+        # DCP fsyncs through fileno() without a flush: what is gathered here must reach the file first.
+        self.flush()
+        return super().fileno()
 
 
 class HashingFileSystem(FileSystem):
@@ -373,11 +403,15 @@ class HashingFileSystem(FileSystem):
                 sync=self._sync_file(failed) if self._files.fsync else None,
                 writeback_every=self.writeback_every,
             )
+            buffered = _GatheredWrites(stream, buffer_size=_COALESCE_MAX)
             try:
-                yield stream
+                yield buffered
             finally:
                 try:
-                    stream.close()
+                    try:
+                        buffered.close()  # flushes what it gathered into the stream, then closes it
+                    finally:
+                        stream.close()  # a no-op once closed; after a failed flush it still ends the hashing
                 finally:
                     raw.close()  # a no-op once the stream closed it; after a failed flush it frees the descriptor
             self._files.written(key)
