@@ -1,0 +1,130 @@
+"""The ledger's indexes: a save's retention and a resume read only the rows about the checkpoints in the directory
+(and the newest one's ancestors), found by the indexes on ``checkpoint`` and ``manifest_sha256``, so their cost does
+not grow with the ledger (provenance/ledger_query.py, provenance/directory_rows.py). An old ledger without the
+indexes still reads, read-only, and gets them when next opened for writing."""
+
+from __future__ import annotations
+
+import sqlite3
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from benchmarks import scale_ledger
+
+from shardline.checkpoint.lifecycle.resume import find_candidates
+from shardline.checkpoint.provenance import ledger as ledger_module
+from shardline.checkpoint.provenance.ledger import Ledger
+from shardline.checkpoint.storage.stores import locate
+
+INDEXES = {"checkpoints_by_checkpoint", "checkpoints_by_manifest"}
+
+
+@contextmanager
+def _rows_built(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Count the ledger rows built from the table (each row read becomes a ``LedgerRow``)."""
+    count = [0]
+    real = ledger_module.LedgerRow
+
+    def counting(**fields: object) -> ledger_module.LedgerRow:
+        count[0] += 1
+        return real(**fields)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as m:
+        m.setattr(ledger_module, "LedgerRow", counting)
+        yield count
+
+
+def _run(root: Path, saves: int) -> scale_ledger._Run:
+    """A run directory after ``saves`` saves with ``keep_last_n=3``: 3 checkpoints on disk, and the commit and
+    tombstone rows of every deleted one (rows about other checkpoints)."""
+    run = scale_ledger._Run(root, 8, 1, 3)
+    for n in range(1, saves + 1):
+        run.save(n * 100, retention=False)
+    return run
+
+
+def _rows_read(saves: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """Rows built by the next save's commit and retention, and by a resume's selection, after ``saves`` saves."""
+    with tempfile.TemporaryDirectory(dir=scale_ledger._FAST) as tmp:
+        run = _run(Path(tmp), saves)
+        assert len(run.ledger.rows()) == 2 * saves - 3
+        with _rows_built(monkeypatch) as saved:
+            run.save((saves + 1) * 100)  # its commit row, then retention: deletes the oldest, with its tombstone
+        kept = [f"step-{s * 100}" for s in (saves + 1, saves, saves - 1)]
+        assert sorted(p.name for p in run.directory.iterdir()) == sorted(kept)
+        with _rows_built(monkeypatch) as resumed:
+            found = find_candidates("auto", directory=locate(run.directory), ledger=run.ledger)
+        assert [Path(c.location).name for c in found.committed] == kept
+        return saved[0], resumed[0]
+
+
+def test_retention_and_resume_read_the_same_rows_however_long_the_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
+    short, long = _rows_read(10, monkeypatch), _rows_read(150, monkeypatch)  # 17 and 297 rows before the save
+    assert short == long, (short, long)
+    saved, resumed = long
+    assert saved <= 24, long  # 2 appended, and the rows of the 4 checkpoints on disk (a few reads each)
+    assert resumed <= 12, long  # the rows of the 3 on disk
+
+
+def test_the_queries_use_the_indexes_and_answer_as_a_filter_of_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    with tempfile.TemporaryDirectory(dir=scale_ledger._FAST) as tmp:
+        run = _run(Path(tmp), 20)
+        ledger = run.ledger
+        every = ledger.rows()
+        names = {r.checkpoint for r in every[::3]} | {f"absent-{n}" for n in range(700)}  # > one IN (...) batch
+        hashes = {r.manifest_sha256 for r in every[1::4]}
+        expect = [r for r in every if r.checkpoint in names or r.manifest_sha256 in hashes]
+        statements: list[str] = []
+        real_connect = sqlite3.connect
+
+        def traced(*args: object, **kwargs: object) -> sqlite3.Connection:
+            conn = real_connect(*args, **kwargs)  # type: ignore[arg-type]
+            conn.set_trace_callback(statements.append)
+            return conn
+
+        monkeypatch.setattr(sqlite3, "connect", traced)
+        assert ledger.rows_about(checkpoints=names, manifests=hashes) == expect
+        monkeypatch.undo()
+        queries = [s for s in statements if s.startswith("SELECT") and " IN (" in s]
+        assert len(queries) == 3, statements  # two batches of names, one of hashes
+        with sqlite3.connect(ledger.path) as conn:
+            plans = [" ".join(str(r[-1]) for r in conn.execute(f"EXPLAIN QUERY PLAN {q}")) for q in queries]
+        assert all("USING INDEX checkpoints_by_" in p for p in plans), plans
+
+
+def _indexes(path: Path) -> set[str]:
+    with sqlite3.connect(path) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")} & INDEXES
+
+
+def test_an_old_ledger_reads_without_the_indexes_and_gets_them_when_written() -> None:
+    with tempfile.TemporaryDirectory(dir=scale_ledger._FAST) as tmp:
+        run = _run(Path(tmp), 8)
+        path = run.ledger.path
+        assert _indexes(path) == INDEXES  # a new ledger has them
+        with sqlite3.connect(path) as conn:  # as a ledger written before them
+            for name in INDEXES:
+                conn.execute(f"DROP INDEX {name}")
+        conn.close()
+        before = path.read_bytes()
+        every = run.ledger.rows()
+        wanted = {every[-1].checkpoint, every[0].checkpoint}
+        path.chmod(0o444)
+        path.parent.chmod(0o555)
+        try:  # read-only: nothing is written, the queries scan instead
+            old = Ledger(path)
+            assert old.rows_about(checkpoints=wanted) == [r for r in every if r.checkpoint in wanted]
+            assert old.has_event("tombstone")
+            newest = next(r for r in reversed(every) if r.is_commit)
+            assert old.recorded_hash(locate(path.parent / newest.checkpoint)) == newest.manifest_sha256
+        finally:
+            path.parent.chmod(0o755)
+            path.chmod(0o644)
+        assert path.read_bytes() == before
+        assert _indexes(path) == set()
+        run.save(900)  # opened for writing: the indexes are added
+        assert _indexes(path) == INDEXES
+        assert run.ledger.verify(check_checkpoints=False).ok
