@@ -55,7 +55,7 @@ import shutil
 import sqlite3
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +141,7 @@ class LedgerRow:
         return self.event in (None, COMMIT)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in _COLUMNS}  # plain values: no deep copy (asdict's)
 
 
 def row_hash(fields: dict[str, Any]) -> str:

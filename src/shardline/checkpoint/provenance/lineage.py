@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, CommittedCheckpoint, scan
-from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport, row_hash
 from shardline.checkpoint.provenance.recorded_heads import from_ledger
 from shardline.checkpoint.provenance.records import commit_row
 from shardline.checkpoint.storage.protocol import Location
@@ -228,13 +228,18 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
     rename (:meth:`Ledger.start_new_chain`). Returns (where the old ledger went, the new rows).
     """
     dirs = checkpoint_directories(ledger)
-    committed: list[CommittedCheckpoint] = []
-    for directory in dirs:
-        committed += scan(directory)[0]
     try:
         old_rows = ledger.rows() if ledger.path.is_file() else []
     except LineageError:
         old_rows = []
+    # Note: a checkpoint is taken from its old commit row (manifests not parsed, .recorded_heads) only when that
+    # row is as written -- its content matches its own row hash -- and its manifest's bytes hash to what the row
+    # records; an edited row, or none, and the manifest is read whole.
+    intact = [r for r in old_rows if r.is_commit and row_hash(r.to_json()) == r.row_sha256]
+    known = from_ledger(intact, ledger.name_of)
+    committed: list[CommittedCheckpoint] = []
+    for directory in dirs:
+        committed += scan(directory, known=known)[0]
     rows = [commit_row(ledger, c, recovered=True) for c in order(committed, old_rows)]
     return ledger.start_new_chain(reason="the ledger did not verify", problems=problems, rows=rows)
 
