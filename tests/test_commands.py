@@ -78,9 +78,11 @@ OPTIONS: dict[str, list[str]] = {
     "lineage": [
         "--json",
         "--ledger",
+        "--limit",
         "--new-chain",
         "--no-check-checkpoints",
         "--record-deletions",
+        "--since",
         "--storage-option",
         "run_dir",
     ],

@@ -5,6 +5,7 @@ indexes still reads, read-only, and gets them when next opened for writing."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import tempfile
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from benchmarks import scale_ledger
 from shardline.checkpoint.lifecycle.resume import find_candidates
 from shardline.checkpoint.provenance import ledger as ledger_module
 from shardline.checkpoint.provenance.ledger import Ledger
+from shardline.checkpoint.provenance.ledger_query import commit_directories, has_event
 from shardline.checkpoint.storage.stores import locate
 
 INDEXES = {"checkpoints_by_checkpoint", "checkpoints_by_manifest"}
@@ -117,7 +119,8 @@ def test_an_old_ledger_reads_without_the_indexes_and_gets_them_when_written() ->
         try:  # read-only: nothing is written, the queries scan instead
             old = Ledger(path)
             assert old.rows_about(checkpoints=wanted) == [r for r in every if r.checkpoint in wanted]
-            assert old.has_event("tombstone")
+            assert old.read(lambda conn, path: has_event(conn, path, "tombstone"))
+            assert old.read(commit_directories) == [every[0].checkpoint]  # one directory: checkpoints/
             newest = next(r for r in reversed(every) if r.is_commit)
             assert old.recorded_hash(locate(path.parent / newest.checkpoint)) == newest.manifest_sha256
         finally:
@@ -128,3 +131,38 @@ def test_an_old_ledger_reads_without_the_indexes_and_gets_them_when_written() ->
         run.save(900)  # opened for writing: the indexes are added
         assert _indexes(path) == INDEXES
         assert run.ledger.verify(check_checkpoints=False).ok
+
+
+def test_commit_directories_names_one_checkpoint_per_folder(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "lineage.sqlite")
+    common = {"step": 1, "tag": None, "manifest_sha256": "a" * 64, "parent_manifest_sha256": None, "world_size": 1}
+    for name in ("a/step-2", "a/step-1", "b/c/step-3", "s3://bkt/p/step-4", "step-5", ""):
+        ledger.append(**common, checkpoint=name)
+    ledger.append(**common, checkpoint="z/step-9", event="tombstone")  # not a commit: no folder of its own
+    assert sorted(ledger.read(commit_directories)) == ["a/step-1", "b/c/step-3", "s3://bkt/p/step-4", "step-5"]
+    parents = {ledger.locate(r.checkpoint).parent for r in ledger.rows() if r.is_commit and r.checkpoint}
+    assert {ledger.locate(n).parent for n in ledger.read(commit_directories)} == parents
+
+
+def test_lineage_prints_a_page_of_rows_and_verifies_the_whole_chain(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardline.cli.main import main as cli_main
+
+    with tempfile.TemporaryDirectory(dir=scale_ledger._FAST) as tmp:
+        _run(Path(tmp), 12)  # 21 rows
+        assert cli_main(["lineage", tmp, "--limit", "3"]) == 0
+        out = capsys.readouterr().out
+        assert "showing 3 of 21 rows (#19 to #21); the whole chain is verified" in out
+        assert [line.split()[0] for line in out.splitlines() if line.startswith("  #")] == ["#19", "#20", "#21"]
+        assert "note(s) about rows before those shown are left out" in out
+        assert "Chain verified" in out
+        assert cli_main(["lineage", tmp, "--since", "20", "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert [r["seq"] for r in shown["rows"]] == [20, 21]
+        assert shown["rows_total"] == 21
+        assert cli_main(["lineage", tmp, "--since", "99"]) == 0
+        assert "showing 0 of 21 rows (none from #99 on)" in capsys.readouterr().out
+        for bad in (["--limit", "0"], ["--since", "-3"], ["--limit", "ten"]):
+            with pytest.raises(SystemExit) as exit_:
+                cli_main(["lineage", tmp, *bad])
+            assert exit_.value.code == 2
+            assert f"expected a whole number of at least 1, got {bad[1]!r}" in capsys.readouterr().err

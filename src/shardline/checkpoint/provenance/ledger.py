@@ -53,15 +53,15 @@ import os
 import secrets
 import shutil
 import sqlite3
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
-from shardline.checkpoint.provenance.ledger_query import INDEXES, has_event, select
+from shardline.checkpoint.provenance.ledger_query import INDEXES, select
 from shardline.checkpoint.storage.fsutil import atomic_write_bytes, fsync_dir, fsync_file
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import ledger_name, locate
@@ -70,6 +70,7 @@ from shardline.errors import LineageError
 __all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "TOMBSTONE", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
 
 LEDGER_NAME = "lineage.sqlite"
+T = TypeVar("T")
 GENESIS = "0" * 64
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -249,12 +250,10 @@ class Ledger:
         with self._connect(create=False) as conn:
             return [_row(fields) for fields in select(conn, _COLUMNS, self.path, where=where)]
 
-    def has_event(self, event: str) -> bool:
-        """Whether any row records ``event`` (False when the ledger does not exist yet)."""
-        if not self.path.is_file():
-            return False
+    def read(self, query: Callable[[sqlite3.Connection, Path], T]) -> T:
+        """``query(connection, path)`` over the ledger opened for reading (a function of :mod:`.ledger_query`)."""
         with self._connect(create=False) as conn:
-            return has_event(conn, self.path, event)
+            return query(conn, self.path)
 
     def append(
         self,

@@ -20,7 +20,7 @@ from typing import Any
 
 from shardline.errors import LineageError
 
-__all__ = ["INDEXES", "has_event", "select", "table_columns"]
+__all__ = ["INDEXES", "commit_directories", "has_event", "select", "table_columns"]
 
 INDEXES = """
 CREATE INDEX IF NOT EXISTS checkpoints_by_checkpoint ON checkpoints (checkpoint);
@@ -78,3 +78,15 @@ def has_event(conn: sqlite3.Connection, path: Path, event: str) -> bool:
     if "event" not in table_columns(conn, path):
         return False
     return conn.execute("SELECT 1 FROM checkpoints WHERE event = ? LIMIT 1", (event,)).fetchone() is not None
+
+
+def commit_directories(conn: sqlite3.Connection, path: Path) -> list[str]:
+    """One checkpoint name per directory that commit rows name checkpoints in (the names up to their last ``/``
+    grouped inside SQLite, so a long ledger's rows are not built one by one)."""
+    have = table_columns(conn, path)
+    if not have:
+        return []
+    commit = "(event IS NULL OR event = 'commit')" if "event" in have else "1"
+    folder = "rtrim(checkpoint, replace(checkpoint, '/', ''))"  # the name up to and with its last '/'
+    query = f"SELECT min(checkpoint) FROM checkpoints WHERE {commit} AND checkpoint != '' GROUP BY {folder}"
+    return [r[0] for r in conn.execute(query)]

@@ -64,6 +64,7 @@ from shardline.checkpoint.provenance.best import BestPolicy, best_kept
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint
 from shardline.checkpoint.provenance.directory_rows import read_directory, with_ancestors
 from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
+from shardline.checkpoint.provenance.ledger_query import has_event
 from shardline.checkpoint.provenance.lineage import live_branch
 from shardline.checkpoint.provenance.recorded_heads import commit_rows, held_recorded
 from shardline.checkpoint.provenance.records import record_tombstone
@@ -170,7 +171,7 @@ def _finish_deletions(
     """Remove what a tombstone names and a crash left half deleted under its own name, without its commit record
     (an object store, where the manifest goes first; one listing of ``directory``). Nothing on disk, where a
     deletion renames first and the manager removes the hidden name on open."""
-    if not ledger.has_event(TOMBSTONE):
+    if not ledger.path.is_file() or not ledger.read(lambda conn, path: has_event(conn, path, TOMBSTONE)):
         return
     live = {c.path for c in committed}
     store = store_for(directory)
