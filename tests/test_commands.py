@@ -97,7 +97,7 @@ OPTIONS: dict[str, list[str]] = {
         "--storage-option",
         "path",
     ],
-    "report": ["--out", "--public-key", "--storage-option", "run_dir"],
+    "report": ["--limit", "--out", "--public-key", "--storage-option", "run_dir"],
     "env": [],
 }
 

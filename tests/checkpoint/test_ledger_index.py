@@ -166,3 +166,29 @@ def test_lineage_prints_a_page_of_rows_and_verifies_the_whole_chain(capsys: pyte
                 cli_main(["lineage", tmp, *bad])
             assert exit_.value.code == 2
             assert f"expected a whole number of at least 1, got {bad[1]!r}" in capsys.readouterr().err
+
+
+def test_the_report_shows_a_page_and_counts_the_rest_all_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardline.cli.main import main as cli_main
+    from shardline.report.html import write_report
+
+    with tempfile.TemporaryDirectory(dir=scale_ledger._FAST) as tmp:
+        _run(Path(tmp), 12)  # 12 checkpoints recorded: 3 on disk, 9 deleted with tombstones
+        path, facts = write_report(tmp, out=tmp_path / "page.html", limit=2)
+        assert len(facts.checkpoints) == 12  # every one checked
+        page = path.read_text(encoding="utf-8")
+        assert page.count('<section class="card"') == 2
+        first = facts.checkpoints[-2].row.seq
+        assert f"shows the newest 2 of 12 recorded checkpoints and the ledger from row #{first} on" in page
+        # the simulated checkpoints hold no data files, so the one still on disk fails its full verification
+        assert "The 10 older ones were checked the same way: 9 deleted, 1 failed." in page
+        assert "every one of the ledger&#x27;s 21 rows" in page
+        whole = write_report(tmp, out=tmp_path / "all.html")[0].read_text(encoding="utf-8")
+        assert whole.count('<section class="card"') == 12
+        assert "older ones were checked" not in whole
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["report", tmp, "--limit", "0"])
+        assert exit_.value.code == 2
+        assert "expected a whole number of at least 1, got '0'" in capsys.readouterr().err

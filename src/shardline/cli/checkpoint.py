@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardline.checkpoint.integrity.verify import VerifyLevel
-from shardline.cli.common import add_storage_options, emit_json, fail, sha256_arg, storage_options
+from shardline.cli.common import add_storage_options, emit_json, fail, row_count, sha256_arg, storage_options
 from shardline.errors import ShardlineError, SignatureError
 
 if TYPE_CHECKING:  # imported where used, so that the CLI starts without them
@@ -158,6 +158,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         checkpoint_directories,
         describe_event,
         find_ledger,
+        note_row,
     )
     from shardline.checkpoint.provenance.records import adoption
     from shardline.checkpoint.provenance.retention import record_deletions
@@ -233,7 +234,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
             f"parent {parent}  row {row.row_sha256[:12]}  {row.committed_at}{flags}"
         )
     first = shown[0].seq if shown else len(report.rows) + 1
-    earlier = {n for n in report.notes if paged and 0 < _row_of(n) < first}
+    earlier = {n for n in report.notes if paged and 0 < note_row(n) < first}
     for note in report.notes:
         if note not in earlier:
             print(f"  note: {note}")
@@ -271,23 +272,6 @@ def _page(rows: Sequence[LedgerRow], *, since: int | None, limit: int | None) ->
     if since is not None:
         rows = [r for r in rows if r.seq >= since]
     return rows[-limit:] if limit is not None else rows
-
-
-def _row_of(note: str) -> int:
-    """The sequence number a note of :meth:`.Ledger.verify` is about (``row N (step ...)``), or 0."""
-    head = note.split(" ", 2)
-    return int(head[1]) if len(head) > 2 and head[0] == "row" and head[1].isdigit() else 0
-
-
-def _row_count(text: str) -> int:
-    """A positive whole number (``--limit``, ``--since``), or a message saying what was given."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
 
 
 def _cmd_adopt(args: argparse.Namespace) -> int:
@@ -454,13 +438,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     lineage.add_argument(
         "--limit",
         metavar="N",
-        type=_row_count,
+        type=row_count,
         help="print only the newest N rows (of those --since selects); the whole chain is still verified",
     )
     lineage.add_argument(
         "--since",
         metavar="SEQ",
-        type=_row_count,
+        type=row_count,
         help="print only the rows from sequence number SEQ on (#SEQ in the listing); the whole chain is still verified",
     )
     lineage.add_argument(

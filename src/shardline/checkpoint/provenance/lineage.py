@@ -47,6 +47,7 @@ __all__ = [
     "describe_event",
     "find_ledger",
     "live_branch",
+    "note_row",
     "order",
     "place",
     "start_new_chain",
@@ -243,6 +244,12 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
         committed += scan(directory, known=known)[0]
     rows = [commit_row(ledger, c, recovered=True) for c in order(committed, old_rows)]
     return ledger.start_new_chain(reason="the ledger did not verify", problems=problems, rows=rows)
+
+
+def note_row(note: str) -> int:
+    """The sequence number a note of :meth:`.Ledger.verify` is about (it starts ``row N (step ...)``), else 0."""
+    head = note.split(" ", 2)
+    return int(head[1]) if len(head) > 2 and head[0] == "row" and head[1].isdigit() else 0
 
 
 def describe_event(row: LedgerRow) -> str:
