@@ -11,7 +11,7 @@ Two measurements, each on a temporary run directory:
   that deletes one and of the last.
 * **A long ledger** (:func:`ledger_scan`): a ledger of R rows (commit and tombstone rows of
   small checkpoints, appended through ``records``), then the time of ``shardline lineage`` (the
-  CLI, output discarded), of resume selection (``resume.find_candidates``), of the HTML
+  CLI, output discarded; and with ``--limit 20``), of resume selection (``resume.find_candidates``), of the HTML
   report's collection (``report.collect.collect_run``; only up to ``--report-max-rows``, extrapolated beyond
   and marked ``~``), and of one more save's commit row and retention over that ledger.
 
@@ -150,6 +150,11 @@ def ledger_scan(rows: int, *, report: bool, keep_last: int = 3) -> dict[str, flo
         out["lineage_s"] = time.process_time() - t
         assert code == 0, f"shardline lineage exited {code}"
         t = time.process_time()
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = cli_main(["lineage", str(root), "--limit", "20"])  # a page: the chain is still verified whole
+        out["lineage_page_s"] = time.process_time() - t
+        assert code == 0, f"shardline lineage --limit 20 exited {code}"
+        t = time.process_time()
         found = find_candidates("auto", directory=locate(run.directory), ledger=run.ledger)
         out["resume_select_s"] = time.process_time() - t
         assert len(found.committed) == len(run.live), found
@@ -193,12 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         scans.append(ledger_scan(n, report=n <= args.report_max_rows))
         print(f"rows={n}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     _extrapolate(scans, "report_collect_s")
-    print("\n| ledger rows | ledger bytes | `shardline lineage` (s) | resume selection (s) | report collection (s) | "
-          "next save: record + retention (s) |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("\n| ledger rows | ledger bytes | `shardline lineage` (s) | `lineage --limit 20` (s) | resume selection (s) "
+          "| report collection (s) | next save: record + retention (s) |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for s in scans:
         mark = "~" if "report_collect_s" in s.get("extrapolated", []) else ""
-        print(f"| {s['rows']:,} | {s['ledger_bytes'] / 1e6:.1f} MB | {s['lineage_s']:.2f} | {s['resume_select_s']:.2f} "
+        print(f"| {s['rows']:,} | {s['ledger_bytes'] / 1e6:.1f} MB | {s['lineage_s']:.2f} | {s['lineage_page_s']:.2f} "
+              f"| {s['resume_select_s']:.3f} "
               f"| {mark}{s['report_collect_s']:.1f} | {s['save_retention_s']:.3f} |")  # fmt: skip
     print(f"\n~ extrapolated from the two longest ledgers collected; load average {os.getloadavg()[0]:.1f}")
     return 0
