@@ -192,3 +192,30 @@ def test_the_report_shows_a_page_and_counts_the_rest_all_checked(
             cli_main(["report", tmp, "--limit", "0"])
         assert exit_.value.code == 2
         assert "expected a whole number of at least 1, got '0'" in capsys.readouterr().err
+
+
+def test_the_branch_walk_places_each_checkpoint_as_the_whole_branch_does(tmp_path: Path) -> None:
+    from shardline.checkpoint.provenance.directory import CommittedCheckpoint
+    from shardline.checkpoint.provenance.directory_rows import live_branch_placing
+    from shardline.checkpoint.provenance.lineage import live_branch
+
+    ledger = Ledger(tmp_path / "lineage.sqlite")
+    chain = [f"{n:064x}" for n in range(1, 61)]  # each the parent of the next
+    for n, digest in enumerate(chain):
+        parent = chain[n - 1] if n else None
+        ledger.append(step=n, tag=None, checkpoint=f"step-{n}", manifest_sha256=digest,
+                      parent_manifest_sha256=parent, world_size=1)  # fmt: skip
+
+    def on_disk(n: int, parent: str | None, digest: str | None = None) -> CommittedCheckpoint:
+        return CommittedCheckpoint(tmp_path / f"step-{n}", n, None, digest or chain[n], 0, parent, 1)
+
+    newest = on_disk(59, chain[58])
+    kept = [on_disk(57, chain[56]), on_disk(58, chain[57])]
+    off = on_disk(99, chain[10], digest="f" * 64)  # a branch from step 10, abandoned
+    rows = ledger.rows()
+    for committed in ([*kept, newest], [off, *kept, newest]):
+        placed = live_branch_placing(ledger, newest, committed)
+        whole = live_branch(newest, committed, rows)
+        assert {c.manifest_hash for c in committed} & placed == {c.manifest_hash for c in committed} & whole
+    assert live_branch_placing(ledger, newest, [*kept, newest]) == set(chain[57:])  # stopped at the oldest kept
+    assert live_branch_placing(ledger, newest, [off, *kept, newest]) == set(chain)  # walked to the first

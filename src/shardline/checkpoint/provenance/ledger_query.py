@@ -14,13 +14,13 @@ append to an indexed ledger as before (SQLite keeps the indexes up to date).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from shardline.errors import LineageError
 
-__all__ = ["INDEXES", "commit_directories", "has_event", "select", "table_columns"]
+__all__ = ["INDEXES", "commit_directories", "has_event", "parent_lookup", "select", "table_columns"]
 
 INDEXES = """
 CREATE INDEX IF NOT EXISTS checkpoints_by_checkpoint ON checkpoints (checkpoint);
@@ -90,3 +90,17 @@ def commit_directories(conn: sqlite3.Connection, path: Path) -> list[str]:
     folder = "rtrim(checkpoint, replace(checkpoint, '/', ''))"  # the name up to and with its last '/'
     query = f"SELECT min(checkpoint) FROM checkpoints WHERE {commit} AND checkpoint != '' GROUP BY {folder}"
     return [r[0] for r in conn.execute(query)]
+
+
+def parent_lookup(conn: sqlite3.Connection, path: Path) -> Callable[[str], str | None]:
+    """``manifest hash -> the parent hash its newest commit row records`` (None: no such row, or no parent): one
+    indexed query per call on ``conn``."""
+    have = table_columns(conn, path)
+    commit = "(event IS NULL OR event = 'commit')" if "event" in have else "1"
+    query = f"SELECT parent_manifest_sha256 FROM checkpoints WHERE manifest_sha256 = ? AND {commit} ORDER BY seq DESC"
+
+    def parent(manifest: str) -> str | None:
+        found = conn.execute(f"{query} LIMIT 1", (manifest,)).fetchone() if have else None
+        return found[0] if found else None
+
+    return parent

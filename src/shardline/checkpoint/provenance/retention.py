@@ -62,10 +62,9 @@ from shardline.checkpoint.format.canonical import canonical_json
 from shardline.checkpoint.integrity.manifest import manifest_files, read_manifest
 from shardline.checkpoint.provenance.best import BestPolicy, best_kept
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint
-from shardline.checkpoint.provenance.directory_rows import read_directory, with_ancestors
+from shardline.checkpoint.provenance.directory_rows import live_branch_placing, read_directory
 from shardline.checkpoint.provenance.ledger import TOMBSTONE, Ledger, LedgerRow
 from shardline.checkpoint.provenance.ledger_query import has_event
-from shardline.checkpoint.provenance.lineage import live_branch
 from shardline.checkpoint.provenance.recorded_heads import commit_rows, held_recorded
 from shardline.checkpoint.provenance.records import record_tombstone
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE, read_statement
@@ -208,11 +207,10 @@ def apply_retention(
     newest_ckpt = next((c for c in committed if c.path == just_committed), None)
     if newest_ckpt is None:
         return []  # not on disk as a committed checkpoint: nothing to measure the branch from
-    rows = with_ancestors(ledger, newest_ckpt, committed, rows)
     recorded = {r.manifest_sha256 for r in rows if r.is_commit}
     buried = tombstones(rows)
     commits = commit_rows(rows)
-    branch = live_branch(newest_ckpt, committed, rows)
+    branch = live_branch_placing(ledger, newest_ckpt, committed)  # as lineage.live_branch, as far as needed
     regular = [c for c in committed if c.tag is None]
     regular = [c for c in regular if c.manifest_hash not in branch] + [c for c in regular if c.manifest_hash in branch]
     newest_n = regular[-policy.keep_last_n :] if policy.keep_last_n else regular[-1:]  # the newest, for a resume
