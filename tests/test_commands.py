@@ -78,9 +78,11 @@ OPTIONS: dict[str, list[str]] = {
     "lineage": [
         "--json",
         "--ledger",
+        "--limit",
         "--new-chain",
         "--no-check-checkpoints",
         "--record-deletions",
+        "--since",
         "--storage-option",
         "run_dir",
     ],
@@ -95,7 +97,7 @@ OPTIONS: dict[str, list[str]] = {
         "--storage-option",
         "path",
     ],
-    "report": ["--out", "--public-key", "--storage-option", "run_dir"],
+    "report": ["--limit", "--out", "--public-key", "--storage-option", "run_dir"],
     "env": [],
 }
 

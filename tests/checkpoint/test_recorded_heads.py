@@ -110,3 +110,39 @@ def test_a_row_without_counts_is_served_by_parsing(tmp_path: Path, monkeypatch) 
 )
 def test_the_creation_time_comes_from_the_keys_before_the_file_list(text: bytes, expected: int | None) -> None:
     assert _created_unix_ns(text) == expected
+
+
+def test_a_new_chain_takes_each_checkpoint_from_its_intact_row_and_reads_an_edited_ones_whole(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import sqlite3
+
+    from shardline.checkpoint.provenance.lineage import start_new_chain
+
+    directory = tmp_path / "checkpoints"
+    m, model, opt = _manager(directory, keep=0)
+    for step in (1, 2, 3):
+        _save(m, model, opt, step)
+    full = scan(locate(directory))[0]
+    conn = sqlite3.connect(m.ledger.path)
+    conn.execute("DROP TRIGGER checkpoints_no_update")
+    conn.execute("UPDATE checkpoints SET world_size = 99 WHERE step = 2")  # edited: its row hash no longer matches
+    conn.commit()
+    conn.close()
+    report = m.ledger.verify()
+    assert not report.ok
+
+    parsed: list[str] = []
+
+    def counting(path):
+        parsed.append(path.name)
+        return manifest_module.read_manifest(path)
+
+    monkeypatch.setattr(directory_module, "read_manifest", counting)
+    _, rows = start_new_chain(m.ledger, problems=list(report.problems))
+    assert parsed == ["step-2"]  # the edited row's checkpoint is read whole; the others are served by their rows
+    recorded = [(r.checkpoint, r.step, r.manifest_sha256, r.parent_manifest_sha256, r.world_size) for r in rows[1:]]
+    assert recorded == [
+        (m.ledger.name_of(c.path), c.step, c.manifest_hash, c.parent_manifest_hash, c.world_size) for c in full
+    ]
+    assert m.ledger.verify().ok

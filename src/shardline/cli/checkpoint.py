@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardline.checkpoint.integrity.verify import VerifyLevel
-from shardline.cli.common import add_storage_options, emit_json, fail, sha256_arg, storage_options
+from shardline.cli.common import add_storage_options, emit_json, fail, row_count, sha256_arg, storage_options
 from shardline.errors import ShardlineError, SignatureError
 
 if TYPE_CHECKING:  # imported where used, so that the CLI starts without them
-    from shardline.checkpoint.provenance.ledger import Ledger, LineageReport
+    from shardline.checkpoint.provenance.ledger import Ledger, LedgerRow, LineageReport
     from shardline.checkpoint.storage.protocol import Location
 
 __all__ = ["register"]
@@ -158,6 +158,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         checkpoint_directories,
         describe_event,
         find_ledger,
+        note_row,
     )
     from shardline.checkpoint.provenance.records import adoption
     from shardline.checkpoint.provenance.retention import record_deletions
@@ -186,16 +187,18 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         report = audit(ledger, directories=dirs, check_checkpoints=not args.no_check_checkpoints)
         if args.new_chain:
             return _new_chain(args, ledger, report)
+        shown = _page(report.rows, since=args.since, limit=args.limit)  # the chain is verified whole regardless
         statements = (
-            chain_statements(ledger.path.parent, report.rows, storage_options=ledger.storage_options)
-            if args.json
-            else {}
+            chain_statements(ledger.path.parent, shown, storage_options=ledger.storage_options) if args.json else {}
         )
     except (ShardlineError, OSError) as e:
         return fail(args, e)
     best = best_marks(report.rows)  # the checkpoints the run's best-k retention keeps as best
+    paged = len(shown) < len(report.rows)
     if args.json:
         out = report.to_json()
+        out["rows"] = [r.to_json() for r in shown]
+        out["rows_total"] = len(report.rows)
         if not args.no_check_checkpoints:
             out["checked"] = [_checked(d) for d in dirs]
         for row in out["rows"]:
@@ -208,7 +211,13 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1
     commits = sum(1 for r in report.rows if r.is_commit)
     print(f"Lineage ledger {report.path}: {commits} committed checkpoint(s), {len(report.rows) - commits} event(s)")
-    for row in report.rows:
+    if paged:
+        print(
+            f"  showing {len(shown)} of {len(report.rows)} rows"
+            + (f" (#{shown[0].seq} to #{shown[-1].seq})" if shown else f" (none from #{args.since} on)")
+            + "; the whole chain is verified"
+        )
+    for row in shown:
         if not row.is_commit:
             print(f"  #{row.seq:<3} {row.event}: {describe_event(row)}  row {row.row_sha256[:12]}  {row.committed_at}")
             continue
@@ -224,8 +233,13 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
             f"  #{row.seq:<3} step {row.step:>9,}{tag}  {row.checkpoint}  manifest {row.manifest_sha256[:12]}  "
             f"parent {parent}  row {row.row_sha256[:12]}  {row.committed_at}{flags}"
         )
+    first = shown[0].seq if shown else len(report.rows) + 1
+    earlier = {n for n in report.notes if paged and 0 < note_row(n) < first}
     for note in report.notes:
-        print(f"  note: {note}")
+        if note not in earlier:
+            print(f"  note: {note}")
+    if earlier:
+        print(f"  ({len(earlier)} note(s) about rows before those shown are left out; --json lists every note)")
     if report.ok:
         print(
             "Chain verified: every row hash and link matches"
@@ -250,6 +264,14 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+def _page(rows: Sequence[LedgerRow], *, since: int | None, limit: int | None) -> Sequence[LedgerRow]:
+    """The rows ``lineage`` prints: from sequence number ``since`` on, the newest ``limit`` of them (rows are in
+    append order)."""
+    if since is not None:
+        rows = [r for r in rows if r.seq >= since]
+    return rows[-limit:] if limit is not None else rows
 
 
 def _cmd_adopt(args: argparse.Namespace) -> int:
@@ -412,6 +434,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--record-deletions",
         action="store_true",
         help="append a tombstone row for each recorded checkpoint deleted by hand (gone from disk without one)",
+    )
+    lineage.add_argument(
+        "--limit",
+        metavar="N",
+        type=row_count,
+        help="print only the newest N rows (of those --since selects); the whole chain is still verified",
+    )
+    lineage.add_argument(
+        "--since",
+        metavar="SEQ",
+        type=row_count,
+        help="print only the rows from sequence number SEQ on (#SEQ in the listing); the whole chain is still verified",
     )
     lineage.add_argument(
         "--json", action="store_true", help="machine-readable output, with each checkpoint's provenance statement"

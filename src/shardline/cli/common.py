@@ -9,7 +9,7 @@ from typing import Any
 
 from shardline.errors import ConfigurationError, ShardlineError, StorageAccessError
 
-__all__ = ["add_storage_options", "emit_json", "fail", "sha256_arg", "storage_options"]
+__all__ = ["add_storage_options", "emit_json", "fail", "row_count", "sha256_arg", "storage_options"]
 
 
 def emit_json(obj: object) -> None:
@@ -92,3 +92,14 @@ def sha256_arg(text: str) -> str:
         return str(check_expected_hash(text, where="--expect"))
     except ConfigurationError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def row_count(text: str) -> int:
+    """A positive whole number (``--limit``, ``--since``), or a message saying what was given."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardline.cli.common import add_storage_options, storage_options
+from shardline.cli.common import add_storage_options, row_count, storage_options
 from shardline.errors import ShardlineError
 
 __all__ = ["register"]
@@ -17,7 +17,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     try:
         path, facts = write_report(
-            args.run_dir, out=args.out, public_key=args.public_key, storage_options=storage_options(args)
+            args.run_dir,
+            out=args.out,
+            public_key=args.public_key,
+            storage_options=storage_options(args),
+            limit=args.limit,
         )
     except (ShardlineError, OSError) as e:  # a bad path or an unwritable --out: nothing was checked
         print(f"error: {e}", file=sys.stderr)
@@ -44,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     report.add_argument("--out", metavar="FILE.html", help="where to write the page (default: RUN_DIR/report.html)")
     report.add_argument(
         "--public-key", metavar="PUB.pem", help="also check each checkpoint's signature (CKPT.sig) with this key"
+    )
+    report.add_argument(
+        "--limit",
+        metavar="N",
+        type=row_count,
+        help="show the newest N checkpoints in detail and count the older ones (every one is checked either way)",
     )
     add_storage_options(report)
     report.set_defaults(func=_cmd_report)

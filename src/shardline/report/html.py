@@ -26,7 +26,7 @@ from typing import Any
 
 from shardline._version import __version__
 from shardline.checkpoint.lifecycle.summary import human_bytes
-from shardline.checkpoint.provenance.lineage import describe_event
+from shardline.checkpoint.provenance.lineage import describe_event, note_row
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import store_for
 from shardline.report.collect import CheckpointFacts, RunFacts, Status, collect_run
@@ -99,10 +99,16 @@ def _summary_section(facts: RunFacts) -> str:
             if chain.ok
             else f'<span class="bad">BROKEN</span>: {escape(chain.problems[0])}'
         )
+        deleted = sum(1 for c in facts.checkpoints if c.status == Status.DELETED)
+        read = (
+            f"every one of the ledger's {len(chain.rows):,} rows (each row hash and link); every checkpoint still on "
+            f"disk, every byte; the {deleted:,} deleted ones from their tombstone rows"
+        )
         rows += [
             ("lineage ledger", _h(facts.ledger_path)),
             ("chain", state),
             ("checkpoints", escape(f"{len(facts.checkpoints)} recorded, {verified} verified on disk just now")),
+            ("read for this page", escape(read)),
         ]
     else:
         rows.append(("lineage ledger", f'<span class="bad">{escape(facts.lineage_error or "none")}</span>'))
@@ -139,18 +145,22 @@ def _nodes(facts: RunFacts) -> list[dict[str, Any]]:
     return [by_seq[k] for k in sorted(by_seq)]
 
 
-def _lineage_section(facts: RunFacts) -> str:
+def _lineage_section(facts: RunFacts, first: int) -> str:
     legend = " ".join(
         f'<span class="badge" style="background:{stroke}">{escape(name)}</span>'
         for name, (_, stroke) in STATUS_COLORS.items()
     )
-    notes = "".join(f"<li>{escape(n)}</li>" for n in (facts.lineage.notes if facts.lineage else ()))
+    every = facts.lineage.notes if facts.lineage else ()
+    earlier = [n for n in every if 0 < note_row(n) < first]  # about rows the page leaves out
+    notes = "".join(f"<li>{escape(n)}</li>" for n in every if n not in earlier)
+    if earlier:
+        notes += f"<li>{len(earlier):,} note(s) about the rows before #{first} are left out</li>"
     problems = "".join(f"<li>{escape(p)}</li>" for p in (facts.lineage.problems if facts.lineage else ()))
     return (
         "<h2>Lineage chain</h2>"
         '<p class="note">Each box is a checkpoint recorded in the hash-chained ledger, oldest at the top; an arrow '
         f"points from a checkpoint to the one it continues from; rounded grey rows are ledger events. {legend}</p>"
-        + lineage_svg(_nodes(facts))
+        + lineage_svg([n for n in _nodes(facts) if n["seq"] >= first])
         + (f'<ul class="problems">{problems}</ul>' if problems else "")
         + (f'<ul class="note">{notes}</ul>' if notes else "")
     )
@@ -267,10 +277,32 @@ def _checkpoint_card(c: CheckpointFacts, public_key: Path | None) -> str:
     )
 
 
-def render_report(facts: RunFacts) -> str:
-    """The HTML page for ``facts`` (see the module note)."""
+def _page(facts: RunFacts, limit: int | None) -> tuple[list[CheckpointFacts], int, str]:
+    """The checkpoints shown (the newest ``limit``, or all), the first ledger row shown, and what the page leaves
+    out, counted by outcome (every one was checked all the same)."""
+    shown = facts.checkpoints[-limit:] if limit is not None else facts.checkpoints
+    older = facts.checkpoints[: len(facts.checkpoints) - len(shown)]
+    if not older:
+        return shown, 0, ""
+    counts: dict[str, int] = {}
+    for c in older:
+        counts[c.status] = counts.get(c.status, 0) + 1
+    outcome = ", ".join(f"{n:,} {status}" for status, n in sorted(counts.items()))
+    first = shown[0].row.seq if shown else 1
+    said = (
+        f'<p class="note">This page shows the newest {len(shown):,} of {len(facts.checkpoints):,} recorded checkpoints '
+        f"and the ledger from row #{first} on (<code>--limit</code>). The {len(older):,} older ones were checked "
+        f"the same way: {escape(outcome)}.</p>"
+    )
+    return shown, first, said
+
+
+def render_report(facts: RunFacts, *, limit: int | None = None) -> str:
+    """The HTML page for ``facts`` (see the module note); with ``limit``, the newest ``limit`` checkpoints in detail
+    and the older ones counted by outcome (all of them were checked)."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cards = "".join(_checkpoint_card(c, facts.public_key) for c in reversed(facts.checkpoints))
+    shown, first, left_out = _page(facts, limit)
+    cards = "".join(_checkpoint_card(c, facts.public_key) for c in reversed(shown))
     run = _q(facts.run_dir)
     howto = (
         "<h2>How to check this run yourself</h2>"
@@ -290,7 +322,8 @@ def render_report(facts: RunFacts) -> str:
         "when this page was written.</p>"
         + _summary_section(facts)
         + _loss_section(facts)
-        + _lineage_section(facts)
+        + left_out
+        + _lineage_section(facts, first)
         + "<h2>Checkpoints, newest first</h2>"
         + (cards or '<p class="note">No checkpoints recorded.</p>')
         + howto
@@ -304,15 +337,17 @@ def write_report(
     out: str | os.PathLike[str] | None = None,
     public_key: str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    limit: int | None = None,
 ) -> tuple[Path, RunFacts]:
     """Check the run at ``run_dir`` and write its report (default ``RUN_DIR/report.html``); returns (path, facts).
 
-    ``storage_options`` reach the run's bucket (default: those its ``config.yaml`` records).
+    ``storage_options`` reach the run's bucket (default: those its ``config.yaml`` records). ``limit``: show the
+    newest ``limit`` checkpoints in detail, the older ones counted (every one is checked either way).
     """
     facts = collect_run(run_dir, public_key=public_key, storage_options=storage_options)
     target = Path(out) if out is not None else facts.run_dir / REPORT_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(render_report(facts), encoding="utf-8")
+    tmp.write_text(render_report(facts, limit=limit), encoding="utf-8")
     os.replace(tmp, target)
     return target, facts

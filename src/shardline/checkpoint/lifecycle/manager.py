@@ -76,10 +76,9 @@ from shardline.checkpoint.lifecycle.resume import (
 from shardline.checkpoint.lifecycle.save import CheckpointInfo, capture_agreed, preflight, write_and_commit
 from shardline.checkpoint.provenance.best import BestPolicy, metrics_detail
 from shardline.checkpoint.provenance.directory import CommittedCheckpoint as CommittedCheckpoint
-from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, scan, step_recorded
+from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, step_recorded
+from shardline.checkpoint.provenance.directory_rows import read_directory
 from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow
-from shardline.checkpoint.provenance.lineage import order
-from shardline.checkpoint.provenance.recorded_heads import from_ledger
 from shardline.checkpoint.provenance.records import record_commit, record_restart, record_resume
 from shardline.checkpoint.provenance.retention import RetentionPolicy, apply_retention
 from shardline.checkpoint.provenance.run_tags import check_run_tags
@@ -211,8 +210,7 @@ class CheckpointManager:
     def committed(self) -> list[CommittedCheckpoint]:
         """Committed checkpoints in the directory, oldest first by the ledger (ones whose manifest is damaged are
         left out; see the module note)."""
-        rows = self._rows()
-        return order(scan(self.directory, known=from_ledger(rows, self.ledger.name_of))[0], rows)
+        return read_directory(self.directory, ledger=self.ledger, rel=self.ledger.name_of).committed  # their rows only
 
     def _rows(self) -> list[LedgerRow]:
         return self.ledger.rows() if self.ledger.path.is_file() else []

@@ -16,10 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.checkpoint.provenance.directory import scan
+from shardline.checkpoint.provenance.directory_rows import read_directory
 from shardline.checkpoint.provenance.ledger import Ledger
-from shardline.checkpoint.provenance.lineage import order
-from shardline.checkpoint.provenance.recorded_heads import from_ledger
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
 
@@ -99,14 +97,15 @@ def find_candidates(
         CheckpointNotFoundError: an explicit ``resume`` that is not a checkpoint.
     """
     if is_auto_resume(resume):
-        rows = ledger.rows() if ledger.path.is_file() else []
-        found, broken = scan(directory, known=from_ledger(rows, ledger.name_of))  # recorded ones: not parsed
+        # Recorded ones from their rows, manifests not parsed; only the rows about them read (.directory_rows).
+        found = read_directory(directory, ledger=ledger, rel=ledger.name_of)
         # The hash each one's newest commit row records (Ledger.recorded_hash), from the rows read once.
-        recorded = {r.checkpoint: r.manifest_sha256 for r in rows if r.is_commit}
+        recorded = {r.checkpoint: r.manifest_sha256 for r in found.rows if r.is_commit}
         candidates = tuple(
-            Candidate(str(c.path), recorded.get(ledger.name_of(c.path))) for c in reversed(order(found, rows))
+            Candidate(str(c.path), recorded.get(ledger.name_of(c.path))) for c in reversed(found.committed)
         )
-        return ResumeCandidates(committed=candidates, damaged=tuple(Damaged(str(d.path), d.reason) for d in broken))
+        damaged = tuple(Damaged(str(d.path), d.reason) for d in found.damaged)
+        return ResumeCandidates(committed=candidates, damaged=damaged)
     given = locate(resume, storage_options=storage_options)
     path = store_for(given).find_checkpoint(given, given=str(resume), directory=directory)
     return ResumeCandidates(committed=(Candidate(str(path), ledger.recorded_hash(path)),), damaged=())

@@ -53,14 +53,15 @@ import os
 import secrets
 import shutil
 import sqlite3
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
+from shardline.checkpoint.provenance.ledger_query import INDEXES, select
 from shardline.checkpoint.storage.fsutil import atomic_write_bytes, fsync_dir, fsync_file
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import ledger_name, locate
@@ -69,6 +70,7 @@ from shardline.errors import LineageError
 __all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "TOMBSTONE", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
 
 LEDGER_NAME = "lineage.sqlite"
+T = TypeVar("T")
 GENESIS = "0" * 64
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -140,7 +142,7 @@ class LedgerRow:
         return self.event in (None, COMMIT)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in _COLUMNS}  # plain values: no deep copy (asdict's)
 
 
 def row_hash(fields: dict[str, Any]) -> str:
@@ -220,7 +222,7 @@ class Ledger:
             conn.execute("PRAGMA journal_mode=DELETE")
             conn.execute("PRAGMA synchronous=FULL")
             if create:
-                conn.executescript(_SCHEMA)
+                conn.executescript(_SCHEMA + INDEXES)  # indexes: also added to old ledgers
             yield conn
         except sqlite3.DatabaseError as e:
             raise LineageError(f"the lineage ledger {self.path} is unreadable or damaged: {e}") from None
@@ -238,24 +240,20 @@ class Ledger:
     def rows(self) -> list[LedgerRow]:
         """Every row, in append order."""
         with self._connect(create=False) as conn:
-            have = [r[1] for r in conn.execute("PRAGMA table_info(checkpoints)")]
-            if not have:
-                # A process killed between creating the file and its schema leaves a database with nothing in
-                # it: a ledger never appended to. Anything else without the table is not a ledger.
-                if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
-                    return []
-                raise LineageError(
-                    f"the lineage ledger {self.path} has no checkpoints table: it is not a shardline ledger or it "
-                    "was damaged; move it aside to start a new chain"
-                )
-            columns = [c for c in _COLUMNS if c in have]
-            cur = conn.execute(f"SELECT {', '.join(columns)} FROM checkpoints ORDER BY seq")
-            out = []
-            for r in cur:
-                fields = dict(zip(columns, r, strict=True))
-                fields["recovered"] = bool(fields["recovered"])
-                out.append(LedgerRow(**fields))
-            return out
+            return [_row(fields) for fields in select(conn, _COLUMNS, self.path)]
+
+    def rows_about(self, *, checkpoints: Collection[str] = (), manifests: Collection[str] = ()) -> list[LedgerRow]:
+        """Rows naming one of ``checkpoints`` or recording a manifest hash in ``manifests`` (:mod:`.ledger_query`)."""
+        if not self.path.is_file() or not (checkpoints or manifests):
+            return []
+        where = {"checkpoint": checkpoints, "manifest_sha256": manifests}
+        with self._connect(create=False) as conn:
+            return [_row(fields) for fields in select(conn, _COLUMNS, self.path, where=where)]
+
+    def read(self, query: Callable[[sqlite3.Connection, Path], T]) -> T:
+        """``query(connection, path)`` over the ledger opened for reading (a function of :mod:`.ledger_query`)."""
+        with self._connect(create=False) as conn:
+            return query(conn, self.path)
 
     def append(
         self,
@@ -323,7 +321,7 @@ class Ledger:
             try:
                 conn.execute("PRAGMA journal_mode=DELETE")
                 conn.execute("PRAGMA synchronous=FULL")
-                conn.executescript(_SCHEMA)
+                conn.executescript(_SCHEMA + INDEXES)
             finally:
                 conn.close()
             fsync_file(building)
@@ -364,7 +362,7 @@ class Ledger:
         if not self.path.is_file():
             return None
         rel = self.name_of(checkpoint)
-        found = [r.manifest_sha256 for r in self.rows() if r.is_commit and r.checkpoint == rel]
+        found = [r.manifest_sha256 for r in self.rows_about(checkpoints=[rel]) if r.is_commit and r.checkpoint == rel]
         return found[-1] if found else None
 
     def start_new_chain(
@@ -542,6 +540,10 @@ class Ledger:
                 f"row {seq} differs from the one {self.head_path.name} records ({digest[:12]}): the ledger was replaced"
             ]
         return []
+
+
+def _row(fields: dict[str, Any]) -> LedgerRow:
+    return LedgerRow(**{**fields, "recovered": bool(fields["recovered"])})
 
 
 def _detail(row: LedgerRow) -> dict[str, Any]:

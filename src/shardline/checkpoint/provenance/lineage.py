@@ -31,7 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardline.checkpoint.provenance.directory import CHECKPOINTS_DIR, CommittedCheckpoint, scan
-from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport
+from shardline.checkpoint.provenance.ledger import LEDGER_NAME, Ledger, LedgerRow, LineageReport, row_hash
+from shardline.checkpoint.provenance.ledger_query import commit_directories
 from shardline.checkpoint.provenance.recorded_heads import from_ledger
 from shardline.checkpoint.provenance.records import commit_row
 from shardline.checkpoint.storage.protocol import Location
@@ -46,6 +47,7 @@ __all__ = [
     "describe_event",
     "find_ledger",
     "live_branch",
+    "note_row",
     "order",
     "place",
     "start_new_chain",
@@ -79,9 +81,8 @@ def checkpoint_directories(ledger: Ledger, *, also: Iterable[str | os.PathLike[s
     base = ledger.path.parent
     found: set[Location] = {base, base / CHECKPOINTS_DIR}
     if ledger.path.is_file():
-        for row in ledger.rows():
-            if row.is_commit and row.checkpoint:
-                found.add(ledger.locate(row.checkpoint).parent)
+        for name in ledger.read(commit_directories):  # one commit row's name per directory, not every row
+            found.add(ledger.locate(name).parent)
     for where in also:
         found.add(locate(where, storage_options=ledger.storage_options, relative_to=base))
     return sorted_locations(d for d in found if store_for(d).may_hold_checkpoints(d))
@@ -150,7 +151,7 @@ def live_branch(
 
 
 def unrecorded(
-    ledger: Ledger, directories: Iterable[Location]
+    ledger: Ledger, directories: Iterable[Location], *, rows: list[LedgerRow] | None = None
 ) -> tuple[list[CommittedCheckpoint], CommittedCheckpoint | None]:
     """Committed checkpoints on disk the ledger does not record (oldest first, see :func:`order`), and which one
     of them (if any) is a legitimate interrupted publish.
@@ -158,9 +159,10 @@ def unrecorded(
     That one is the only unrecorded checkpoint, nothing on disk or in the ledger descends from it,
     its parent is recorded, absent (a first save) or foreign (neither recorded nor on disk here: a
     run that resumed from another run directory, such as a fine-tune), and the ledger reaches the
-    row its head record names.
+    row its head record names. ``rows``: the ledger's rows, when the caller has read them already.
     """
-    rows = ledger.rows() if ledger.path.is_file() else []
+    if rows is None:
+        rows = ledger.rows() if ledger.path.is_file() else []
     known = from_ledger(rows, ledger.name_of)  # recorded ones from their rows, manifests not parsed
     committed: list[CommittedCheckpoint] = []
     for directory in directories:
@@ -196,7 +198,7 @@ def audit(
     report = ledger.verify(check_checkpoints=check_checkpoints)
     if not check_checkpoints or dirs is None:
         return report
-    missing, recoverable = unrecorded(ledger, dirs)
+    missing, recoverable = unrecorded(ledger, dirs, rows=list(report.rows))  # the rows verify read
     problems, notes = list(report.problems), list(report.notes)
     head = next((r for r in reversed(report.rows) if r.is_commit), None)
     where = f"row {head.seq} (step {head.step}, {head.checkpoint})" if head else "no checkpoint"
@@ -228,15 +230,26 @@ def start_new_chain(ledger: Ledger, *, problems: list[str]) -> tuple[Path, list[
     rename (:meth:`Ledger.start_new_chain`). Returns (where the old ledger went, the new rows).
     """
     dirs = checkpoint_directories(ledger)
-    committed: list[CommittedCheckpoint] = []
-    for directory in dirs:
-        committed += scan(directory)[0]
     try:
         old_rows = ledger.rows() if ledger.path.is_file() else []
     except LineageError:
         old_rows = []
+    # Note: a checkpoint is taken from its old commit row (manifests not parsed, .recorded_heads) only when that
+    # row is as written -- its content matches its own row hash -- and its manifest's bytes hash to what the row
+    # records; an edited row, or none, and the manifest is read whole.
+    intact = [r for r in old_rows if r.is_commit and row_hash(r.to_json()) == r.row_sha256]
+    known = from_ledger(intact, ledger.name_of)
+    committed: list[CommittedCheckpoint] = []
+    for directory in dirs:
+        committed += scan(directory, known=known)[0]
     rows = [commit_row(ledger, c, recovered=True) for c in order(committed, old_rows)]
     return ledger.start_new_chain(reason="the ledger did not verify", problems=problems, rows=rows)
+
+
+def note_row(note: str) -> int:
+    """The sequence number a note of :meth:`.Ledger.verify` is about (it starts ``row N (step ...)``), else 0."""
+    head = note.split(" ", 2)
+    return int(head[1]) if len(head) > 2 and head[0] == "row" and head[1].isdigit() else 0
 
 
 def describe_event(row: LedgerRow) -> str:
