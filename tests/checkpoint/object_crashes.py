@@ -61,7 +61,7 @@ def prepare(name: str, root: str, ledger: str, env: dict[str, str]) -> None:
         sc._save(m, model, opt, step)
     if name == "quarantine":
         fs = as_location(root).fs
-        key = f"{root.removeprefix('s3://')}/step-2/__0_0.distcp"
+        key = f"{root.removeprefix('s3://')}/step-2/shards/0000/__0_0.distcp"
         data = bytearray(fs.cat_file(key))
         data[len(data) // 2] ^= 0xFF
         fs.pipe_file(key, bytes(data))

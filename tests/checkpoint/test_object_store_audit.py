@@ -184,7 +184,7 @@ def test_report_verifies_every_checkpoint_in_the_bucket(
 
     # A flipped byte in one object: the report says which checkpoint failed and names the object.
     fs = s3_env.filesystem()
-    key = f"{root.removeprefix('s3://')}/step-1/__0_0.distcp"
+    key = f"{root.removeprefix('s3://')}/step-1/shards/0000/__0_0.distcp"
     original = _flip(fs, key)
     try:
         assert cli.main(["report", str(run_dir), "--out", str(out)]) == 1
@@ -242,7 +242,7 @@ def test_sign_a_checkpoint_in_the_bucket(
     assert "already exists" in capsys.readouterr().err
 
     # A flipped byte in the bucket: the signature no longer verifies, naming the object; signing refuses.
-    key = f"{url.removeprefix('s3://')}/__0_0.distcp"
+    key = f"{url.removeprefix('s3://')}/shards/0000/__0_0.distcp"
     original = _flip(fs, key)
     try:
         assert cli.main(["verify", url, "--public-key", keys["mine"][1]]) == 1
