@@ -68,6 +68,8 @@ def prepare(name: str, root: str, ledger: str, env: dict[str, str]) -> None:
     elif name == "leftover":
         code = run_killed_save(root, ledger, env, [3], "save.sums_written")
         assert code == crashpoints.CRASH_EXIT_CODE, f"the save left behind exited with {code}"
+        left = as_location(root).fs.find(f"{root.removeprefix('s3://')}/step-3/shards/0000")
+        assert left, "the save left behind wrote its data files under shards/ (key_prefixes.py)"
 
 
 def child(name: str, root: str, ledger: str, env: dict[str, str], point: str | None, hit: int, trace: str) -> None:

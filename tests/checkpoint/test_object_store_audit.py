@@ -191,7 +191,7 @@ def test_report_verifies_every_checkpoint_in_the_bucket(
         assert "NOT verified: step-1" in capsys.readouterr().out
         failed = collect_run(run_dir).checkpoints[0]
         assert failed.status == "failed"
-        assert any(p.startswith("__0_0.distcp: altered") for p in failed.problems), failed.problems
+        assert any(p.startswith("shards/0000/__0_0.distcp: altered") for p in failed.problems), failed.problems
         assert "__0_0.distcp: altered" in out.read_text()
     finally:
         fs.pipe_file(key, original)

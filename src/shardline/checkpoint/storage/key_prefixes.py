@@ -12,11 +12,12 @@ however many ranks upload at once. So in a bucket, the data files of a new save 
 * A block of ranks, not a hash of the rank: every group is exactly full (a hash spreads ranks
   unevenly, and the fullest group sets the floor); a node's ranks (consecutive) share a group,
   so a listing of a group shows what a node wrote; the groups are sorted, so a listing reads in
-  rank order. S3 partitions on any key prefix, and splits where the keys differ -- here right
-  after ``shards/`` -- so distinct prefixes are enough; it no longer needs random leading
-  characters (AWS dropped that advice in 2018). GCS and Azure Blob partition by key range too
-  and scale a range under load (GCS: ramp up gradually, avoid sequential names at high rates);
-  a few thousand objects per group keeps every range small either way.
+  rank order. S3 scales per prefix and splits a busy one where its keys differ -- here right
+  after ``shards/`` -- so distinct prefixes are enough: since 2018 it no longer asks for random
+  leading characters. GCS and Azure Blob partition by key range too and split a range under load
+  (GCS asks for a gradual ramp and warns that sequential names concentrate writes in one range);
+  there a hash would spread a cold start better, at the cost of the even groups and of the
+  locality above -- a few thousand objects per group bounds each range's load either way.
 * Nothing a reader needs comes from this module: the relative path of every data file is
   recorded in DCP's ``.metadata`` (``storage_data``) and in the manifest, so a reader follows
   what the checkpoint says, and a checkpoint saved with another group size (or flat, before
