@@ -6,7 +6,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-__all__ = ["deep_listing", "empty_folders"]
+__all__ = ["by_folder", "deep_listing", "empty_folders"]
 
 
 def deep_listing(fs: Any, key: str) -> dict[str, tuple[str, int]]:
@@ -45,3 +45,13 @@ def empty_folders(fs: Any, key: str) -> list[str]:
                 found.append(name)
                 pending.append(name)
     return found
+
+
+def by_folder(listing: dict[str, tuple[str, int]]) -> dict[str, dict[str, tuple[str, int]]]:
+    """A :func:`deep_listing` split by first folder: ``{folder: {path inside it: entry}}``, in one pass."""
+    folders: dict[str, dict[str, tuple[str, int]]] = {}
+    for name, entry in listing.items():
+        head, sep, rest = name.partition("/")
+        if sep:
+            folders.setdefault(head, {})[rest] = entry
+    return folders

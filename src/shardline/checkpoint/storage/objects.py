@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from shardline.checkpoint.storage.object_listing import deep_listing, empty_folders
+from shardline.checkpoint.storage.object_listing import by_folder, deep_listing, empty_folders
 from shardline.errors import CheckpointWarning, ConfigurationError, StorageAccessError
 
 __all__ = [
@@ -148,7 +148,7 @@ class ObjectPath:
     Build one with :func:`as_location`. Equal when protocol and key are equal.
     """
 
-    __slots__ = ("_deep", "_entry", "_fs", "_listing", "key", "protocol")
+    __slots__ = ("_deep", "_entry", "_folders", "_fs", "_listing", "key", "protocol")
 
     def __init__(
         self,
@@ -166,6 +166,7 @@ class ObjectPath:
         self._listing = listing  # a snapshot's children: name -> (type, size)
         self._entry = entry  # this object's (type, size) in its parent's snapshot; ("absent", 0) if not there
         self._deep = deep  # the listing holds every object below, by relative path (snapshot(deep=True))
+        self._folders: dict[str, dict[str, tuple[str, int]]] | None = None  # its listing by first folder, once
 
     # ------------------------------------------------------------------ naming
     def __str__(self) -> str:
@@ -189,8 +190,12 @@ class ObjectPath:
         if self._listing is not None and ("/" not in relative or self._deep):
             entry = self._listing.get(relative, _ABSENT)
             if self._deep and entry[0] == "directory":  # a folder of a deep snapshot answers from it too
-                start = relative + "/"
-                listing = {k[len(start) :]: v for k, v in self._listing.items() if k.startswith(start)}
+                if "/" not in relative:
+                    self._folders = self._folders if self._folders is not None else by_folder(self._listing)
+                    listing = self._folders.get(relative, {})
+                else:
+                    start = relative + "/"
+                    listing = {k[len(start) :]: v for k, v in self._listing.items() if k.startswith(start)}
         key = posixpath.join(self.key, name)
         return ObjectPath(self._fs, self.protocol, key, listing=listing, entry=entry, deep=listing is not None)
 
