@@ -97,3 +97,22 @@ def test_an_uncommitted_bucket_save_is_cleared_with_its_nested_objects(s3_env: S
     model, opt = object_crashes.sc._model()
     object_crashes.sc._save(m, model, opt, 2)
     assert ckpt.verify_checkpoint(f"{root}/step-2").ok
+
+
+def test_a_flat_bucket_checkpoint_from_before_still_verifies_and_loads(s3_env: S3Server) -> None:
+    """The committed format fixture, uploaded as a bucket held it before the layout (``__R_N.distcp`` beside the
+    manifest), verifies in full and loads at W=2 to the values its writers held."""
+    from tests.checkpoint import format_fixture as fx
+    from tests.checkpoint.test_format_fixture import MANIFEST_SHA256, _assert_equal, _expected, load_direct
+
+    url = f"{_prefix()}/step-2"
+    fs, key = s3_env.filesystem(), url.removeprefix("s3://")
+    for file in sorted((fx.FIXTURE / "step-2").iterdir()):
+        fs.put_file(str(file), f"{key}/{file.name}")
+    assert [k for k in fs.find(key) if k.endswith(".distcp")] == [f"{key}/__0_0.distcp", f"{key}/__1_0.distcp"]
+    report = ckpt.verify_checkpoint(url, expected_manifest_hash=MANIFEST_SHA256)
+    assert report.ok, report.to_json()
+    assert report.files_checked == 7
+    results = run_distributed(load_direct, 2, args=(url,), timeout=120, env=s3_env.env)
+    _assert_equal(ranks.unpack(results[0][0]), _expected())
+    assert results[1][1] == fx.TRAINER_STATE
