@@ -116,3 +116,17 @@ def test_a_flat_bucket_checkpoint_from_before_still_verifies_and_loads(s3_env: S
     results = run_distributed(load_direct, 2, args=(url,), timeout=120, env=s3_env.env)
     _assert_equal(ranks.unpack(results[0][0]), _expected())
     assert results[1][1] == fx.TRAINER_STATE
+
+
+def test_the_dcp_native_writer_spreads_a_bucket_save_too(s3_env: S3Server, tmp_path: Path) -> None:
+    """``dcp.save(state, storage_writer=Writer(url))`` at W=2 puts its data files under ``shards/0000/``, the
+    checkpoint verifies, and ``Reader`` loads each rank's tensor back."""
+    url = f"{_prefix()}/step-1"
+    loaded = run_distributed(
+        object_ranks.writer_saves, 2, args=(url, str(tmp_path / "lineage.sqlite")), timeout=120, env=s3_env.env
+    )
+    assert loaded == [{"rank0": 64.0}, {"rank1": 128.0}]
+    fs, key = s3_env.filesystem(), url.removeprefix("s3://")
+    data = sorted(str(k)[len(key) + 1 :] for k in fs.find(key) if str(k).endswith(".distcp"))
+    assert data == ["shards/0000/__0_0.distcp", "shards/0000/__1_0.distcp"]
+    assert ckpt.verify_checkpoint(url).ok
