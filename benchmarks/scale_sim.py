@@ -23,9 +23,12 @@ two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it 
   (which rank hashes which file).
 * **Resume selection**: ``resume.find_candidates`` over a directory of ``--keep`` committed
   checkpoints of W ranks and a 1,000-row ledger.
-* **Object store**: the requests a save and a verified load make under the checkpoint's prefix,
+* **Object store**: the requests a save and a verified load make under the checkpoint's prefixes,
   counted from the store's operations (claim, multipart uploads in s3fs's 50 MiB parts, records; computed,
-  not sent), and the floor they put on the save at S3's documented 3,500 PUT/s and 5,500 GET/s per prefix.
+  not sent), and the floor they put on the save at S3's documented 3,500 PUT/s and 5,500 GET/s per prefix:
+  the data files under ``shards/GGGG/`` as a bucket save spreads them (256 ranks a prefix,
+  ``key_prefixes.py``), so the fullest prefix sets the floor (the data files' names elsewhere are the
+  flat ones of a local save).
 
 Note: the DCP pieces scale with the number of tensors times W (35M chunks at W=16,384), more than
 one process here can hold, so they run on ``--dcp-layers`` decoder layers (default 1: with the
@@ -103,6 +106,7 @@ from shardline.checkpoint.lifecycle import commit_records
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint
 from shardline.checkpoint.lifecycle.resume import find_candidates
 from shardline.checkpoint.provenance.ledger import Ledger
+from shardline.checkpoint.storage.key_prefixes import rank_of, spread_prefix
 from shardline.checkpoint.storage.stores import locate
 
 __all__ = ["WORLDS", "SimulatedSave", "main", "simulate"]
@@ -256,8 +260,15 @@ class SimulatedSave:
     extrapolated: list[str] = dataclasses.field(default_factory=list)
 
 
-def _object_store(digests: list[FileDigest], records: dict[str, int], world: int) -> dict[str, float]:
-    """Requests a save and a verified load make under the checkpoint's prefix (see the module note)."""
+def _object_store(
+    digests: list[FileDigest], records: dict[str, int], world: int, *, spread: bool = True
+) -> dict[str, float]:
+    """Requests a save and a verified load make under the checkpoint's prefixes (see the module note).
+
+    ``spread``: the data files under ``shards/GGGG/`` as a bucket save puts them (``key_prefixes.py``; the floors
+    are the fullest prefix's requests, the prefixes served in parallel once the store has partitioned them);
+    False: every object under one prefix, as before that layout.
+    """
 
     def puts(size: int) -> int:
         return 1 if size <= UPLOAD_PART else 2 + -(-size // UPLOAD_PART)  # initiate + parts + complete
@@ -265,17 +276,30 @@ def _object_store(digests: list[FileDigest], records: dict[str, int], world: int
     def gets(size: int) -> int:
         return max(1, -(-size // READ_BLOCK))
 
-    sizes = [d.bytes for d in digests] + list(records.values())
-    # claim (conditional PUT), listing of the parent for the newest committed, claim deleted after the commit
-    save_requests = 2 + 1 + sum(puts(s) for s in sizes)
-    objects = len(sizes)
-    load_requests = -(-objects // 1000) + sum(gets(s) for s in sizes)
+    def prefix(d: FileDigest) -> str:
+        rank = rank_of(d.path)
+        return spread_prefix(rank).rsplit("/", 1)[0] if spread and rank is not None else ""
+
+    top = [*records.values(), *(d.bytes for d in digests if not prefix(d))]
+    folders: dict[str, list[int]] = {"": top}
+    for d in digests:
+        if prefix(d):
+            folders.setdefault(prefix(d), []).append(d.bytes)
+    objects = len(digests) + len(records)
+    # claim (conditional PUT), listing of the parent for the newest committed, claim deleted after the commit:
+    # beside the checkpoint, counted with its top prefix; a verified load lists every object (1,000 a page) there
+    save = {name: sum(puts(s) for s in sizes) + (3 if not name else 0) for name, sizes in folders.items()}
+    listing = -(-objects // 1000)
+    load = {name: sum(gets(s) for s in sizes) + (listing if not name else 0) for name, sizes in folders.items()}
     return {
-        "objects_per_prefix": objects,
-        "save_requests": save_requests,
-        "save_floor_s": save_requests / PUT_PER_S,
-        "load_requests": load_requests,
-        "load_floor_s": load_requests / GET_PER_S,
+        "objects_per_prefix": max(len(sizes) for sizes in folders.values()),
+        "prefixes": len(folders),
+        "save_requests": sum(save.values()),
+        "save_requests_per_prefix": max(save.values()),
+        "save_floor_s": max(save.values()) / PUT_PER_S,
+        "load_requests": sum(load.values()),
+        "load_requests_per_prefix": max(load.values()),
+        "load_floor_s": max(load.values()) / GET_PER_S,
     }
 
 
@@ -450,11 +474,13 @@ LOAD_COLUMNS = [
     ("load_plan_fast_per_rank_s", "load plan per rank, shardline's (s) *", "{:.3f}"),
     ("load_global_plan_s", "rank-0 load global plan (s)", "{:.3f}"),
     ("resume_select_s", "resume selection (s)", "{:.3f}"),
-    ("objects_per_prefix", "objects per prefix", "{:,.0f}"),
+    ("objects_per_prefix", "objects per prefix (max)", "{:,.0f}"),
     ("save_requests", "save requests", "{:,.0f}"),
-    ("save_floor_s", "save floor at 3,500/s (s)", "{:.1f}"),
+    ("save_requests_per_prefix", "save requests per prefix (max)", "{:,.0f}"),
+    ("save_floor_s", "save floor at 3,500/s per prefix (s)", "{:.1f}"),
     ("load_requests", "load requests", "{:,.0f}"),
-    ("load_floor_s", "load floor at 5,500/s (s)", "{:.1f}"),
+    ("load_requests_per_prefix", "load requests per prefix (max)", "{:,.0f}"),
+    ("load_floor_s", "load floor at 5,500/s per prefix (s)", "{:.1f}"),
 ]
 COLUMNS = SAVE_COLUMNS + LOAD_COLUMNS[1:]
 
@@ -527,7 +553,7 @@ PLOT_SIZES = [
     ("statement_bytes", "statement (bytes)"),
     ("gathered_bytes", "gathered to rank 0 (bytes) *"),
     ("dcp_metadata_bytes", ".metadata (bytes) *"),
-    ("objects_per_prefix", "objects per prefix"),
+    ("objects_per_prefix", "objects per prefix (max)"),
     ("save_requests", "object-store requests of a save"),
 ]
 

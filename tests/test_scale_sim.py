@@ -16,8 +16,10 @@ from collections.abc import Mapping, Sequence
 import pytest
 from benchmarks import scale_ledger, scale_sim
 
+from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.reading import assign_hashing
 from shardline.checkpoint.lifecycle import commit_records
+from shardline.checkpoint.storage.key_prefixes import RANKS_PER_PREFIX, max_objects_per_prefix
 
 WORLDS = (64, 1024)
 
@@ -38,7 +40,6 @@ LINEAR = {
     "sums_bytes": 1.05,
     "gathered_bytes": 1.05,
     "dcp_metadata_bytes": 1.05,
-    "objects_per_prefix": 1.05,
     # one PUT per file below s3fs's 50 MiB upload part: the objects, once files are smaller than a part
     "save_requests": 1.05,
 }
@@ -46,6 +47,8 @@ LINEAR = {
 # ranks; the provenance statement names the manifest by its hash instead of listing every file.
 # shardline's load planner finds each piece's saved chunk by its offsets and sizes: flat in W.
 FLAT = {"load_requests": 0.3, "statement_bytes": 0.05, "load_plan_fast_per_rank_s": 0.3}
+# A bucket save spreads its data files over key prefixes of 256 ranks each: the fullest prefix stops growing there.
+SUBLINEAR = {"objects_per_prefix": 0.55, "save_requests_per_prefix": 0.55}
 
 
 def _measure() -> list[scale_sim.SimulatedSave]:
@@ -56,7 +59,7 @@ def _measure() -> list[scale_sim.SimulatedSave]:
 
 def _over(rows: list[scale_sim.SimulatedSave]) -> dict[str, float]:
     slopes = scale_sim.exponents(rows)
-    bounds = {**LINEAR, **FLAT}
+    bounds = {**LINEAR, **FLAT, **SUBLINEAR}
     assert bounds.keys() <= slopes.keys(), sorted(bounds.keys() - slopes.keys())
     return {key: round(slopes[key], 2) for key, bound in bounds.items() if slopes[key] > bound}
 
@@ -66,6 +69,28 @@ def test_protocol_costs_scale_no_worse_than_linearly() -> None:
     assert _over(rows) == {}, scale_sim.markdown(rows)
     small, large = rows
     assert large.values["manifest_bytes"] > small.values["manifest_bytes"] * 4  # every file is listed
+    bound = max_objects_per_prefix(world=RANKS_PER_PREFIX, files_per_rank=8, spread=True)
+    assert large.values["objects_per_prefix"] == bound, "W=1,024: no prefix holds more than 256 ranks' files"
+
+
+def test_the_object_store_floor_is_the_fullest_prefix_at_16k_ranks() -> None:
+    """16,384 ranks x 8 files of 6.5 MB: one prefix held 131k objects and 37.5 s of PUTs; spread over 64 prefixes
+    (256 ranks each), the fullest holds 2,048 data files and its PUTs take under a second."""
+    digests = [
+        FileDigest(path=f"__{r}_{n}.distcp", rank=r, bytes=6_500_000, sha256="0" * 64)
+        for r in range(16_384)
+        for n in range(8)
+    ]
+    records = {".metadata": 40 << 20, "manifest.json": 30 << 20, "SHA256SUMS": 12 << 20}
+    flat = scale_sim._object_store(digests, records, 16_384, spread=False)
+    spread = scale_sim._object_store(digests, records, 16_384)
+    assert flat["objects_per_prefix"] == 131_075
+    assert flat["save_floor_s"] > 37
+    assert spread["objects_per_prefix"] == max_objects_per_prefix(world=16_384, files_per_rank=8, spread=True)
+    assert spread["prefixes"] == 65  # 64 of data files, and the checkpoint's own
+    assert spread["save_requests"] == flat["save_requests"]  # the same requests, spread
+    assert spread["save_floor_s"] < 1
+    assert spread["load_floor_s"] < 1
 
 
 def test_an_injected_quadratic_cost_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:

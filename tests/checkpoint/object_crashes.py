@@ -61,13 +61,15 @@ def prepare(name: str, root: str, ledger: str, env: dict[str, str]) -> None:
         sc._save(m, model, opt, step)
     if name == "quarantine":
         fs = as_location(root).fs
-        key = f"{root.removeprefix('s3://')}/step-2/__0_0.distcp"
+        key = f"{root.removeprefix('s3://')}/step-2/shards/0000/__0_0.distcp"
         data = bytearray(fs.cat_file(key))
         data[len(data) // 2] ^= 0xFF
         fs.pipe_file(key, bytes(data))
     elif name == "leftover":
         code = run_killed_save(root, ledger, env, [3], "save.sums_written")
         assert code == crashpoints.CRASH_EXIT_CODE, f"the save left behind exited with {code}"
+        left = as_location(root).fs.find(f"{root.removeprefix('s3://')}/step-3/shards/0000")
+        assert left, "the save left behind wrote its data files under shards/ (key_prefixes.py)"
 
 
 def child(name: str, root: str, ledger: str, env: dict[str, str], point: str | None, hit: int, trace: str) -> None:

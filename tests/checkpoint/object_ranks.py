@@ -183,3 +183,16 @@ def race_to_save(rank: int, world: int, roots: list[str]) -> list[tuple[str, str
         else:
             out.append(("ok", "", info.manifest_hash))
     return out
+
+
+def writer_saves(rank: int, world: int, url: str, ledger: str) -> dict[str, float]:
+    """``dcp.save`` through shardline's DCP-native ``Writer`` into ``url``, then ``dcp.load`` through ``Reader``:
+    each rank's own tensor, as loaded back."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"rank{rank}": torch.full((64,), float(rank + 1))}
+    dcp.save(state, storage_writer=ckpt.Writer(url, ledger_path=ledger))
+    loaded = {f"rank{rank}": torch.zeros(64)}
+    dcp.load(loaded, storage_reader=ckpt.Reader(url))
+    return {name: float(t.sum()) for name, t in loaded.items()}

@@ -108,6 +108,8 @@ def test_writer_arguments_are_checked(tmp_path: Path) -> None:
         ckpt.Writer("s3://bucket/run/step-1")
     with pytest.raises(ConfigurationError, match="thread executor"):
         pickle.dumps(ckpt.Writer(tmp_path / "step-1"))
+    with pytest.raises(ConfigurationError, match=r"'shards' is a name the checkpoint's own files use"):
+        ckpt.Writer(tmp_path / "step-1", extra_files={"shards": b"x"})  # a bucket save's data files' folder
     assert not (tmp_path / "step-1").exists()
 
 

@@ -101,7 +101,7 @@ def test_flipped_byte_is_named_and_never_loaded(s3_env: S3Server, capsys: pytest
     url = f"{_prefix()}/step-2"
     run_distributed(ranks.save_trained, 1, args=(url, "full_shard", False, "sharded", 1), timeout=90, env=s3_env.env)
     fs = s3_env.filesystem()
-    key = f"{url.removeprefix('s3://')}/__0_0.distcp"
+    key = f"{url.removeprefix('s3://')}/shards/0000/__0_0.distcp"
     data = bytearray(fs.cat_file(key))
     data[len(data) // 2] ^= 0x01
     fs.pipe_file(key, bytes(data))
@@ -110,7 +110,7 @@ def test_flipped_byte_is_named_and_never_loaded(s3_env: S3Server, capsys: pytest
     assert json.loads(capsys.readouterr().out)["step"] == 2
     assert cli.main(["verify", "--json", url]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert [(p["path"], p["problem"]) for p in report["problems"]] == [("__0_0.distcp", "altered")]
+    assert [(p["path"], p["problem"]) for p in report["problems"]] == [("shards/0000/__0_0.distcp", "altered")]
     kind, message = run_distributed(object_ranks.try_load, 2, args=(url,), timeout=90, env=s3_env.env)[0]
     assert kind == IntegrityError.__name__
     assert "__0_0.distcp: altered" in message
@@ -209,7 +209,7 @@ def test_manager_on_a_bucket_latest_ledger_and_quarantine(s3_env: S3Server, tmp_
 
     fs = s3_env.filesystem()
     key = root.removeprefix("s3://")
-    shard = f"{key}/step-2/__0_0.distcp"
+    shard = f"{key}/step-2/shards/0000/__0_0.distcp"
     data = bytearray(fs.cat_file(shard))
     data[len(data) // 2] ^= 0x01
     fs.pipe_file(shard, bytes(data))
@@ -226,7 +226,7 @@ def test_manager_on_a_bucket_latest_ledger_and_quarantine(s3_env: S3Server, tmp_
     assert not fs.exists(f"{key}/step-2"), "a later save of step 2 finds its prefix free"
     assert [c.path.name for c in scan(as_location(root))[0]] == ["step-1"]
     assert fs.isfile(f"{key}/{names[1]}/manifest.json")
-    assert fs.cat_file(f"{key}/{names[1]}/__0_0.distcp") == bytes(data)
+    assert fs.cat_file(f"{key}/{names[1]}/shards/0000/__0_0.distcp") == bytes(data)
     quarantine = [r for r in ckpt.Ledger(Path(ledger)).rows() if r.event == "quarantine"]
     assert len(quarantine) == 1
     detail = json.loads(quarantine[0].detail or "{}")

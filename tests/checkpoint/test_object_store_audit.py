@@ -184,14 +184,14 @@ def test_report_verifies_every_checkpoint_in_the_bucket(
 
     # A flipped byte in one object: the report says which checkpoint failed and names the object.
     fs = s3_env.filesystem()
-    key = f"{root.removeprefix('s3://')}/step-1/__0_0.distcp"
+    key = f"{root.removeprefix('s3://')}/step-1/shards/0000/__0_0.distcp"
     original = _flip(fs, key)
     try:
         assert cli.main(["report", str(run_dir), "--out", str(out)]) == 1
         assert "NOT verified: step-1" in capsys.readouterr().out
         failed = collect_run(run_dir).checkpoints[0]
         assert failed.status == "failed"
-        assert any(p.startswith("__0_0.distcp: altered") for p in failed.problems), failed.problems
+        assert any(p.startswith("shards/0000/__0_0.distcp: altered") for p in failed.problems), failed.problems
         assert "__0_0.distcp: altered" in out.read_text()
     finally:
         fs.pipe_file(key, original)
@@ -242,7 +242,7 @@ def test_sign_a_checkpoint_in_the_bucket(
     assert "already exists" in capsys.readouterr().err
 
     # A flipped byte in the bucket: the signature no longer verifies, naming the object; signing refuses.
-    key = f"{url.removeprefix('s3://')}/__0_0.distcp"
+    key = f"{url.removeprefix('s3://')}/shards/0000/__0_0.distcp"
     original = _flip(fs, key)
     try:
         assert cli.main(["verify", url, "--public-key", keys["mine"][1]]) == 1

@@ -194,7 +194,7 @@ def test_a_quarantine_takes_the_signature_along_on_either_store(directory: Locat
     store = store_for(directory)
     step2 = manager.path_for(2)
     store.put(signature_path_for(step2), b"a signature of step-2")
-    shard = step2 / "__0_0.distcp"
+    shard = step2 / f"{store.save_files(step2).data_prefix(0)}0.distcp"  # flat on disk, shards/0000/ in a bucket
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     store.put(shard, bytes(data))

@@ -18,6 +18,7 @@ Note: how the digests travel (the hashing itself is :mod:`.hashing`'s file syste
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -133,8 +134,8 @@ def split_digests(results: list[list[WriteResult]]) -> tuple[list[list[WriteResu
 class HashingWriter(FileSystemWriter):
     """``FileSystemWriter`` (``files_per_rank`` files per rank, fsynced) that reports each file's SHA-256 to rank 0.
 
-    Each of a rank's files (``__{rank}_{n}.distcp``) is written by its own DCP writer thread,
-    which hashes it on the way (:mod:`.parallelism`).
+    Each of a rank's files (``__{rank}_{n}.distcp``; in a bucket under ``shards/GGGG/``) is written by its own DCP
+    writer thread, which hashes it on the way (:mod:`.parallelism`).
 
     After ``torch.distributed.checkpoint.save`` returns, :attr:`file_digests` holds, on the
     coordinator only, every file of the checkpoint (``.metadata`` included), sorted by path.
@@ -198,6 +199,20 @@ class HashingWriter(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._hfs.rank = self.rank or 0
         self._is_coordinator = is_coordinator
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Each rank's files are named where the store puts them: flat on disk (DCP's ``__R_``), spread over key
+        # prefixes in a bucket (``shards/GGGG/__R_``); the relative paths land in .metadata and the manifest.
+        # DCP's own plan gives plan i the storage prefix record ``__i_``; only its text changes here.
+        planned = super().prepare_global_plan(plans)
+        return [
+            dataclasses.replace(
+                plan, storage_data=dataclasses.replace(plan.storage_data, prefix=self._files.data_prefix(i))
+            )
+            if plan is not given and getattr(plan.storage_data, "prefix", None) == f"__{i}_"
+            else plan
+            for i, (plan, given) in enumerate(zip(planned, plans, strict=True))
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         self._hfs.start()

@@ -63,6 +63,7 @@ from shardline.checkpoint.provenance.records import record_commit
 from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.checkpoint.provenance.statement import STATEMENT_FILE
 from shardline.checkpoint.state.layout import describe_state_sharding
+from shardline.checkpoint.storage.key_prefixes import SHARDS_FOLDER
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import local_path, locate, store_for
 from shardline.errors import CheckpointError, ConfigurationError, LineageError, PublishError
@@ -71,7 +72,7 @@ __all__ = ["Writer"]
 
 _EXTRA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DCP_DATA_NAME = re.compile(r"^__\d+_\d+\.distcp$")
-_RESERVED = frozenset({DCP_METADATA, STATEMENT_FILE, *DERIVED_FILES})
+_RESERVED = frozenset({DCP_METADATA, STATEMENT_FILE, *DERIVED_FILES, SHARDS_FOLDER})  # shards/: a bucket's data
 
 
 def _check_extra_files(extra: Mapping[str, bytes] | None) -> dict[str, bytes]:

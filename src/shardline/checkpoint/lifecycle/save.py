@@ -461,12 +461,26 @@ def _finalize(
 def _check_listing(tmp: Location, digests: list[FileDigest]) -> None:
     """Every file in ``tmp`` is one a rank reported writing, and every reported one is there."""
     listed = {d.path for d in digests}
-    present = {p.name for p in tmp.iterdir()}
+    folders = {"/".join(p.split("/")[:n]) for p in listed if "/" in p for n in range(1, p.count("/") + 1)}
+    present = _present(store_for(tmp).snapshot(tmp), folders)
     if present != listed:
         raise CheckpointError(
             f"the temporary directory {tmp} holds {sorted(present - listed)} that no rank reported writing, or lacks "
             f"{sorted(listed - present)}; another process may be writing into it"
         )
+
+
+def _present(folder: Location, folders: set[str], prefix: str = "") -> set[str]:
+    """The files in ``folder`` by relative path, looking into the ``folders`` (relative paths) the reported files
+    are in (a bucket save's ``shards/GGGG/``, see ``key_prefixes.py``); anything else is named as it is."""
+    present: set[str] = set()
+    for child in folder.iterdir():
+        name = prefix + child.name
+        if name in folders and child.is_dir():
+            present |= _present(child, folders, name + "/")
+        else:
+            present.add(name)
+    return present
 
 
 def commit(

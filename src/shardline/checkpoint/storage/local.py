@@ -38,6 +38,7 @@ from shardline.checkpoint.storage.fsutil import (
     tmp_in_use,
     trash_dir_for,
 )
+from shardline.checkpoint.storage.key_prefixes import flat_prefix
 from shardline.checkpoint.storage.protocol import (
     CHECKPOINT_NAME,
     COMMIT_RECORD,
@@ -100,6 +101,9 @@ class LocalFiles(SaveFiles):
 
     def __init__(self, root: str | os.PathLike[str] = "") -> None:
         self.root = root
+
+    def data_prefix(self, rank: int) -> str:
+        return flat_prefix(rank)  # a directory of many files costs nothing per name (see key_prefixes.py)
 
     def open_write(self, path: str) -> BinaryIO:
         return open(path, "wb")

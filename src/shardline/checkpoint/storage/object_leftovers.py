@@ -71,7 +71,7 @@ def _clear(directory: ObjectPath, name: str, *, claimed: bool, recorded: set[str
             log.info("removing %s, the claim of a save that committed %s", claim, prefix)
             claim.unlink()
         return None
-    inside = {child.name for child in prefix.snapshot().iterdir()}  # the second read
+    inside = set(prefix.snapshot(deep=True).files())  # the second read: every object, in shards/GGGG/ too
     if COMMIT_RECORD in inside:
         if claimed:
             log.info("removing %s, the claim of a save that committed %s", claim, prefix)

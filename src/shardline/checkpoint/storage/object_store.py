@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import SaveObserver, SavePhase
 from shardline.checkpoint.storage import claims
+from shardline.checkpoint.storage.key_prefixes import spread_prefix
 from shardline.checkpoint.storage.object_leftovers import clear_store_leftovers
 from shardline.checkpoint.storage.objects import ObjectPath, check_access, delete_object, describe
 from shardline.checkpoint.storage.protocol import (
@@ -65,6 +66,9 @@ class ObjectFiles(SaveFiles):
     def __init__(self, fs: Any, root: str) -> None:
         self._fs = fs
         self.root = root
+
+    def data_prefix(self, rank: int) -> str:
+        return spread_prefix(rank)  # S3's request rates are per key prefix (see key_prefixes.py)
 
     def open_write(self, path: str) -> BinaryIO:
         file: BinaryIO = self._fs.open(path, "wb")  # an fsspec file: the upload completes when it is closed
@@ -119,7 +123,8 @@ class ObjectStore(CheckpointStore):
 
     # ------------------------------------------------------------------ reading
     def snapshot(self, location: Location) -> Location:
-        return _objects(location).snapshot()  # one LIST answers every "present? what size?" (see objects.py)
+        # One listing answers every "present? what size?" (see objects.py), of the data files' prefixes too.
+        return _objects(location).snapshot(deep=True)
 
     def open_read(self, file: Location) -> BinaryIO:
         return _objects(file).open("rb")  # ranged streaming reads

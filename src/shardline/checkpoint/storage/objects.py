@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from shardline.checkpoint.storage.object_listing import by_folder, deep_listing, empty_folders
 from shardline.errors import CheckpointWarning, ConfigurationError, StorageAccessError
 
 __all__ = [
@@ -147,7 +148,7 @@ class ObjectPath:
     Build one with :func:`as_location`. Equal when protocol and key are equal.
     """
 
-    __slots__ = ("_entry", "_fs", "_listing", "key", "protocol")
+    __slots__ = ("_deep", "_entry", "_folders", "_fs", "_listing", "key", "protocol")
 
     def __init__(
         self,
@@ -157,12 +158,15 @@ class ObjectPath:
         *,
         listing: dict[str, tuple[str, int]] | None = None,
         entry: tuple[str, int] | None = None,
+        deep: bool = False,
     ) -> None:
         self._fs = fs
         self.protocol = protocol
         self.key = key.strip("/")
         self._listing = listing  # a snapshot's children: name -> (type, size)
         self._entry = entry  # this object's (type, size) in its parent's snapshot; ("absent", 0) if not there
+        self._deep = deep  # the listing holds every object below, by relative path (snapshot(deep=True))
+        self._folders: dict[str, dict[str, tuple[str, int]]] | None = None  # its listing by first folder, once
 
     # ------------------------------------------------------------------ naming
     def __str__(self) -> str:
@@ -182,20 +186,33 @@ class ObjectPath:
 
     def __truediv__(self, name: str | os.PathLike[str]) -> ObjectPath:
         name = os.fspath(name)
-        entry = None
-        if self._listing is not None and "/" not in name.strip("/"):
-            entry = self._listing.get(name.strip("/"), _ABSENT)
-        return ObjectPath(self._fs, self.protocol, posixpath.join(self.key, name), entry=entry)
+        entry, listing, relative = None, None, name.strip("/")
+        if self._listing is not None and ("/" not in relative or self._deep):
+            entry = self._listing.get(relative, _ABSENT)
+            if self._deep and entry[0] == "directory":  # a folder of a deep snapshot answers from it too
+                if "/" not in relative:
+                    self._folders = self._folders if self._folders is not None else by_folder(self._listing)
+                    listing = self._folders.get(relative, {})
+                else:
+                    start = relative + "/"
+                    listing = {k[len(start) :]: v for k, v in self._listing.items() if k.startswith(start)}
+        key = posixpath.join(self.key, name)
+        return ObjectPath(self._fs, self.protocol, key, listing=listing, entry=entry, deep=listing is not None)
 
-    def snapshot(self) -> ObjectPath:
-        """This prefix with one listing of its children taken now (one LIST request).
+    def snapshot(self, *, deep: bool = False) -> ObjectPath:
+        """This prefix with one listing of its children taken now (one LIST request; ``deep``: of every object
+        below it, folders included, in as many LIST pages as there are thousands of objects).
 
         Note: a checkpoint is checked file by file (present? its size?), which on an object store
         would cost a HEAD request per file per question. A snapshot answers those from a single
         listing; bytes are still read from the store, and hashed, so a file replaced after the
-        listing shows as altered, never as intact.
+        listing shows as altered, never as intact. A checkpoint (data files in ``shards/GGGG/``,
+        :mod:`.key_prefixes`) is listed ``deep``: as many pages as a flat listing, and every file.
         """
-        listing: dict[str, tuple[str, int]] = {}
+        if deep:
+            listing = deep_listing(self._fs, self.key)
+            return ObjectPath(self._fs, self.protocol, self.key, listing=listing, entry=self._entry, deep=True)
+        listing = {}
         try:
             entries = self._fs.ls(self.key, detail=True)
         except FileNotFoundError:
@@ -207,6 +224,12 @@ class ObjectPath:
             if name:
                 listing[name] = (str(e.get("type") or "file"), int(e.get("size") or 0))
         return ObjectPath(self._fs, self.protocol, self.key, listing=listing, entry=self._entry)
+
+    def files(self) -> list[str]:
+        """The files of a deep snapshot (:meth:`snapshot`), by path relative to it, sorted (ValueError if not one)."""
+        if self._listing is None or not self._deep:
+            raise ValueError(f"{self} is not a deep snapshot: take one with snapshot(deep=True)")
+        return sorted(name for name, (kind, _) in self._listing.items() if kind == "file")
 
     @property
     def fs(self) -> Any:
@@ -269,7 +292,7 @@ class ObjectPath:
 
     def iterdir(self) -> Iterator[ObjectPath]:
         if self._listing is not None:
-            for name in sorted(self._listing):
+            for name in sorted(n for n in self._listing if "/" not in n):
                 yield self / name
             return
         for entry in self._fs.ls(self.key, detail=False):
@@ -396,10 +419,15 @@ class ObjectPath:
         if not purged and self._fs.exists(self.key):
             self._fs.rm(self.key, recursive=True)
         call = getattr(self._fs, "call_s3", None)
-        # In a versioned bucket a delete of a key that is not there adds a delete marker: only when still listed.
-        if call is not None and "/" in self.key and (not purged or self._fs.exists(self.key)):
-            bucket, key = self.key.split("/", 1)
-            call("delete_object", Bucket=bucket, Key=key + "/")
+        if call is None or "/" not in self.key:
+            return
+        bucket = self.bucket
+        # Nested folders a store with directories keeps (a bucket save's shards/GGGG/, key_prefixes.py), deepest
+        # first, then the prefix's own; S3 proper lists none (one LIST).
+        for folder in [*reversed(empty_folders(self._fs, self.key)), self.key]:
+            # In a versioned bucket a delete of a key that is not there adds a delete marker: only when still listed.
+            if folder != self.key or not purged or self._fs.exists(self.key):
+                call("delete_object", Bucket=bucket, Key=folder.split("/", 1)[1] + "/")
 
 
 Location = Path | ObjectPath

@@ -120,6 +120,12 @@ class SaveFiles(ABC):
         )
 
     @abstractmethod
+    def data_prefix(self, rank: int) -> str:
+        """The file-name prefix (relative to ``root``) of ``rank``'s data files, to which DCP appends ``N.distcp``:
+        ``__R_`` on disk (flat); ``shards/GGGG/__R_`` in an object store, spread over key prefixes
+        (:mod:`.key_prefixes`). Readers follow the relative paths the checkpoint records, never this."""
+
+    @abstractmethod
     def open_write(self, path: str) -> BinaryIO:
         """A new file at ``path``, opened for writing (an upload completes when it is closed)."""
 
