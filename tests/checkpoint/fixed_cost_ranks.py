@@ -119,3 +119,65 @@ def save_collectives(rank: int, world: int, root: str) -> dict[str, Any]:
         "verified": rank != 0 or ckpt.verify_checkpoint(info.path).ok,
         "torch": torch.__version__,
     }
+
+
+def load_collectives(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Round trips of one plain DCP load and of one verified shardline load of the same checkpoint (after a
+    warm-up load of each), and whether the verified load restored the saved values."""
+    warnings.simplefilter("ignore")
+    model, optimizer = build()
+    path = Path(root) / "step-1"
+    ckpt.save(path, model=model, optimizer=optimizer, step=1)
+    saved = {k: v.detach().clone() for k, v in ckpt.model_state_dict(model).items()}
+
+    def plain_load() -> None:
+        state = {"model": ckpt.model_state_dict(model), "optim": ckpt.optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=path)
+
+    plain_load()
+    ckpt.load(path, model=model, optimizer=optimizer)
+    with torch.no_grad():
+        for value in ckpt.model_state_dict(model).values():
+            value.zero_()  # the loads below must bring the saved values back
+    dist.barrier()
+    with counting_collectives() as plain:
+        plain_load()
+    dist.barrier()
+    with counting_collectives() as ours:
+        ckpt.load(path, model=model, optimizer=optimizer, verify="full")
+    restored = all(torch.equal(saved[k], v) for k, v in ckpt.model_state_dict(model).items())
+    return {"plain": sum(plain.values()), "ours": sum(ours.values()), "ours_by_kind": dict(ours), "restored": restored}
+
+
+def load_unprepared_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A verified load where rank 1 alone cannot prepare (its ``.metadata`` check fails; rank 0's passes): the
+    error each rank raises, whether this rank's model kept its values, and whether a load then still works."""
+    import importlib
+
+    from shardline.errors import IntegrityError, ShardlineError
+
+    warnings.simplefilter("ignore")
+    model, optimizer = build()
+    path = Path(root) / "step-1"
+    ckpt.save(path, model=model, optimizer=optimizer, step=1)
+    saved = {k: v.detach().clone() for k, v in ckpt.model_state_dict(model).items()}
+    other, other_optimizer = build(seed=123)
+    before = {k: v.detach().clone() for k, v in ckpt.model_state_dict(other).items()}
+    load_module = importlib.import_module("shardline.checkpoint.lifecycle.load")  # the package's `load` is the function
+    real = load_module.read_checked_metadata
+    if rank == 1:
+
+        def damaged(checked: Any) -> Any:
+            raise IntegrityError("this rank read a .metadata that does not match the manifest")
+
+        load_module.read_checked_metadata = damaged
+    try:
+        ckpt.load(path, model=other, optimizer=other_optimizer)
+        error = ("no error", "")
+    except ShardlineError as e:
+        error = (type(e).__name__, str(e))
+    kept = all(torch.equal(before[k], v) for k, v in ckpt.model_state_dict(other).items())
+    load_module.read_checked_metadata = real
+    ckpt.load(path, model=other, optimizer=other_optimizer)  # the group is still usable: a load now succeeds
+    loaded = all(torch.equal(saved[k], v) for k, v in ckpt.model_state_dict(other).items())
+    return {"error": error, "kept": kept, "loaded": loaded}

@@ -19,7 +19,7 @@ bounded by the group's timeout.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 
 import torch
@@ -29,6 +29,7 @@ from shardline import _torch_compat, errors
 from shardline.errors import CheckpointError, ShardlineError
 
 __all__ = [
+    "agreed_failure",
     "all_agree",
     "all_gather_object",
     "broadcast_object",
@@ -231,10 +232,22 @@ def all_agree(step: Callable[[], T], group: dist.ProcessGroup | None, *, what: s
         original = e
         failure = error_payload(e)
     outcomes = all_gather_object({"value": value} if failure is None else {"error": failure}, group)
-    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if "error" in o]
-    if not failed:
+    payload = agreed_failure([o.get("error") for o in outcomes], what=what)
+    if payload is None:
         return [o["value"] for o in outcomes]
-    rank, payload = failed[0]
-    if len(failed) < len(outcomes) or any(p != payload for _, p in failed):
-        payload = {"type": payload["type"], "message": f"rank {rank} could not {what}: {payload['message']}"}
     raise_payload(payload, original)
+
+
+def agreed_failure(failures: Sequence[dict[str, str] | None], *, what: str) -> dict[str, str] | None:
+    """The one error every rank raises when some ranks failed a step (``failures``: per rank, its error payload
+    or None), as :func:`all_agree` words it; None when no rank failed.
+
+    For a step whose outcomes travel in another collective (a load's preparation rides in DCP's plan step).
+    """
+    failed = [(r, p) for r, p in enumerate(failures) if p is not None]
+    if not failed:
+        return None
+    rank, payload = failed[0]
+    if len(failed) < len(failures) or any(p != payload for _, p in failed):
+        payload = {"type": payload["type"], "message": f"rank {rank} could not {what}: {payload['message']}"}
+    return payload

@@ -82,11 +82,20 @@ class CheckedManifest:
         """The data files (everything listed but ``.metadata``)."""
         return [e for e in self.entries() if e["path"] != DCP_METADATA]
 
-    def to_json(self) -> dict[str, Any]:
-        """Plain data, to send to other ranks."""
+    def to_json(self, *, whole: bool = True) -> dict[str, Any]:
+        """Plain data, to send to other ranks; ``whole=False``: of the manifest, only its ``files`` list.
+
+        Note: what a load's other ranks use of the manifest is its ``files`` (the hashes they check
+        ``.metadata`` and their share of the data files against); the rest -- the model's units, the
+        config, the provenance -- only made the message longer than one frame of ``coord`` (a second
+        round trip on every load). The hash of the whole manifest travels with it, as before.
+        """
+        manifest = self.manifest
+        if manifest is not None and not whole:
+            manifest = {"files": manifest_files(manifest)}
         return {
             "path": str(self.path),
-            "manifest": self.manifest,
+            "manifest": manifest,
             "manifest_hash": self.manifest_hash,
             "anchor": self.anchor,
             "level": self.level.value,

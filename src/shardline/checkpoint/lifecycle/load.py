@@ -2,7 +2,8 @@
 
 Note: nothing unverified is used (see ``opening.py`` for the order of checks). Rank 0 anchors
 the manifest and checks the listing; every rank hashes ``.metadata`` before unpickling it and
-checks the model against it (one all-gather); DCP then reads the data through
+checks the model against it (DCP's plan step carries the verdicts: a rank that cannot
+prepare fails every rank there, before anything is read); DCP then reads the data through
 :class:`~.reading.VerifyingReader`, each rank hashing a disjoint share of the files in the pass
 that reads them, and DCP's read all-gather is the agreement. Nothing the load produced is used
 before it: buffers, 0-d parameters, the optimizer state (``load_state_dict``) and the trainer
@@ -44,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.format.dcp_io import (
@@ -102,12 +104,21 @@ def opt_in_note(checked: CheckedManifest) -> str | None:
 
 
 def _checked(
-    path: Location, level: VerifyLevel, expected: str | None, group: dist.ProcessGroup | None
+    path: Location, level: VerifyLevel, expected: str | None, group: dist.ProcessGroup | None, *, whole: bool
 ) -> CheckedManifest:
-    data = coord.rank0_decides(
-        lambda: check_manifest(path, level=level, expected_manifest_hash=expected).to_json(), group
-    )
-    checked = dataclasses.replace(CheckedManifest.from_json(data), path=path)  # this rank's storage options
+    """Rank 0 checks the manifest (steps 1-2 of ``opening.py``); every rank gets the result, or its error.
+
+    ``whole=False`` sends the other ranks only what a load uses of the manifest (see ``CheckedManifest.to_json``).
+    """
+    mine: list[CheckedManifest] = []
+
+    def decide() -> dict[str, Any]:
+        mine.append(check_manifest(path, level=level, expected_manifest_hash=expected))
+        return mine[0].to_json(whole=whole)
+
+    data = coord.rank0_decides(decide, group)
+    checked = mine[0] if mine else CheckedManifest.from_json(data)
+    checked = dataclasses.replace(checked, path=path)  # this rank's storage options
     note = opt_in_note(checked)
     if note is not None and coord.group_rank(group) == 0:
         warnings.warn(note, CheckpointWarning, stacklevel=3)
@@ -135,7 +146,9 @@ def check_checkpoint(
         ConfigurationError: an unknown level (the message lists the valid ones).
     """
     level = level_argument(level, verify, caller="check_checkpoint")
-    checked = _checked(locate(path, storage_options=storage_options), level, expected_manifest_hash, process_group)
+    checked = _checked(
+        locate(path, storage_options=storage_options), level, expected_manifest_hash, process_group, whole=True
+    )
     if level is VerifyLevel.FULL:
         rank, world = coord.group_rank(process_group), coord.group_size(process_group)
 
@@ -312,6 +325,42 @@ def _torch_targets(
     return model_targets, tree
 
 
+class _PrepareFailed(Exception):
+    """A rank could not prepare its load: its error as plain data, on its way to every rank in DCP's plan step."""
+
+    def __init__(self, payload: dict[str, str]) -> None:
+        super().__init__(payload)
+        self.payload = payload
+
+
+class _Unprepared(ShardlineLoadPlanner):
+    """The planner of a rank whose preparation failed: it plans nothing and raises that failure in DCP's plan step,
+    which carries it to every rank before anything is read (see the note in ``load``)."""
+
+    def __init__(self, payload: dict[str, str]) -> None:
+        super().__init__()
+        self._payload = payload
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        raise _PrepareFailed(self._payload)  # the first step of DCP's plan after reading the metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        raise _PrepareFailed(self._payload)
+
+
+def _unprepared(error: CheckpointException, world: int, *, what: str) -> ShardlineError | None:
+    """The error every rank raises when some rank could not prepare the load (worded as ``all_agree`` words it),
+    or None when every rank prepared (DCP failed for another reason)."""
+    failures: list[dict[str, str] | None] = [None] * world
+    for rank, (exc, _trace) in error.failures.items():
+        if isinstance(exc, _PrepareFailed) and 0 <= rank < world:
+            failures[rank] = exc.payload
+    payload = coord.agreed_failure(failures, what=what)
+    return None if payload is None else coord.error_from_payload(payload)
+
+
 def _dcp_error(path: Location, error: CheckpointException) -> ShardlineError:
     """One error for every rank from DCP's gathered per-rank failures: the lowest failing rank's."""
 
@@ -368,7 +417,7 @@ def load(
     """
     path = locate(path, storage_options=storage_options)
     level = VerifyLevel.parse(verify)
-    checked = _checked(path, level, expected_manifest_hash, process_group)
+    checked = _checked(path, level, expected_manifest_hash, process_group, whole=False)
     rank = coord.group_rank(process_group)
     plan: dict[str, Any] = {}
 
@@ -401,23 +450,45 @@ def load(
             torch_api=engine.uses_torch_state_dict,
         )
 
-    # Every rank checked the same metadata against the same model; agree before DCP's collectives.
-    coord.all_agree(prepare, process_group, what=f"prepare to load {path}")
-    targets = plan["targets"]
-    to_hash = checked.data_entries() if level is VerifyLevel.FULL else []
-    reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash)
-    release_all(model)  # free gathered parameters, so nothing stale shadows the shards being read
+    # Note: every rank checks the metadata against its model, and every rank must learn whether all
+    # could before anything is read. DCP's plan step is that agreement already: it gathers every
+    # rank's plan (or error) on the coordinator and scatters the plans, or the errors, to every rank,
+    # all before ``read_data``. A rank whose preparation failed takes part with a planner that raises
+    # its error there (:class:`_Unprepared`), and every rank raises it as ``all_agree`` would have --
+    # one round trip fewer than an agreement of its own ahead of DCP's.
+    what = f"prepare to load {path}"
+    failure: dict[str, str] | None = None
+    prepare_error: BaseException | None = None
+    try:
+        prepare()
+    except Exception as e:
+        if coord.group_size(process_group) == 1:
+            raise
+        failure, prepare_error = coord.error_payload(e), e
+    if failure is None:
+        targets = plan["targets"]
+        to_hash = checked.data_entries() if level is VerifyLevel.FULL else []
+        reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash)
+        planner: ShardlineLoadPlanner = ShardlineLoadPlanner()
+        release_all(model)  # free gathered parameters, so nothing stale shadows the shards being read
+    else:
+        targets = {}
+        reader = VerifyingReader(path, Metadata(state_dict_metadata={}, storage_data={}), to_hash=())
+        planner = _Unprepared(failure)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(
                 targets,
                 storage_reader=reader,
-                planner=ShardlineLoadPlanner(),
+                planner=planner,
                 process_group=process_group,
                 no_dist=not dist.is_initialized(),
             )
     except CheckpointException as e:
+        unprepared = _unprepared(e, coord.group_size(process_group), what=what)
+        if unprepared is not None:
+            raise unprepared from prepare_error
         raise _dcp_error(path, e) from None
     result: dict[str, dict[str, Any]] = {}
 
