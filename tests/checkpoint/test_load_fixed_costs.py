@@ -6,8 +6,16 @@ DCP's (docs/benchmarks.md, "Checkpoint save and load overhead"), so the count is
 
 from __future__ import annotations
 
+import collections
+import pathlib
 from pathlib import Path
+from typing import Any
 
+import torch
+from torch import nn
+
+import shardline.checkpoint as ckpt
+from shardline.checkpoint.integrity.manifest import STATEMENT_FILE
 from shardline.testing import run_distributed
 from tests.checkpoint import fixed_cost_ranks
 
@@ -33,3 +41,27 @@ def test_a_rank_that_cannot_prepare_fails_every_rank_before_anything_is_read(tmp
     for out in results:
         assert out["kept"], "nothing was read into any rank's model"
         assert out["loaded"], "a load after the failed one succeeds"
+
+
+def test_a_load_reads_each_small_file_once(tmp_path: Path, monkeypatch) -> None:
+    """The manifest, its hash file, SHA256SUMS, the statement and .metadata: each opened once by a verified load
+    (on an object store each read is a request)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))  # unwrapped: one process, no group
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    info = ckpt.save(tmp_path / "step-1", model=model, optimizer=optimizer, step=1)
+    opened: collections.Counter[str] = collections.Counter()
+    real_open = pathlib.Path.open
+
+    def spy(self: pathlib.Path, *args: Any, **kwargs: Any) -> Any:
+        opened[self.name] += 1
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", spy)
+    ckpt.load(info.path, model=model, optimizer=optimizer, verify="full")
+    monkeypatch.setattr(pathlib.Path, "open", real_open)
+    small = {name: n for name, n in opened.items() if not name.endswith(".distcp")}
+    once = dict.fromkeys(("manifest.json", "manifest.sha256", "SHA256SUMS", STATEMENT_FILE, ".metadata"), 1)
+    assert small == once, small

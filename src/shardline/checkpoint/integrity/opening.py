@@ -126,7 +126,8 @@ def _contents(path: Location) -> str:
     return ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "empty"
 
 
-def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, str]:
+def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, str, dict[str, bytes]]:
+    """``(manifest, its hash, what anchored it, the bytes of the derived records read on the way)``."""
     file = path / MANIFEST
     raw = read_checkpoint_file(file)
     digest = sha256_hex(raw)
@@ -147,9 +148,11 @@ def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, 
             raise integrity_error(
                 path, [FileProblem(MANIFEST, "altered", f"manifest hash {digest}, the trusted record says {expected}")]
             )
-        return manifest, digest, "the trusted manifest hash"
+        return manifest, digest, "the trusted manifest hash", {}
+    hash_file = b""
     try:
-        parts = read_checkpoint_file(path / MANIFEST_HASH_FILE).decode("ascii").split()
+        hash_file = read_checkpoint_file(path / MANIFEST_HASH_FILE)
+        parts = hash_file.decode("ascii").split()
     except (FileNotFoundError, UnicodeDecodeError):
         parts = []
     recorded = parts[0] if len(parts) == 2 and parts[1] == MANIFEST else None
@@ -161,7 +164,7 @@ def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, 
         raise integrity_error(
             path, [FileProblem(MANIFEST, "altered", f"sha256 {digest}, {MANIFEST_HASH_FILE} records {recorded}")]
         )
-    return manifest, digest, MANIFEST_HASH_FILE
+    return manifest, digest, MANIFEST_HASH_FILE, {MANIFEST_HASH_FILE: hash_file}
 
 
 def check_manifest(
@@ -201,14 +204,14 @@ def check_manifest(
                 "no lineage; its .metadata is still read without running code)"
             )
         return CheckedManifest(path, None, None, "none (no manifest)", level)
-    manifest, digest, anchor = _anchor(path, expected)
+    manifest, digest, anchor, read = _anchor(path, expected)
     try:
         entries = manifest_files(manifest)
     except IntegrityError as e:
         raise integrity_error(path, [FileProblem(MANIFEST, "altered", str(e))]) from None
     if level is not VerifyLevel.NONE:
         problems, _ = check_files(path, entries, VerifyLevel.SIZES)
-        problems += derived_and_unexpected(path, digest, entries, problems)
+        problems += derived_and_unexpected(path, digest, entries, problems, read=read)
         if problems:
             raise integrity_error(path, problems)
     return CheckedManifest(path, manifest, digest, anchor, level)

@@ -229,19 +229,28 @@ def _recorded(path: Location) -> str | None:
     return parts[0] if len(parts) == 2 and parts[1] == MANIFEST else None
 
 
-def _sums_manifest_line(path: Location, wanted: str = MANIFEST) -> str | None:
+def _sums_line(sums: bytes | None, wanted: str) -> str | None:
+    """The digest ``SHA256SUMS`` (its bytes; None when absent) records for ``wanted``, or None."""
     try:
-        for line in (path / SUMS_FILE).read_text(encoding="utf-8").splitlines():
-            digest, _, name = line.partition("  ")
-            if name == wanted:
-                return digest
-    except (OSError, UnicodeDecodeError):
+        lines = sums.decode("utf-8").splitlines() if sums is not None else []
+    except UnicodeDecodeError:
         return None
+    for line in lines:
+        digest, _, name = line.partition("  ")
+        if name == wanted:
+            return digest
     return None
 
 
+def _sums_manifest_line(path: Location, wanted: str = MANIFEST) -> str | None:
+    try:
+        return _sums_line((path / SUMS_FILE).read_bytes(), wanted)
+    except OSError:
+        return None
+
+
 def _derived_statement(
-    root: Location, manifest_digest: str, entries: Sequence[Mapping[str, Any]]
+    root: Location, manifest_digest: str, entries: Sequence[Mapping[str, Any]], sums: bytes | None
 ) -> tuple[list[dict[str, str]], list[FileProblem]]:
     """The provenance statement where the manifest does not list it: ``(its SHA256SUMS entry, its problems)``.
 
@@ -251,7 +260,7 @@ def _derived_statement(
     """
     if any(e["path"] == STATEMENT_FILE for e in entries):
         return [], []
-    recorded = _sums_manifest_line(root, STATEMENT_FILE)
+    recorded = _sums_line(sums, STATEMENT_FILE)
     file = root / STATEMENT_FILE
     try:
         raw = file.read_bytes()
@@ -295,30 +304,49 @@ def _unexpected(
     return out
 
 
+def _small_file(root: Location, name: str) -> bytes | None:
+    """The bytes of a derived record (None when it is absent); a file system's failure raises ``read_error``."""
+    file = root / name
+    try:
+        return file.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    except OSError as e:
+        raise read_error(file, e) from e
+
+
 def derived_and_unexpected(
-    root: Location, manifest_digest: str, entries: Sequence[Mapping[str, Any]], known: Sequence[FileProblem] = ()
+    root: Location,
+    manifest_digest: str,
+    entries: Sequence[Mapping[str, Any]],
+    known: Sequence[FileProblem] = (),
+    *,
+    read: Mapping[str, bytes] | None = None,
 ) -> list[FileProblem]:
     """``manifest.sha256``, ``SHA256SUMS`` and the provenance statement as the manifest implies them, and files the
     manifest does not list.
 
-    Files already named in ``known`` are not reported twice.
+    Files already named in ``known`` are not reported twice. ``read``: the bytes of derived records the caller
+    has already read (``manifest.sha256``, read to anchor the manifest), checked here without a second read.
     """
+    # Note: each small record is read once (on an object store, each read is a GET): SHA256SUMS gives the
+    # statement's recorded digest and is then compared whole, from the same bytes.
     named = {p.path for p in known}
-    statement, problems = _derived_statement(root, manifest_digest, entries)
+    given: dict[str, bytes | None] = dict(read or {})
+    if SUMS_FILE not in given:
+        given[SUMS_FILE] = _small_file(root, SUMS_FILE)
+    statement, problems = _derived_statement(root, manifest_digest, entries, given[SUMS_FILE])
     for name, wanted in (
         (MANIFEST_HASH_FILE, render_manifest_hash_file(manifest_digest)),
         (SUMS_FILE, render_sums(manifest_digest, [*entries, *statement])),
     ):
-        file = root / name
         if name in named:
             continue
-        try:
-            if file.read_bytes() != wanted:
-                problems.append(FileProblem(name, "altered", "does not match the hashes the manifest records"))
-        except (FileNotFoundError, IsADirectoryError):
+        data = given[name] if name in given else _small_file(root, name)
+        if data is None:
             problems.append(FileProblem(name, "missing", "derived from the manifest; should be present"))
-        except OSError as e:
-            raise read_error(file, e) from e
+        elif data != wanted:
+            problems.append(FileProblem(name, "altered", "does not match the hashes the manifest records"))
     expected = {str(e["path"]) for e in [*entries, *statement]} | {MANIFEST, MANIFEST_HASH_FILE, SUMS_FILE}
     problems.extend(_unexpected(root, expected))
     return problems
