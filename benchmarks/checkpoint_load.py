@@ -34,6 +34,7 @@ from torch import nn
 
 import shardline
 import shardline.checkpoint as ckpt
+from benchmarks.floors import load_fixed_cost
 from shardline.testing import run_distributed
 
 
@@ -101,12 +102,16 @@ def _rank(rank: int, world: int, root: str, mib: int, reps: int, cold: bool, fil
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     order = [("plain", plain), ("verified", verified), ("sizes", sizes), ("sha256_share", hash_share)]
     _timed(plain, [])  # warm-up: page cache, allocator
+    fixed: list[float] = []
     for i in range(reps):
         for name, fn in order if i % 2 == 0 else list(reversed(order)):
             runs[name].append(_timed(fn, cpu[name], evict))
+        # The verification floor's fixed term, on the same checkpoint in the same rep (and the same process group).
+        fixed.append(load_fixed_cost(path / "manifest.json").total_s())
     result: dict[str, object] = {name: statistics.median(times) for name, times in runs.items()}
     result.update({f"{name}_cpu": statistics.median(times) for name, times in cpu.items()})
     result.update({f"{name}_range": (min(times), max(times)) for name, times in runs.items()})
+    result["fixed"] = statistics.median(fixed)
     result["bytes"] = sum(f.stat().st_size for f in files)
     result["files"] = len(files)
     return result
@@ -125,6 +130,7 @@ def _report(r: dict[str, object], world: int, reps: int, cache: str) -> dict[str
         "shardline_verified_load_s": r["verified"],
         "shardline_sizes_only_load_s": r["sizes"],
         "sha256_of_one_rank_share_s": r["sha256_share"],
+        "verification_fixed_s": r["fixed"],
         "plain_cpu_s_rank0": r["plain_cpu"],
         "verified_cpu_s_rank0": r["verified_cpu"],
         "plain_range": r["plain_range"],
@@ -162,6 +168,7 @@ def _print(out: dict[str, object]) -> None:
     )
     print(f"  shardline.checkpoint.load (verify=sizes)       : {ms['shardline_sizes_only_load_s']:8.1f} ms")
     print(f"  one thread's SHA-256 of a rank's files         : {ms['sha256_of_one_rank_share_s']:8.1f} ms")
+    print(f"  verification's fixed work (manifest, 1 trip)   : {ms['verification_fixed_s']:8.1f} ms")
     print(
         f"  CPU time of rank 0, plain / verified           : {ms['plain_cpu_s_rank0']:8.1f} / "
         f"{ms['verified_cpu_s_rank0']:.1f} ms (load {out['load_average']:.1f} on {out['cpus']} cores)"

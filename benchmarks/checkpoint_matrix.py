@@ -14,7 +14,9 @@ Runs ``benchmarks.checkpoint_save`` and ``benchmarks.checkpoint_load`` (each in 
 The floors are :mod:`benchmarks.floors`' (plain's time; plain's CPU work plus one SHA-256 pass
 spread over the rank's cores; the hash on the threads that can run it at once); the durable floor
 adds the per-save fixed work a lineage save cannot skip, measured in the same run (the manifest
-made durable; at W>1 one round trip of the process group). The async
+made durable; at W>1 one round trip of the process group), and a load's verification floor adds
+the fixed work verification adds to a load (rank 0 reads and hashes the manifest; at W>1 one round
+trip), measured in the same run. The async
 column is at W=1 only (blocking time per save: staging, against ``dcp.async_save``'s). Each
 class is calibrated afresh at its first cell (``--recalibrate``), so a cached probe from a busy
 moment does not decide a quiet run.
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.floors import verification_floor_s
 from shardline.checkpoint.coordination.parallelism import available_cores
 
 REPS = {12: (16, 6), 192: (10, 4), 1024: (3, 2)}  # size in MiB -> (save reps, load reps); others: (6, 4)
@@ -114,6 +117,9 @@ def _cell(where: Path, mib: int, world: int, quick: bool, first: bool) -> dict[s
     load_floor = max(plain, (float(load["plain_cpu_s_rank0"]) + hash_one) / cores, hash_one / max(1, min(files, cores)))
     load["floor_s"] = load_floor
     load["verified_over_floor"] = float(load["shardline_verified_load_s"]) / load_floor
+    verification = verification_floor_s(floor=load_floor, fixed=float(load["verification_fixed_s"]))
+    load["verification_floor_s"] = verification
+    load["verified_over_verification_floor"] = float(load["shardline_verified_load_s"]) / verification
     return {"mib": mib, "world": world, "save": save, "load": load}
 
 
@@ -140,7 +146,8 @@ def _row(storage: str, cell: dict[str, Any]) -> str:
         f"{s['over_floor_median']:.3f}x ({flo:.2f}-{fhi:.2f}) | "
         f"{s['over_durable_floor_median']:.3f}x ({dlo:.2f}-{dhi:.2f}) | {'yes' if s['target_met'] else 'no'} | {how} | "
         f"{staging} | {ms(ld['plain_dcp_load_s'])} / {ms(ld['shardline_verified_load_s'])} / {ms(ld['floor_s'])} | "
-        f"{ld['verified_over_plain']:.2f}x / {ld['verified_over_floor']:.2f}x |"
+        f"{ld['verified_over_plain']:.2f}x / {ld['verified_over_floor']:.2f}x | "
+        f"{ms(ld['verification_floor_s'])} ({ld['verified_over_verification_floor']:.2f}x) |"
     )
 
 
@@ -148,8 +155,8 @@ HEADER = (
     "| storage | state MiB | W | plain save ms | shardline ms | SHA-256 ms, 1 thread / rank's threads | floor ms "
     "| durable floor ms | shardline / plain (95%) | shardline / floor (95%) | shardline / durable floor (95%) "
     "| target met | calibration | async blocking ms, plain / shardline / floor | load ms: plain / verified / floor "
-    "| verified / plain, / floor |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
+    "| verified / plain, / floor | load verification floor ms (verified / it) |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"
 )
 
 

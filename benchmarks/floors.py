@@ -29,6 +29,15 @@ timed in the same run on the same storage:
 
 The durable floor is the floor plus that fixed term: still a lower bound (a real save also writes
 the provenance statement and the hash files, and agrees with the ranks before the write).
+
+Note: the verification floor of a load (:func:`verification_floor_s`). A verified load's floor
+(plain's load, the CPU work plus one SHA-256 pass, the hash on its threads) likewise counts none of
+the fixed work verification adds once per load, which plain DCP's load does not do. What it cannot
+skip (:func:`load_fixed_cost`), timed in the same run on the same checkpoint: rank 0 reads
+``manifest.json`` and hashes it (the anchor: nothing is trusted before it), and at W>1 one round
+trip of the process group (the checked manifest reaching the other ranks; the data's verdict rides
+in DCP's own read all-gather). A lower bound too: a real load also reads the hash files, lists
+the directory, hashes ``.metadata`` on every rank and agrees once more after installing.
 """
 
 from __future__ import annotations
@@ -49,13 +58,16 @@ import torch.distributed as dist
 
 __all__ = [
     "FixedCost",
+    "LoadFixedCost",
     "durable_floor_s",
     "fixed_cost",
     "floor_s",
     "hash_in_parallel",
     "interval",
+    "load_fixed_cost",
     "median_ratio",
     "round_trip_s",
+    "verification_floor_s",
 ]
 
 
@@ -181,3 +193,34 @@ def interval(numerators: Sequence[float], denominators: Sequence[float]) -> tupl
         return float(ratios[0]), float(ratios[0])
     boot = np.median(np.random.default_rng(0).choice(ratios, size=(2000, len(ratios))), axis=1)
     return float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))
+
+
+@dataclass(frozen=True)
+class LoadFixedCost:
+    """One measurement of a verified load's per-load fixed work (see the module note), in seconds."""
+
+    manifest_s: float
+    """Read ``manifest.json`` and SHA-256 it (rank 0; 0 on the other ranks)."""
+    round_trip_s: float
+    """One barrier of the process group (0 at W=1)."""
+
+    def total_s(self) -> float:
+        """The fixed term of a verified load."""
+        return self.manifest_s + self.round_trip_s
+
+
+def load_fixed_cost(manifest: Path) -> LoadFixedCost:
+    """Time a verified load's fixed work once: rank 0 reads and hashes ``manifest`` (the checkpoint's own
+    ``manifest.json``, on the storage being measured), and one barrier of the default group (a collective when
+    torch.distributed is initialized: call on every rank)."""
+    trip = round_trip_s()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return LoadFixedCost(manifest_s=0.0, round_trip_s=trip)
+    started = time.perf_counter()
+    hashlib.sha256(manifest.read_bytes()).hexdigest()
+    return LoadFixedCost(manifest_s=time.perf_counter() - started, round_trip_s=trip)
+
+
+def verification_floor_s(*, floor: float, fixed: float) -> float:
+    """A verified load's verification floor: its floor plus the fixed term (seconds; see the module note)."""
+    return floor + fixed

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchmarks import floors
 from torch import nn
 
 import shardline.checkpoint as ckpt
@@ -65,3 +66,15 @@ def test_a_load_reads_each_small_file_once(tmp_path: Path, monkeypatch) -> None:
     small = {name: n for name, n in opened.items() if not name.endswith(".distcp")}
     once = dict.fromkeys(("manifest.json", "manifest.sha256", "SHA256SUMS", STATEMENT_FILE, ".metadata"), 1)
     assert small == once, small
+
+
+def test_the_verification_floor_adds_the_measured_fixed_work_of_a_load(tmp_path: Path) -> None:
+    """benchmarks/floors.py: reading and hashing the checkpoint's manifest, timed on its storage, added to the
+    load's floor (one process: no round trip)."""
+    manifest = tmp_path / "manifest.json"
+    manifest.write_bytes(b"{}" * 2048)
+    term = floors.load_fixed_cost(manifest)
+    assert term.manifest_s > 0
+    assert term.round_trip_s == 0.0  # one process: no round trip
+    assert term.total_s() == term.manifest_s
+    assert floors.verification_floor_s(floor=1.0, fixed=term.total_s()) == 1.0 + term.manifest_s
