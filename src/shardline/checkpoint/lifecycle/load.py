@@ -347,7 +347,7 @@ class _Unprepared(ShardlineLoadPlanner):
         raise _PrepareFailed(self._payload)  # the first step of DCP's plan after reading the metadata
 
     def create_local_plan(self) -> LoadPlan:
-        raise _PrepareFailed(self._payload)
+        raise _PrepareFailed(self._payload)  # never reached while DCP sets the planner up first
 
 
 def _unprepared(error: CheckpointException, world: int, *, what: str) -> ShardlineError | None:
@@ -462,9 +462,9 @@ def load(
     try:
         prepare()
     except Exception as e:
-        if coord.group_size(process_group) == 1:
-            raise
         failure, prepare_error = coord.error_payload(e), e
+        if coord.group_size(process_group) == 1:
+            coord.raise_payload(failure, e)  # as all_agree raises it: a shardline class, the same message
     if failure is None:
         targets = plan["targets"]
         to_hash = checked.data_entries() if level is VerifyLevel.FULL else []
