@@ -146,7 +146,23 @@ def load_collectives(rank: int, world: int, root: str) -> dict[str, Any]:
     with counting_collectives() as ours:
         ckpt.load(path, model=model, optimizer=optimizer, verify="full")
     restored = all(torch.equal(saved[k], v) for k, v in ckpt.model_state_dict(model).items())
-    return {"plain": sum(plain.values()), "ours": sum(ours.values()), "ours_by_kind": dict(ours), "restored": restored}
+    manager = ckpt.CheckpointManager(Path(root) / "run")
+    info = manager.save(ckpt.SaveRequest(step=1, model=model, optimizer=optimizer))
+    manager.wait()
+    manager.load("auto", model=model, optimizer=optimizer)  # warm-up
+    dist.barrier()
+    with counting_collectives() as resumed:
+        manager.load("auto", model=model, optimizer=optimizer, verify="full")
+    chained = manager.parent_manifest_hash == info.manifest_hash
+    manager.close()
+    return {
+        "plain": sum(plain.values()),
+        "ours": sum(ours.values()),
+        "ours_by_kind": dict(ours),
+        "manager": sum(resumed.values()),
+        "chained": chained,
+        "restored": restored,
+    }
 
 
 def load_unprepared_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -23,11 +23,14 @@ from tests.checkpoint import fixed_cost_ranks
 
 def test_a_two_rank_verified_load_costs_two_round_trips_beyond_plain_dcp(tmp_path: Path) -> None:
     """The anchored manifest from rank 0 (one frame), and the install's agreement: the model check rides in
-    DCP's own plan step, the data files' verdict in DCP's read all-gather."""
+    DCP's own plan step, the data files' verdict in DCP's read all-gather. A resume adds rank 0's choice of
+    the checkpoint, and takes the manifest hash it chains to from the load (no round trip of its own)."""
     results = run_distributed(fixed_cost_ranks.load_collectives, 2, args=(str(tmp_path),), timeout=120)
     for out in results:
         assert out["restored"], "the verified load brought the saved values back"
         assert out["ours"] - out["plain"] == 2, out
+        assert out["manager"] - out["plain"] == 3, "CheckpointManager.load('auto'): the same two, and the choice"
+        assert out["chained"], "the next save chains to the manifest the load anchored"
 
 
 def test_a_rank_that_cannot_prepare_fails_every_rank_before_anything_is_read(tmp_path: Path) -> None:

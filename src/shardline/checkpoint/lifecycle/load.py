@@ -82,7 +82,7 @@ from shardline.errors import (
     ShardlineError,
 )
 
-__all__ = ["check_checkpoint", "load", "load_config", "load_trainer_state", "opt_in_note"]
+__all__ = ["check_checkpoint", "load", "load_config", "load_trainer_state", "load_verified", "opt_in_note"]
 
 _SHOW = 10
 
@@ -415,6 +415,32 @@ def load(
         IntegrityError: a file missing, unexpected, or not matching the manifest (named); nothing loaded.
         CheckpointMismatchError: keys or shapes that do not fit; nothing is loaded then.
     """
+    state, _ = load_verified(
+        path,
+        model=model,
+        optimizer=optimizer,
+        verify=verify,
+        strict=strict,
+        expected_manifest_hash=expected_manifest_hash,
+        process_group=process_group,
+        storage_options=storage_options,
+    )
+    return state
+
+
+def load_verified(
+    path: Location | str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    verify: VerifyLevel | str = VerifyLevel.FULL,
+    strict: bool = True,
+    expected_manifest_hash: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], str | None]:
+    """:func:`load`, also returning the hash of the manifest it was checked against (None for a plain DCP
+    directory), on every rank: a resume chains its next save to it without reading the manifest again."""
     path = locate(path, storage_options=storage_options)
     level = VerifyLevel.parse(verify)
     checked = _checked(path, level, expected_manifest_hash, process_group, whole=False)
@@ -513,7 +539,7 @@ def load(
     # alone -- a per-rank entry that does not decode, say -- so every rank learns the outcome here
     # instead of its peers waiting in the next collective until the timeout.
     coord.all_agree(install, process_group, what=f"install the state read from {path}")
-    return result["state"]
+    return result["state"], checked.manifest_hash
 
 
 def _read_item(path: Location | str | os.PathLike[str], key: str, verify: VerifyLevel | str) -> Any:

@@ -58,12 +58,11 @@ from torch import nn
 from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
-from shardline.checkpoint.integrity.manifest import read_manifest
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.async_writer import AsyncWriter
 from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveRequest
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
-from shardline.checkpoint.lifecycle.load import load as load_checkpoint
+from shardline.checkpoint.lifecycle.load import load_verified
 from shardline.checkpoint.lifecycle.quarantine import move_aside
 from shardline.checkpoint.lifecycle.recovery import recover, run_name
 from shardline.checkpoint.lifecycle.resume import (
@@ -481,7 +480,7 @@ class CheckpointManager:
         for candidate in plan.committed:
             path = self._location(candidate.location)
             try:
-                state = load_checkpoint(
+                state, manifest_hash = load_verified(
                     path,
                     model=model,
                     optimizer=optimizer,
@@ -496,9 +495,7 @@ class CheckpointManager:
                 self.moved_aside.append(self._location(moved))
                 continue
             self.resumed_from = path
-            self.parent_manifest_hash = coord.rank0_decides(  # one answer for every rank, or one error
-                functools.partial(lambda p: read_manifest(p)[1] if has_manifest(p) else None, path), self._group
-            )
+            self.parent_manifest_hash = manifest_hash  # the hash the load anchored, the same on every rank
             if level.opt_in:
                 coord.rank0_decides(functools.partial(self._record_opt_in, path, level), self._group)
             return state
