@@ -161,6 +161,12 @@ def _worker(
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
             )
+            # Note: gloo's connection setup can return on one rank while a peer still reads its side
+            # of the handshake; a rank whose function needs no collective would then finish and close
+            # its sockets under that peer ("connectFullMesh failed ... Connection closed by peer", seen
+            # on a loaded machine). One barrier holds every rank until all have connected.
+            if backend == "gloo" and world_size > 1:
+                dist.barrier()
             report = (rank, True, fn(rank, world_size, *args, **kwargs))
         except BaseException:
             report = (rank, False, traceback.format_exc())
