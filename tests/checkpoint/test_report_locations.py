@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 from benchmarks.scale_ledger import _Run
 
-from shardline.checkpoint.provenance import ledger as ledger_module
-from shardline.checkpoint.provenance import statement as statement_module
+from shardline.checkpoint.storage import stores
 from shardline.report.collect import collect_run
 
 
@@ -19,14 +18,13 @@ def test_each_checkpoint_name_is_located_once(tmp_path: Path, monkeypatch: pytes
     for n in range(1, 7):  # 6 commit rows, 4 tombstones; 2 checkpoints still on disk
         run.save(n * 100, retention=False)
     located: collections.Counter[str] = collections.Counter()
-    for module in (ledger_module, statement_module):  # every path from a row's name to a location
-        real = module.locate
+    real = stores.as_location  # every location built from a name passes here (``stores.locate``)
 
-        def counted(where: Any, *, _real: Any = real, **kwargs: Any) -> Any:
-            located[str(where)] += 1
-            return _real(where, **kwargs)
+    def counted(where: Any, **kwargs: Any) -> Any:
+        located[str(where)] += 1
+        return real(where, **kwargs)
 
-        monkeypatch.setattr(module, "locate", counted)
+    monkeypatch.setattr(stores, "as_location", counted)
     facts = collect_run(tmp_path)
     assert facts.lineage is not None
     assert facts.lineage.ok, facts.lineage
