@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -73,7 +73,6 @@ class CheckedManifest:
     manifest_hash: str | None
     anchor: str
     level: VerifyLevel
-    raw: bytes | None = field(default=None, compare=False, repr=False)  # manifest.json's bytes, as checked
 
     def entries(self) -> list[dict[str, Any]]:
         """The manifest's ``files`` entries (empty for a plain DCP directory)."""
@@ -84,19 +83,10 @@ class CheckedManifest:
         return [e for e in self.entries() if e["path"] != DCP_METADATA]
 
     def to_json(self) -> dict[str, Any]:
-        """Plain data, to send to other ranks: the manifest as the canonical JSON bytes that were checked.
-
-        Note: a manifest lists every data file (131k entries, 17 MB at 16,384 ranks x 8 files). Sent as a dict,
-        every rank unpickled 131k dicts through torch's restricted unpickler (1.5 s CPU per rank at 16,384);
-        sent as the bytes rank 0 hashed, a rank parses them with ``json.loads`` and checks their SHA-256
-        against ``manifest_hash`` (0.1 s), so what it uses is what rank 0 checked, byte for byte.
-        """
-        raw = self.raw
-        if raw is None and self.manifest is not None:
-            raw = canonical_json(self.manifest)  # checked canonical when it was read: the same bytes
+        """Plain data, to send to other ranks."""
         return {
             "path": str(self.path),
-            "manifest_json": raw,
+            "manifest": self.manifest,
             "manifest_hash": self.manifest_hash,
             "anchor": self.anchor,
             "level": self.level.value,
@@ -104,21 +94,13 @@ class CheckedManifest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CheckedManifest:
-        """What :meth:`to_json` sent; the manifest's bytes are checked against its hash before they are parsed.
-
-        Raises:
-            IntegrityError: the bytes received do not hash to the manifest hash sent with them.
-        """
-        path = locate(data["path"])
-        raw: bytes | None = data["manifest_json"]
-        manifest = None
-        if raw is not None:
-            digest, sent = sha256_hex(raw), data["manifest_hash"]
-            if digest != sent:
-                problem = FileProblem(MANIFEST, "altered", f"received sha256 {digest}, rank 0 checked {sent}")
-                raise integrity_error(path, [problem], what="it was not used")
-            manifest = json.loads(raw)
-        return cls(path, manifest, data["manifest_hash"], data["anchor"], VerifyLevel(data["level"]), raw=raw)
+        return cls(
+            locate(data["path"]),
+            data["manifest"],
+            data["manifest_hash"],
+            data["anchor"],
+            VerifyLevel(data["level"]),
+        )
 
 
 def integrity_error(path: Location, problems: list[FileProblem], *, what: str = "it was not loaded") -> IntegrityError:
@@ -135,7 +117,7 @@ def _contents(path: Location) -> str:
     return ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "empty"
 
 
-def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, str, bytes]:
+def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, str]:
     file = path / MANIFEST
     raw = read_checkpoint_file(file)
     digest = sha256_hex(raw)
@@ -156,7 +138,7 @@ def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, 
             raise integrity_error(
                 path, [FileProblem(MANIFEST, "altered", f"manifest hash {digest}, the trusted record says {expected}")]
             )
-        return manifest, digest, "the trusted manifest hash", raw
+        return manifest, digest, "the trusted manifest hash"
     try:
         parts = read_checkpoint_file(path / MANIFEST_HASH_FILE).decode("ascii").split()
     except (FileNotFoundError, UnicodeDecodeError):
@@ -170,7 +152,7 @@ def _anchor(path: Location, expected: str | None) -> tuple[dict[str, Any], str, 
         raise integrity_error(
             path, [FileProblem(MANIFEST, "altered", f"sha256 {digest}, {MANIFEST_HASH_FILE} records {recorded}")]
         )
-    return manifest, digest, MANIFEST_HASH_FILE, raw
+    return manifest, digest, MANIFEST_HASH_FILE
 
 
 def check_manifest(
@@ -210,7 +192,7 @@ def check_manifest(
                 "no lineage; its .metadata is still read without running code)"
             )
         return CheckedManifest(path, None, None, "none (no manifest)", level)
-    manifest, digest, anchor, raw = _anchor(path, expected)
+    manifest, digest, anchor = _anchor(path, expected)
     try:
         entries = manifest_files(manifest)
     except IntegrityError as e:
@@ -220,7 +202,7 @@ def check_manifest(
         problems += derived_and_unexpected(path, digest, entries, problems)
         if problems:
             raise integrity_error(path, problems)
-    return CheckedManifest(path, manifest, digest, anchor, level, raw=raw)
+    return CheckedManifest(path, manifest, digest, anchor, level)
 
 
 def read_checked_metadata(checked: CheckedManifest) -> Metadata:
