@@ -19,7 +19,6 @@ pickles. Every call is a collective over ``group`` bounded by the group's timeou
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardline import _torch_compat, errors
+from shardline.checkpoint.coordination.messages import is_json, json_bytes, json_value
 from shardline.errors import CheckpointError, ShardlineError
 
 __all__ = [
@@ -84,29 +84,18 @@ def control_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-# Note: plain JSON data travels as JSON. ``torch.load(weights_only=True)`` unpickles in Python, one
-# opcode at a time: 1.5 s per rank for a load's checked manifest at 16,384 ranks x 8 files (131k
-# entries), and every all-gather decodes one message per rank (0.7 s per rank per ``all_agree`` at
-# 16,384). ``json.loads`` reads the same in C (0.1 s; 0.03 s). What JSON would not give back equal --
-# tuples, non-string keys, bytes, tensors, NaN -- still goes through ``torch.save``.
-_JSON = b"J"  # a torch.save payload starts with b"PK" (a zip archive)
-
-
 def _encode(obj: Any) -> bytes:
-    try:
-        text = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
-        if json.loads(text) == obj:
-            return _JSON + text
-    except (TypeError, ValueError):
-        pass
+    fast = json_bytes(obj)  # plain JSON data: read back in C (messages.py)
+    if fast is not None:
+        return fast
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
 def _decode(data: bytes) -> Any:
-    if data[:1] == _JSON:
-        return json.loads(data[1:])
+    if is_json(data):
+        return json_value(data)
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
