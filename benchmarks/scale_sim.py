@@ -23,6 +23,9 @@ two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it 
   (which rank hashes which file).
 * **Resume selection**: ``resume.find_candidates`` over a directory of ``--keep`` committed
   checkpoints of W ranks and a 1,000-row ledger.
+* **Beside those** (``benchmarks/scale_side_costs.py``): rank 0's listing check before the commit (a real
+  directory of W x ``files`` empty files), the checked manifest every rank receives at a load (its bytes, rank
+  0's encoding, each rank's decoding), and the elastic restart's all-gather of restart counts.
 * **Object store**: the requests a save and a verified load make under the checkpoint's prefixes,
   counted from the store's operations (claim, multipart uploads in s3fs's 50 MiB parts, records; computed,
   not sent), and the floor they put on the save at S3's documented 3,500 PUT/s and 5,500 GET/s per prefix:
@@ -94,6 +97,7 @@ from benchmarks.scale_layout import (
     rank_rows,
     state_dict_keys,
 )
+from benchmarks.scale_side_costs import side_costs
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.format.dcp_io import unpickle_metadata
 from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
@@ -436,6 +440,10 @@ def simulate(
         v["resume_select_s"], found = timed(lambda: find_candidates("auto", directory=directory, ledger=ledger), 1)
         assert len(found.committed) == keep, found
 
+        # --- rank 0's listing check, the checked manifest's broadcast at load, the restart gather (side_costs.py)
+        v.update(side_costs(root, [*digests, metadata_digest], manifest_bytes, manifest_digest, world=world,
+                            timed=timed, reps=reps))  # fmt: skip
+
         records_sizes = {"provenance.intoto.json": len(statement), "manifest.json": len(manifest_bytes),
                          MANIFEST_HASH_FILE: 81, "SHA256SUMS": len(sums)}  # fmt: skip
         v.update(_object_store([*digests, metadata_digest], records_sizes, world))
@@ -455,6 +463,7 @@ def simulate(
 SAVE_COLUMNS = [
     ("world", "W", "{:,.0f}"),
     ("commit_rank0_s", "rank-0 commit (s)", "{:.3f}"),
+    ("listing_check_s", "rank-0 listing check (s)", "{:.3f}"),
     ("build_manifest_s", "build manifest (s)", "{:.3f}"),
     ("canonical_json_s", "canonical JSON (s)", "{:.3f}"),
     ("manifest_sha256_s", "manifest SHA-256 (s)", "{:.4f}"),
@@ -474,6 +483,11 @@ LOAD_COLUMNS = [
     ("load_plan_fast_per_rank_s", "load plan per rank, shardline's (s) *", "{:.3f}"),
     ("load_global_plan_s", "rank-0 load global plan (s)", "{:.3f}"),
     ("resume_select_s", "resume selection (s)", "{:.3f}"),
+    ("manifest_broadcast_bytes", "checked manifest to each rank", "bytes"),
+    ("manifest_broadcast_rank0_s", "its encoding, rank 0 (s)", "{:.3f}"),
+    ("manifest_receive_per_rank_s", "its decoding, per rank (s)", "{:.3f}"),
+    ("restart_gather_bytes_per_rank", "restart counts to each rank", "bytes"),
+    ("restart_gather_per_rank_s", "their decoding, per rank (s)", "{:.3f}"),
     ("objects_per_prefix", "objects per prefix (max)", "{:,.0f}"),
     ("save_requests", "save requests", "{:,.0f}"),
     ("save_requests_per_prefix", "save requests per prefix (max)", "{:,.0f}"),
@@ -539,6 +553,8 @@ PLOT_SECONDS = [
     ("commit_rank0_s", "rank-0 commit"),
     ("manifest_sha256_s", "manifest SHA-256"),
     ("resume_select_s", "resume selection"),
+    ("listing_check_s", "rank-0 listing check"),
+    ("manifest_receive_per_rank_s", "checked manifest received, per rank"),
     ("load_global_plan_s", "rank-0 load global plan"),
     ("dcp_global_plan_s", "DCP global plan *"),
     ("dcp_validate_s", "DCP plan validation *"),

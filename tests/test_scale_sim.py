@@ -42,6 +42,15 @@ LINEAR = {
     "dcp_metadata_bytes": 1.05,
     # one PUT per file below s3fs's 50 MiB upload part: the objects, once files are smaller than a part
     "save_requests": 1.05,
+    # rank 0's listing check before the commit: one directory listing and two sets
+    "listing_check_s": 1.4,
+    # the checked manifest every rank receives at a load: bytes, rank 0's encoding, each rank's check and parse
+    "manifest_broadcast_bytes": 1.05,
+    "manifest_broadcast_rank0_s": 1.4,
+    "manifest_receive_per_rank_s": 1.4,
+    # the elastic restart's all-gather of restart counts: one pickled int per rank, decoded by every rank
+    "restart_gather_bytes_per_rank": 1.05,
+    "restart_gather_per_rank_s": 1.4,
 }
 # Nearly flat: the requests of a verified load are dominated by the model's bytes (8 MiB ranged GETs), not the
 # ranks; the provenance statement names the manifest by its hash instead of listing every file.

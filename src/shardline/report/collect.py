@@ -237,7 +237,9 @@ def collect_run(
         return facts
     facts.ledger_path, facts.lineage = ledger.path, report
     rows = list(report.rows)
-    statements = chain_statements(ledger.path.parent, rows, storage_options=ledger.storage_options)
+    statements = chain_statements(
+        ledger.path.parent, rows, storage_options=ledger.storage_options, located=ledger.locate
+    )
     index = _by_checkpoint(rows)
     for row in rows:
         if not row.is_commit:

@@ -9,11 +9,11 @@ on while another raised):
 * :func:`all_agree` -- every rank runs a step and every rank learns whether all succeeded
   (staging a save, checking a model against a checkpoint).
 
-Note: objects travel as ``torch.save`` bytes in a uint8 tensor (a fixed-size frame holding the
-length and the start of the payload, then the rest only if it did not fit) and are read back
-with ``torch.load(weights_only=True)``, so only plain data (dicts, lists, strings, numbers,
-tensors) crosses ranks, never arbitrary pickles. Every call is a collective over ``group``
-bounded by the group's timeout.
+Note: objects travel as JSON, or as ``torch.save`` bytes where JSON would not give them back equal,
+in a uint8 tensor (a fixed-size frame holding the length and the start of the payload, then the
+rest only if it did not fit) and are read back with ``json.loads`` or ``torch.load(weights_only=True)``,
+so only plain data (dicts, lists, strings, numbers, tensors) crosses ranks, never arbitrary
+pickles. Every call is a collective over ``group`` bounded by the group's timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardline import _torch_compat, errors
+from shardline.checkpoint.coordination.messages import is_json, json_bytes, json_value
 from shardline.errors import CheckpointError, ShardlineError
 
 __all__ = [
@@ -85,12 +86,17 @@ def control_device(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def _encode(obj: Any) -> bytes:
+    fast = json_bytes(obj)  # plain JSON data: read back in C (messages.py)
+    if fast is not None:
+        return fast
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
 def _decode(data: bytes) -> Any:
+    if is_json(data):
+        return json_value(data)
     return torch.load(io.BytesIO(data), weights_only=True)
 
 

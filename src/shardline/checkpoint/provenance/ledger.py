@@ -64,7 +64,7 @@ from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.provenance.ledger_query import INDEXES, select
 from shardline.checkpoint.storage.fsutil import atomic_write_bytes, fsync_dir, fsync_file
 from shardline.checkpoint.storage.protocol import Location
-from shardline.checkpoint.storage.stores import ledger_name, locate
+from shardline.checkpoint.storage.stores import Locations, ledger_name
 from shardline.errors import LineageError
 
 __all__ = ["COMMIT", "GENESIS", "LEDGER_NAME", "TOMBSTONE", "Ledger", "LedgerRow", "LineageReport", "row_hash"]
@@ -188,10 +188,11 @@ class Ledger:
     def __init__(self, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.storage_options = dict(storage_options or {})
+        self._located = Locations(storage_options=self.storage_options, relative_to=self.path.parent)
 
     def locate(self, checkpoint: str) -> Location:
         """Where a row's ``checkpoint`` lives: a URL in its object store, else a path relative to the ledger."""
-        return locate(checkpoint, storage_options=self.storage_options, relative_to=self.path.parent)
+        return self._located(checkpoint)
 
     def name_of(self, checkpoint: Location) -> str:
         """How a row names ``checkpoint``: its path relative to the ledger's directory, or its URL."""

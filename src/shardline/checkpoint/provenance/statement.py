@@ -36,7 +36,7 @@ import platform
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -277,11 +277,16 @@ def statement_problems(
 
 
 def chain_statements(
-    base: Path, rows: Sequence[Any], *, storage_options: Mapping[str, Any] | None = None
+    base: Path,
+    rows: Sequence[Any],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    located: Callable[[str], Location] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """The provenance statement of every commit row of a ledger (``base``: the ledger's directory), by row ``seq``.
 
-    ``storage_options`` reach the object store of rows that name a checkpoint by URL.
+    ``storage_options`` reach the object store of rows that name a checkpoint by URL. ``located``: where a
+    row's checkpoint is (the ledger's ``locate``, which builds each location once), default: built here.
 
     Each entry: ``statement`` (or None), ``sha256``, ``source`` (``"checkpoint"`` when read from
     the directory, ``"tombstone"`` when the checkpoint was deleted and its tombstone row kept a
@@ -301,7 +306,11 @@ def chain_statements(
         recorded = (json.loads(row.detail).get("provenance") or {}).get("sha256") if row.detail else None
         entry: dict[str, Any] = {"statement": None, "sha256": None, "source": None, "matches_ledger": None}
         copy = kept.get((row.checkpoint, row.manifest_sha256))
-        where = locate(row.checkpoint, storage_options=storage_options, relative_to=base)
+        where = (
+            located(row.checkpoint)
+            if located is not None
+            else locate(row.checkpoint, storage_options=storage_options, relative_to=base)
+        )
         if copy is not None:
             entry.update(statement=copy["provenance"], sha256=sha256_hex(canonical_json(copy["provenance"])))
             entry["source"] = "tombstone"
