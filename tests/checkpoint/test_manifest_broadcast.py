@@ -53,9 +53,14 @@ def test_every_rank_reads_the_checked_manifest_without_torchs_unpickler(
     monkeypatch.setattr(coord, "broadcast_object", over_the_wire)
     monkeypatch.setattr(torch, "load", counted_load)
     final = _checkpoint(tmp_path, world)
-    checked = load._checked(locate(final), VerifyLevel.NONE, None, None)
-    assert len(checked.entries()) == world * 8 + 1
-    assert checked.manifest == check_manifest(final, level=VerifyLevel.NONE).manifest
+    truth = check_manifest(final, level=VerifyLevel.NONE)
+    for whole in (False, True):  # what a load sends (the file list), and the whole manifest
+        checked = load._checked(locate(final), VerifyLevel.NONE, None, None, whole=whole)
+        assert len(checked.entries()) == world * 8 + 1
+        assert checked.entries() == truth.entries()
+        assert checked.manifest_hash == truth.manifest_hash
+        if whole:
+            assert checked.manifest == truth.manifest
     assert unpickled == []  # before: one torch.load, unpickling five objects per listed file in Python
 
 
