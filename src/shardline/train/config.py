@@ -174,7 +174,8 @@ def _check_node(node: DictConfig, path: list[str]) -> None:
     if allowed is None:
         return
     where = ".".join(path)
-    for key in map(str, node):
+    for name, child in node.items_ex(resolve=False):  # no interpolation resolved; a missing value stays "???"
+        key = str(name)
         if key not in allowed:
             full = f"{where}.{key}" if where else key
             reason = foreign_key_reason(key) if path == ["trainer", "strategy"] else None
@@ -186,8 +187,7 @@ def _check_node(node: DictConfig, path: list[str]) -> None:
                 f"unknown config key '{full}'.{hint} Allowed keys under '{where or 'the config root'}': "
                 f"{', '.join(allowed)}."
             )
-        child = node._get_node(key)  # no interpolation resolved, no value copied
-        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+        if isinstance(child, DictConfig):
             _check_node(child, [*path, key])
 
 
