@@ -157,7 +157,7 @@ def check_checkpoint(
             if problems:
                 raise integrity_error(checked.path, problems, what="it must not be loaded")
 
-        coord.all_agree(hash_share, process_group, what=f"verify its share of {path}")
+        coord.all_succeed(hash_share, process_group, what=f"verify its share of {path}")
     return checked.manifest
 
 
@@ -538,7 +538,7 @@ def load_verified(
     # Note: the steps after DCP's read (buffers, optimizer state, trainer state) can fail on one rank
     # alone -- a per-rank entry that does not decode, say -- so every rank learns the outcome here
     # instead of its peers waiting in the next collective until the timeout.
-    coord.all_agree(install, process_group, what=f"install the state read from {path}")
+    coord.all_succeed(install, process_group, what=f"install the state read from {path}")
     return result["state"], checked.manifest_hash
 
 

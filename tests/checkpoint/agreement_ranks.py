@@ -1,0 +1,124 @@
+"""Rank functions for the tests of the agreements' costs (bytes received, collectives): module level, picklable."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import shardline.checkpoint as ckpt
+from shardline import _torch_compat
+from shardline.checkpoint.coordination import coord
+from shardline.errors import IntegrityError, ShardlineError
+from tests.checkpoint.ranks import build
+
+Counts = collections.Counter[str]
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+@contextlib.contextmanager
+def counting_received() -> Iterator[tuple[Counts, Counts]]:
+    """Calls of, and bytes landing in this rank's output tensor of, the collectives shardline's control messages end
+    in: its all-gathers (``_torch_compat``), ``all_reduce`` and ``broadcast``."""
+    calls: Counts = collections.Counter()
+    received: Counts = collections.Counter()
+    bound = _torch_compat._all_gather
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
+
+    def counted_gather(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls["all_gather"] += 1
+        received["all_gather"] += _nbytes(output)
+        return bound(output, *args, **kwargs)
+
+    def wrap(name: str) -> Any:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            received[name] += _nbytes(tensor)
+            return originals[name](tensor, *args, **kwargs)
+
+        return counted
+
+    _torch_compat._all_gather = counted_gather
+    for name in originals:
+        setattr(dist, name, wrap(name))
+    try:
+        yield calls, received
+    finally:
+        _torch_compat._all_gather = bound
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def agreement_costs(rank: int, world: int, root: str) -> dict[str, Any]:
+    """What the agreements of a save, a verified load, ``check_checkpoint`` and the full state dicts receive on
+    this rank when every step succeeds (after a warm-up save)."""
+    warnings.simplefilter("ignore")
+    model, optimizer = build()
+    ckpt.save(Path(root) / "warm", model=model, optimizer=optimizer, step=0)
+    out: dict[str, Any] = {}
+    steps = {
+        "save": lambda: ckpt.save(Path(root) / "step-1", model=model, optimizer=optimizer, step=1),
+        "load": lambda: ckpt.load(Path(root) / "step-1", model=model, optimizer=optimizer, verify="full"),
+        "check": lambda: ckpt.check_checkpoint(Path(root) / "step-1"),
+        "full_state": lambda: (
+            ckpt.model_state_dict(model, kind="full"),
+            ckpt.optimizer_state_dict(model, optimizer, kind="full"),
+        ),
+    }
+    for name, step in steps.items():
+        dist.barrier()
+        with counting_received() as (calls, received):
+            step()
+        out[name] = {"calls": dict(calls), "received": dict(received)}
+    info = ckpt.save(Path(root) / "step-2", model=model, optimizer=optimizer, step=2)
+    out["total_bytes"] = info.total_bytes
+    out["files_bytes"] = sum(p.stat().st_size for p in Path(info.path).glob("*.distcp"))
+    return out
+
+
+def _outcome(agree: Callable[..., Any], step: Callable[[], Any]) -> tuple[str, str]:
+    try:
+        agree(step, None, what="do the step")
+    except ShardlineError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def _counting(step: Callable[[], Any]) -> Callable[[], int]:
+    return lambda: step() or 1
+
+
+def agreement_failures(rank: int, world: int) -> dict[str, Any]:
+    """``all_succeed`` against ``all_agree`` on the same failing steps: the error each raises on this rank, and the
+    collectives ``all_succeed`` makes (the flag, then the payloads)."""
+    cases: dict[str, Any] = {
+        "one rank": lambda: _fail(IntegrityError("file damaged")) if rank == 1 else None,
+        "every rank, same words": lambda: _fail(IntegrityError("disk gone")),
+        "every rank, own words": lambda: _fail(OSError(f"rank {rank}'s disk")),
+    }
+    out: dict[str, Any] = {}
+    for name, step in cases.items():
+        agreed = _outcome(coord.all_agree, step)
+        with counting_received() as (calls, _):
+            succeeded = _outcome(coord.all_succeed, step)
+        totalled = _outcome(coord.all_succeed_total, _counting(step))
+        out[name] = {"all_agree": agreed, "all_succeed": succeeded, "total": totalled, "calls": dict(calls)}
+    out["sum"] = coord.all_succeed_total(lambda: 10 * (rank + 1), None, what="count")
+    return out
+
+
+def _fail(error: Exception) -> None:
+    raise error
