@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 import shardline.checkpoint as ckpt
 from shardline import _torch_compat
@@ -31,35 +32,40 @@ def _nbytes(value: Any) -> int:
 
 @contextlib.contextmanager
 def counting_received() -> Iterator[tuple[Counts, Counts]]:
-    """Calls of, and bytes landing in this rank's output tensor of, the collectives shardline's control messages end
-    in: its all-gathers (``_torch_compat``), ``all_reduce`` and ``broadcast``."""
+    """Calls of, and bytes landing in this rank's output tensors of, the collectives control messages end in:
+    shardline's all-gathers (``_torch_compat``: "all_gather_single"), and torch's ``all_reduce``, ``broadcast``
+    and list-form ``all_gather`` (the two inside ``all_gather_object``), wherever they are called from."""
     calls: Counts = collections.Counter()
     received: Counts = collections.Counter()
     bound = _torch_compat._all_gather
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
+    originals = {name: getattr(c10d, name) for name in ("all_reduce", "broadcast", "all_gather")}
 
     def counted_gather(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls["all_gather"] += 1
-        received["all_gather"] += _nbytes(output)
+        calls["all_gather_single"] += 1
+        received["all_gather_single"] += _nbytes(output)
         return bound(output, *args, **kwargs)
 
     def wrap(name: str) -> Any:
-        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def counted(output: Any, *args: Any, **kwargs: Any) -> Any:
+            result = originals[name](output, *args, **kwargs)
             calls[name] += 1
-            received[name] += _nbytes(tensor)
-            return originals[name](tensor, *args, **kwargs)
+            received[name] += _nbytes(output)
+            return result
 
         return counted
 
     _torch_compat._all_gather = counted_gather
     for name in originals:
-        setattr(dist, name, wrap(name))
+        counted = wrap(name)
+        setattr(dist, name, counted)
+        setattr(c10d, name, counted)
     try:
         yield calls, received
     finally:
         _torch_compat._all_gather = bound
         for name, original in originals.items():
             setattr(dist, name, original)
+            setattr(c10d, name, original)
 
 
 def agreement_costs(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -122,3 +128,28 @@ def agreement_failures(rank: int, world: int) -> dict[str, Any]:
 
 def _fail(error: Exception) -> None:
     raise error
+
+
+def restart_count_costs(rank: int, world: int) -> dict[str, Any]:
+    """The elastic restart's agreement on the job's restart count, with this rank's count ``rank`` (so the ranks
+    differ, as when a node joins at 0): what each reader returns, and what it receives."""
+    import dataclasses
+    import os
+
+    from shardline.train.checkpointing import _elastic_restart_count
+    from shardline.train.schema import TrainConfig
+    from shardline.train.worker import _resume_on_elastic_restart
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(2 * rank)
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="none"))
+    out: dict[str, Any] = {}
+    for name, read in {
+        "count": lambda: _elastic_restart_count(world),
+        "resume": lambda: _resume_on_elastic_restart(cfg, world)[1],
+    }.items():
+        dist.barrier()
+        with counting_received() as (calls, received):
+            value = read()
+        out[name] = {"value": value, "calls": dict(calls), "received": dict(received)}
+    return out

@@ -16,7 +16,7 @@ def test_the_agreements_of_a_save_and_a_load_receive_a_flag_not_every_ranks_fram
     results = run_distributed(agreement_ranks.agreement_costs, 2, args=(str(tmp_path),), timeout=180)
     for out in results:
         for step in ("save", "load", "check"):
-            assert out[step]["received"].get("all_gather", 0) == 0, (step, out[step])
+            assert out[step]["received"].get("all_gather_single", 0) == 0, (step, out[step])
         # save: the capture's agreement (writability checked in it); load: the install; check: the hash shares
         assert out["save"]["calls"].get("all_reduce") == 1, out["save"]
         assert out["save"]["received"]["all_reduce"] == FLAG
@@ -25,7 +25,7 @@ def test_the_agreements_of_a_save_and_a_load_receive_a_flag_not_every_ranks_fram
         assert out["check"]["calls"].get("all_reduce") == 1, out["check"]
         # the full state dicts: one all-gather left, the optimizer's structure check (it compares every rank's);
         # the model's and the optimizer's agreements are flags among the gathers' own all-reduces
-        assert out["full_state"]["calls"]["all_gather"] == 1, out["full_state"]
+        assert out["full_state"]["calls"]["all_gather_single"] == 1, out["full_state"]
     assert results[0]["total_bytes"] == results[1]["total_bytes"] > 0, "every rank's staged bytes, summed"
 
 
@@ -38,7 +38,7 @@ def test_a_failed_agreement_raises_what_all_agree_raised(tmp_path: Path) -> None
             got = out[case]
             assert got["all_agree"][0] != "no error", got
             assert got["all_succeed"] == got["all_agree"] == got["total"], (case, got)
-            assert got["calls"] == {"all_reduce": 1, "all_gather": 1}, (case, got)
+            assert got["calls"] == {"all_reduce": 1, "all_gather_single": 1}, (case, got)
         assert out["sum"] == 30
     assert results[0]["one rank"]["all_succeed"] == ("IntegrityError", "rank 1 could not do the step: file damaged")
     assert results[0]["every rank, same words"]["all_succeed"] == ("IntegrityError", "disk gone")

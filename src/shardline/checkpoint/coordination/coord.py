@@ -43,6 +43,7 @@ __all__ = [
     "error_payload",
     "group_rank",
     "group_size",
+    "max_over_ranks",
     "raise_payload",
     "rank0_decides",
 ]
@@ -180,6 +181,17 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
         tails = out.view(n, width).cpu().numpy()
         parts = [(length, head + tails[r, : length - len(head)].tobytes()) for r, (length, head) in enumerate(parts)]
     return [_decode(head) for _, head in parts]
+
+
+def max_over_ranks(value: int, group: dist.ProcessGroup | None) -> int:
+    """The largest of every rank's ``value`` (a collective: one all-reduce of an int64, 8 bytes received per rank
+    whatever the group's size; an ``all_gather_object`` of the values would receive every rank's pickle)."""
+    if group_size(group) == 1:
+        return value
+    pg = _group(group)
+    held = torch.tensor([value], dtype=torch.int64).to(control_device(pg))
+    dist.all_reduce(held, op=dist.ReduceOp.MAX, group=pg)
+    return int(held.item())
 
 
 def error_payload(exc: BaseException) -> dict[str, str]:
