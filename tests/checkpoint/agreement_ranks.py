@@ -153,3 +153,41 @@ def restart_count_costs(rank: int, world: int) -> dict[str, Any]:
             value = read()
         out[name] = {"value": value, "calls": dict(calls), "received": dict(received)}
     return out
+
+
+def load_shares(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A verified load's view of the manifest on this rank: the entries ``_checked`` gave it, and the share of the
+    data files' entries its load plan carried (after a save of ``world`` ranks)."""
+    import importlib
+
+    from shardline.checkpoint.integrity.reading import ASSIGNMENT_KEY, VerifyingReader
+
+    warnings.simplefilter("ignore")
+    model, optimizer = build()
+    path = Path(root) / "step-1"
+    ckpt.save(path, model=model, optimizer=optimizer, step=1)
+    load_module = importlib.import_module("shardline.checkpoint.lifecycle.load")
+    real_checked, real_read = load_module._checked, VerifyingReader.read_data
+    seen: dict[str, Any] = {}
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        seen["checked"] = real_checked(*args, **kwargs)
+        return seen["checked"]
+
+    def read_data(self: VerifyingReader, plan: Any, planner: Any) -> Any:
+        seen["share"] = plan.storage_data[ASSIGNMENT_KEY]
+        return real_read(self, plan, planner)
+
+    load_module._checked = checked
+    VerifyingReader.read_data = read_data  # type: ignore[method-assign]
+    try:
+        ckpt.load(path, model=model, optimizer=optimizer, verify="full")
+    finally:
+        load_module._checked = real_checked
+        VerifyingReader.read_data = real_read  # type: ignore[method-assign]
+    return {
+        "entries": seen["checked"].entries(),
+        "share": seen["share"],
+        "manifest_hash": seen["checked"].manifest_hash,
+        "listed": ckpt.check_checkpoint(path)["files"],  # the whole manifest's entries, as check_checkpoint gives
+    }

@@ -108,7 +108,8 @@ def _checked(
 ) -> CheckedManifest:
     """Rank 0 checks the manifest (steps 1-2 of ``opening.py``); every rank gets the result, or its error.
 
-    ``whole=False`` sends the other ranks only what a load uses of the manifest (see ``CheckedManifest.to_json``).
+    ``whole=False`` sends the other ranks only what a load uses of the manifest before its plan step (see
+    ``CheckedManifest.to_json``): their share of the data files' entries reaches them in their DCP load plans.
     """
     mine: list[CheckedManifest] = []
 
@@ -493,8 +494,9 @@ def load_verified(
             coord.raise_payload(failure, e)  # as all_agree raises it: a shardline class, the same message
     if failure is None:
         targets = plan["targets"]
+        # rank 0 (DCP's coordinator) holds every entry and assigns them; another rank gets its share in its plan
         to_hash = checked.data_entries() if level is VerifyLevel.FULL else []
-        reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash)
+        reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash, verify=level is VerifyLevel.FULL)
         planner: ShardlineLoadPlanner = ShardlineLoadPlanner()
         release_all(model)  # free gathered parameters, so nothing stale shadows the shards being read
     else:
