@@ -1,18 +1,20 @@
 """The protocol's costs beside the commit and the plans, for ``benchmarks/scale_sim.py``: rank 0's listing check
-before the commit, the checked manifest's broadcast at a load, and the elastic restart's gather of restart counts.
+before the commit, the checked manifest each rank receives, and the elastic restart's agreement on restart counts.
 
-Each runs shardline's code (or, for the restart gather, the receiving half of torch's ``all_gather_object`` that
-``train/worker.py`` and ``train/checkpointing.py`` call) on what W ranks would hand it; no process group:
+Each runs shardline's code on what W ranks would hand it; no process group:
 
 * **Listing check (rank 0)**: ``save._check_listing`` over a real temporary directory holding W x ``files`` empty
   data files and ``.metadata`` (created first, not timed), against the digests the ranks reported.
 * **Manifest broadcast**: ``load._checked`` has rank 0 check the manifest and send ``CheckedManifest.to_json()``
-  to every rank through ``coord.rank0_decides``; timed here are rank 0's encoding of that message
-  (``to_json`` and ``coord._encode``, what ``broadcast_object`` sends) and each rank's decoding of it
-  (``coord._decode`` and ``CheckedManifest.from_json``); the bytes are what every rank receives.
-* **Restart gather**: every rank's ``all_gather_object`` of its ``TORCHELASTIC_RESTART_COUNT``: the sizes
-  (one int64 per rank) and the pickled counts padded to the largest, then one ``_tensor_to_object`` per rank
-  and the maximum -- what every rank, rank 0 included, does with what it received.
+  to every rank through ``coord.rank0_decides``; timed here are rank 0's encoding of the whole checked manifest
+  (``to_json`` and ``coord._encode``, what ``broadcast_object`` sends for ``check_checkpoint``, which returns it
+  on every rank) and each rank's decoding of it (``coord._decode`` and ``CheckedManifest.from_json``).
+* **Manifest at a load, per rank**: what a load's rank other than 0 receives of the manifest: the broadcast
+  message (``to_json(whole=False)``: ``.metadata``'s entry and the manifest's hash) and its share of the data
+  files' entries, pickled in its DCP load plan (the largest share ``VerifyingReader.prepare_global_plan`` gave
+  in ``scale_sim``'s load: each rank its own files, at the same world size and layout).
+* **Restart count**: the elastic restart's one all-reduce (MAX) of an int64 (``coord.max_over_ranks``, which
+  ``train/worker.py`` and ``train/checkpointing.py`` call): 8 bytes received per rank, nothing to decode.
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.distributed.distributed_c10d as c10d
 
 from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.integrity.hashing import FileDigest
@@ -46,7 +45,9 @@ def _listing(root: Path, digests: list[FileDigest], timed: Timer, reps: int) -> 
     return {"listing_entries": len(digests), "listing_check_s": t}
 
 
-def _manifest_broadcast(root: Path, manifest: bytes, digest: str, timed: Timer, reps: int) -> dict[str, float]:
+def _manifest_broadcast(
+    root: Path, manifest: bytes, digest: str, share_bytes: int, timed: Timer, reps: int
+) -> dict[str, float]:
     folder = root / "broadcast"
     folder.mkdir()
     (folder / MANIFEST).write_bytes(manifest)
@@ -55,39 +56,33 @@ def _manifest_broadcast(root: Path, manifest: bytes, digest: str, timed: Timer, 
     t_send, data = timed(lambda: coord._encode({"value": checked.to_json()}), reps)
     t_receive, got = timed(lambda: CheckedManifest.from_json(coord._decode(data)["value"]), reps)
     assert got.manifest == checked.manifest
+    at_load = coord._encode({"value": checked.to_json(whole=False)})  # what a load broadcasts
     return {
         "manifest_broadcast_bytes": len(data),
         "manifest_broadcast_rank0_s": t_send,
         "manifest_receive_per_rank_s": t_receive,
+        "manifest_load_bytes_per_rank": len(at_load) + share_bytes,
     }
 
 
-def _restart_gather(world: int, timed: Timer, reps: int) -> dict[str, float]:
-    payload, size = c10d._object_to_tensor(3, torch.device("cpu"), None)  # one rank's count, pickled
-    width = int(size.item())
-    received = torch.empty(world * width, dtype=torch.uint8)
-    for r in range(world):
-        received[r * width : (r + 1) * width] = payload
-    sizes = torch.full((world,), width, dtype=torch.long)
-
-    def every_count() -> int:  # all_gather_object around its two all_gathers, then the job's maximum
-        size_list = [sizes[r].unsqueeze(dim=0) for r in range(world)]  # the sizes' all_gather lands here
-        longest = int(max(size_list).item())  # type: ignore[type-var]  # as torch takes it
-        views = [received[longest * r : longest * (r + 1)] for r in range(world)]  # the objects' all_gather output
-        counts = [c10d._tensor_to_object(t.type(torch.uint8), size_list[r], None) for r, t in enumerate(views)]
-        return max(int(c) for c in counts)
-
-    t, restart = timed(every_count, reps)
-    assert restart == 3
-    return {"restart_gather_bytes_per_rank": world * (8 + width), "restart_gather_per_rank_s": t}
+def _restart_count() -> dict[str, float]:
+    return {"restart_count_bytes_per_rank": 8}  # one int64, all-reduced (MAX), whatever the world size
 
 
 def side_costs(
-    root: Path, digests: list[FileDigest], manifest: bytes, digest: str, *, world: int, timed: Timer, reps: int
+    root: Path,
+    digests: list[FileDigest],
+    manifest: bytes,
+    digest: str,
+    *,
+    share_bytes: int,
+    timed: Timer,
+    reps: int,
 ) -> dict[str, float]:
-    """The three costs at ``world`` ranks (see the module note); ``digests``: every file the ranks reported."""
+    """The three costs (see the module note); ``digests``: every file the ranks reported; ``share_bytes``: the
+    largest share of the data files' entries the coordinator put in a rank's load plan (pickled)."""
     return {
         **_listing(root, digests, timed, reps),
-        **_manifest_broadcast(root, manifest, digest, timed, reps),
-        **_restart_gather(world, timed, reps),
+        **_manifest_broadcast(root, manifest, digest, share_bytes, timed, reps),
+        **_restart_count(),
     }

@@ -24,8 +24,8 @@ two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it 
 * **Resume selection**: ``resume.find_candidates`` over a directory of ``--keep`` committed
   checkpoints of W ranks and a 1,000-row ledger.
 * **Beside those** (``benchmarks/scale_side_costs.py``): rank 0's listing check before the commit (a real
-  directory of W x ``files`` empty files), the checked manifest every rank receives at a load (its bytes, rank
-  0's encoding, each rank's decoding), and the elastic restart's all-gather of restart counts.
+  directory of W x ``files`` empty files), the whole checked manifest (its bytes, rank 0's encoding, each
+  rank's decoding), what of it each rank receives at a load, and the elastic restart's restart count.
 * **Object store**: the requests a save and a verified load make under the checkpoint's prefixes,
   counted from the store's operations (claim, multipart uploads in s3fs's 50 MiB parts, records; computed,
   not sent), and the floor they put on the save at S3's documented 3,500 PUT/s and 5,500 GET/s per prefix:
@@ -427,7 +427,8 @@ def simulate(
             load_plans.append(LoadPlan(items))
         reader = VerifyingReader(root, full_md, to_hash=[d.to_json() for d in listed if d.path.endswith(".distcp")])
         reader.set_up_storage_reader(full_md, is_coordinator=True)
-        v["load_global_plan_s"], _ = timed(lambda: reader.prepare_global_plan(load_plans), reps)
+        v["load_global_plan_s"], global_plans = timed(lambda: reader.prepare_global_plan(load_plans), reps)
+        share_bytes = max(len(pickle.dumps(p.storage_data)) for p in global_plans)  # entries each rank hashes
 
         # --- resume selection over `keep` committed checkpoints of this W
         for n in range(keep):
@@ -441,8 +442,8 @@ def simulate(
         assert len(found.committed) == keep, found
 
         # --- rank 0's listing check, the checked manifest's broadcast at load, the restart gather (side_costs.py)
-        v.update(side_costs(root, [*digests, metadata_digest], manifest_bytes, manifest_digest, world=world,
-                            timed=timed, reps=reps))  # fmt: skip
+        v.update(side_costs(root, [*digests, metadata_digest], manifest_bytes, manifest_digest,
+                            share_bytes=share_bytes, timed=timed, reps=reps))  # fmt: skip
 
         records_sizes = {"provenance.intoto.json": len(statement), "manifest.json": len(manifest_bytes),
                          MANIFEST_HASH_FILE: 81, "SHA256SUMS": len(sums)}  # fmt: skip
@@ -483,11 +484,11 @@ LOAD_COLUMNS = [
     ("load_plan_fast_per_rank_s", "load plan per rank, shardline's (s) *", "{:.3f}"),
     ("load_global_plan_s", "rank-0 load global plan (s)", "{:.3f}"),
     ("resume_select_s", "resume selection (s)", "{:.3f}"),
-    ("manifest_broadcast_bytes", "checked manifest to each rank", "bytes"),
+    ("manifest_broadcast_bytes", "checked manifest, whole", "bytes"),
     ("manifest_broadcast_rank0_s", "its encoding, rank 0 (s)", "{:.3f}"),
     ("manifest_receive_per_rank_s", "its decoding, per rank (s)", "{:.3f}"),
-    ("restart_gather_bytes_per_rank", "restart counts to each rank", "bytes"),
-    ("restart_gather_per_rank_s", "their decoding, per rank (s)", "{:.3f}"),
+    ("manifest_load_bytes_per_rank", "manifest to each rank at a load", "bytes"),
+    ("restart_count_bytes_per_rank", "restart count to each rank", "bytes"),
     ("objects_per_prefix", "objects per prefix (max)", "{:,.0f}"),
     ("save_requests", "save requests", "{:,.0f}"),
     ("save_requests_per_prefix", "save requests per prefix (max)", "{:,.0f}"),

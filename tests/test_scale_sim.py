@@ -44,18 +44,24 @@ LINEAR = {
     "save_requests": 1.05,
     # rank 0's listing check before the commit: one directory listing and two sets
     "listing_check_s": 1.4,
-    # the checked manifest every rank receives at a load: bytes, rank 0's encoding, each rank's check and parse
+    # the whole checked manifest (check_checkpoint returns it on every rank): bytes, rank 0's encoding, each
+    # rank's check and parse
     "manifest_broadcast_bytes": 1.05,
     "manifest_broadcast_rank0_s": 1.4,
     "manifest_receive_per_rank_s": 1.4,
-    # the elastic restart's all-gather of restart counts: one pickled int per rank, decoded by every rank
-    "restart_gather_bytes_per_rank": 1.05,
-    "restart_gather_per_rank_s": 1.4,
 }
 # Nearly flat: the requests of a verified load are dominated by the model's bytes (8 MiB ranged GETs), not the
 # ranks; the provenance statement names the manifest by its hash instead of listing every file.
 # shardline's load planner finds each piece's saved chunk by its offsets and sizes: flat in W.
-FLAT = {"load_requests": 0.3, "statement_bytes": 0.05, "load_plan_fast_per_rank_s": 0.3}
+# What a load's rank receives of the manifest -- .metadata's entry, and its share of the data files' entries in its
+# load plan -- and the elastic restart's count (one all-reduced int64): flat in W.
+FLAT = {
+    "load_requests": 0.3,
+    "statement_bytes": 0.05,
+    "load_plan_fast_per_rank_s": 0.3,
+    "manifest_load_bytes_per_rank": 0.05,
+    "restart_count_bytes_per_rank": 0.0,
+}
 # A bucket save spreads its data files over key prefixes of 256 ranks each: the fullest prefix stops growing there.
 SUBLINEAR = {"objects_per_prefix": 0.55, "save_requests_per_prefix": 0.55}
 

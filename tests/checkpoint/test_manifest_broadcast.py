@@ -54,7 +54,7 @@ def test_every_rank_reads_the_checked_manifest_without_torchs_unpickler(
     monkeypatch.setattr(torch, "load", counted_load)
     final = _checkpoint(tmp_path, world)
     truth = check_manifest(final, level=VerifyLevel.NONE)
-    for whole in (False, True):  # what a load sends (the file list), and the whole manifest
+    for whole in (False, True):  # a load (rank 0 keeps what it checked), and the whole manifest
         checked = load._checked(locate(final), VerifyLevel.NONE, None, None, whole=whole)
         assert len(checked.entries()) == world * 8 + 1
         assert checked.entries() == truth.entries()

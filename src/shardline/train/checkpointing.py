@@ -25,9 +25,8 @@ import warnings
 from pathlib import Path
 from typing import Any, cast
 
-import torch.distributed as dist
-
 from shardline.checkpoint import CheckpointManager, SaveRequest, capture_rng_state, restore_rng_state
+from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.lifecycle.manager import ON_EXCEPTION, is_auto_resume
 from shardline.checkpoint.provenance.directory import checkpoint_name, has_manifest, step_of
 from shardline.checkpoint.provenance.ledger import Ledger
@@ -85,10 +84,7 @@ def _elastic_restart_count(world_size: int) -> int:
     counts from 0), 0 outside torchrun's restarts."""
     count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     mine = int(count) if count.isdigit() else 0
-    counts: list[Any] = [mine] * world_size
-    if world_size > 1:
-        dist.all_gather_object(counts, mine)
-    return max(int(c) for c in counts)
+    return coord.max_over_ranks(mine, None) if world_size > 1 else mine
 
 
 def restart_cause(*, preempted: bool, before: int | None, after: int) -> str:

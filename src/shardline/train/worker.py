@@ -160,10 +160,7 @@ def _resume_on_elastic_restart(cfg: TrainConfig, world_size: int) -> tuple[Train
     if count is None or not no_resume(cfg.trainer.resume):
         return cfg, 0
     mine = int(count) if count.isdigit() else 0
-    counts: list[Any] = [mine] * world_size
-    if world_size > 1:
-        dist.all_gather_object(counts, mine)
-    restart = max(int(c) for c in counts)
+    restart = coord.max_over_ranks(mine, None) if world_size > 1 else mine
     if restart == 0:
         return cfg, 0
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=RESUME_AUTO)), restart

@@ -83,16 +83,19 @@ class CheckedManifest:
         return [e for e in self.entries() if e["path"] != DCP_METADATA]
 
     def to_json(self, *, whole: bool = True) -> dict[str, Any]:
-        """Plain data, to send to other ranks; ``whole=False``: of the manifest, only its ``files`` list.
+        """Plain data, to send to other ranks; ``whole=False``: of the manifest, only the ``files`` entries of
+        ``.metadata`` (what a load's other ranks check against the manifest before their plan step).
 
-        Note: what a load's other ranks use of the manifest is its ``files`` (the hashes they check
-        ``.metadata`` and their share of the data files against); the rest -- the model's units, the
-        config, the provenance -- only made the message longer than one frame of ``coord`` (a second
-        round trip on every load). The hash of the whole manifest travels with it, as before.
+        Note: what a load's other ranks use of the manifest is ``.metadata``'s entry (they hash
+        ``.metadata`` before unpickling it; a nested ``.metadata``'s names an adopted folder's
+        layout in the error) and the entries of the data files each hashes -- and those reach each
+        rank in its DCP load plan, the coordinator's assignment (``reading.py``). The rest -- every
+        other rank's file entries (17 MB at 16,384 ranks x 8 files), the model's units, the config,
+        the provenance -- is not sent. The hash of the whole manifest travels with it, as before.
         """
         manifest = self.manifest
         if manifest is not None and not whole:
-            manifest = {"files": manifest_files(manifest)}
+            manifest = {"files": [e for e in manifest_files(manifest) if _is_dcp_metadata(str(e["path"]))]}
         return {
             "path": str(self.path),
             "manifest": manifest,
@@ -110,6 +113,10 @@ class CheckedManifest:
             data["anchor"],
             VerifyLevel(data["level"]),
         )
+
+
+def _is_dcp_metadata(name: str) -> bool:
+    return name == DCP_METADATA or name.endswith(f"/{DCP_METADATA}")
 
 
 def integrity_error(path: Location, problems: list[FileProblem], *, what: str = "it was not loaded") -> IntegrityError:

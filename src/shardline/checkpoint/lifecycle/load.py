@@ -108,7 +108,8 @@ def _checked(
 ) -> CheckedManifest:
     """Rank 0 checks the manifest (steps 1-2 of ``opening.py``); every rank gets the result, or its error.
 
-    ``whole=False`` sends the other ranks only what a load uses of the manifest (see ``CheckedManifest.to_json``).
+    ``whole=False`` sends the other ranks only what a load uses of the manifest before its plan step (see
+    ``CheckedManifest.to_json``): their share of the data files' entries reaches them in their DCP load plans.
     """
     mine: list[CheckedManifest] = []
 
@@ -157,7 +158,7 @@ def check_checkpoint(
             if problems:
                 raise integrity_error(checked.path, problems, what="it must not be loaded")
 
-        coord.all_agree(hash_share, process_group, what=f"verify its share of {path}")
+        coord.all_succeed(hash_share, process_group, what=f"verify its share of {path}")
     return checked.manifest
 
 
@@ -493,8 +494,9 @@ def load_verified(
             coord.raise_payload(failure, e)  # as all_agree raises it: a shardline class, the same message
     if failure is None:
         targets = plan["targets"]
+        # rank 0 (DCP's coordinator) holds every entry and assigns them; another rank gets its share in its plan
         to_hash = checked.data_entries() if level is VerifyLevel.FULL else []
-        reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash)
+        reader = VerifyingReader(path, plan["metadata"], to_hash=to_hash, verify=level is VerifyLevel.FULL)
         planner: ShardlineLoadPlanner = ShardlineLoadPlanner()
         release_all(model)  # free gathered parameters, so nothing stale shadows the shards being read
     else:
@@ -538,7 +540,7 @@ def load_verified(
     # Note: the steps after DCP's read (buffers, optimizer state, trainer state) can fail on one rank
     # alone -- a per-rank entry that does not decode, say -- so every rank learns the outcome here
     # instead of its peers waiting in the next collective until the timeout.
-    coord.all_agree(install, process_group, what=f"install the state read from {path}")
+    coord.all_succeed(install, process_group, what=f"install the state read from {path}")
     return result["state"], checked.manifest_hash
 
 

@@ -1,8 +1,8 @@
 """``save``: write a checkpoint with DCP, hash it while writing, and commit it atomically.
 
 Note: the commit protocol (a collective over ``process_group``). Every go/no-go step is
-:func:`~.coord.rank0_decides` or :func:`~.coord.all_agree`, so an error reaches every rank as
-the same exception class with the same message.
+:func:`~.coord.rank0_decides` or :func:`~.coord.all_succeed` (an all-reduce of a failure flag), so an
+error reaches every rank as the same exception class with the same message.
 
 1. **Preflight** (rank 0 decides): the final directory must not exist and its parent must be
    creatable and writable; rank 0 reserves it through its store (:meth:`.CheckpointStore.prepare`):
@@ -156,7 +156,7 @@ def _preflight(
         return in_progress, last_good
     rank = coord.group_rank(process_group)
     try:
-        coord.all_agree(
+        coord.all_succeed(
             lambda: store.check_writable(in_progress, prepared_here=rank == 0),
             process_group,
             what="write the checkpoint directory",
@@ -208,13 +208,13 @@ def capture_agreed(
         return captured.total_bytes
 
     try:
-        sizes = coord.all_agree(capture_here, process_group, what=f"stage its part of checkpoint {path}")
+        total = coord.all_succeed_total(capture_here, process_group, what=f"stage its part of checkpoint {path}")
     except Exception:
         if rank == 0:
             store_for(tmp).discard(tmp)
         raise
-    assert captured is not None  # all_agree returned, so this rank's step succeeded
-    return replace(captured, total_bytes=sum(sizes))
+    assert captured is not None  # all_succeed_total returned, so this rank's step succeeded
+    return replace(captured, total_bytes=total)
 
 
 def disk_full_cause(error: BaseException) -> BaseException | None:

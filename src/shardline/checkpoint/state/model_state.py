@@ -80,7 +80,7 @@ def model_state_dict(model: nn.Module, *, kind: StateDictKind = "sharded") -> di
 
         # Host memory may run out on rank 0 alone; it raises after the last gather, and every rank learns it
         # here, before anything else is gathered.
-        coord.all_agree(gather, None, what="gather the full model state dict")
+        coord.all_succeed(gather, None, what="gather the full model state dict")
         return held["full"]
     index = param_index(model)
     original = buffer_original_dtypes(model)

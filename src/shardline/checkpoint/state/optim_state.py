@@ -125,7 +125,7 @@ def optimizer_state_dict(
         held["full"] = _gather_full(params, result)
 
     # A failure on one rank (host memory on rank 0) is raised there after the last gather; agree on it.
-    coord.all_agree(gather, None, what="gather the full optimizer state")
+    coord.all_succeed(gather, None, what="gather the full optimizer state")
     return held["full"]
 
 
