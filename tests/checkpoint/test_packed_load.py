@@ -1,0 +1,146 @@
+"""Reading the packed layout: the logical view, one read per segment, consolidation, tampered tables."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from shardline.checkpoint import consolidate
+from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
+from shardline.checkpoint.format.packed_layout import MeshSpec, PackedLayout
+from shardline.checkpoint.format.packed_view import is_segment_key, logical_metadata, refuse_logical_reads
+from shardline.checkpoint.integrity.opening import open_checkpoint
+from shardline.errors import ConfigurationError, IntegrityError
+from tests.checkpoint import packed_fixture as fx
+
+W2 = (MeshSpec((2,), (0, 1)),)
+
+
+def _load_whole(
+    path: Path, shapes: dict[str, torch.Tensor], *, metadata: Any = None, planner: Any = None
+) -> tuple[dict[str, torch.Tensor], fx.CountingReader]:
+    """Load whole (plain) tensors shaped like ``shapes`` (filled with a sentinel first) without a process group."""
+    targets = {k: torch.full_like(v, 7.0) for k, v in shapes.items()}
+    view = metadata if metadata is not None else logical_metadata(fx.read_raw(path))
+    reader = fx.CountingReader(path, view)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(fx._nested(targets), storage_reader=reader, planner=planner or ShardlineLoadPlanner(), no_dist=True)
+    return targets, reader
+
+
+@pytest.fixture
+def packed_w2(tmp_path: Path) -> tuple[Path, PackedLayout, dict[str, torch.Tensor]]:
+    tensors = fx.full_tensors()
+    layout = fx.layout_for(tensors, W2, shard_dim=0, segment_bytes=96)
+    path = tmp_path / "packed"
+    fx.write_packed(path, layout, tensors, extra={"trainer": b"state"})
+    return path, layout, tensors
+
+
+def test_the_view_lists_logical_tensors_with_their_shapes_and_keeps_storage(packed_w2) -> None:
+    path, _, tensors = packed_w2
+    raw = fx.read_raw(path)
+    view = logical_metadata(raw)
+    assert not [k for k in view.state_dict_metadata if is_segment_key(k)]
+    assert set(view.state_dict_metadata) == set(tensors) | {"trainer"}
+    for key, t in tensors.items():
+        md = view.state_dict_metadata[key]
+        assert isinstance(md, TensorStorageMetadata)
+        assert (tuple(md.size), md.properties.dtype) == (tuple(t.shape), t.dtype)
+        assert [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks] == [((0,) * t.dim(), tuple(t.shape))]
+        assert view.planner_data[key] == tuple(key.split(".", 1))
+    assert view.storage_data is raw.storage_data
+    assert logical_metadata(view) is view
+    # a checkpoint in the per-tensor layout passes through unchanged
+    fx.write_per_tensor(path.parent / "plain", tensors)
+    plain = fx.read_raw(path.parent / "plain")
+    assert logical_metadata(plain) is plain
+    # every shardline reader gets the view (opening.read_checked_metadata)
+    opened = open_checkpoint(path, level="none")
+    assert set(opened.metadata.state_dict_metadata) == set(tensors) | {"trainer"}
+
+
+def test_whole_tensors_read_each_segment_once(packed_w2) -> None:
+    path, layout, tensors = packed_w2
+    got, reader = _load_whole(path, tensors)
+    for key, t in tensors.items():
+        assert torch.equal(got[key], t), key
+    segments = {s.key for r in range(2) for s in layout.segments(r)}
+    assert len(segments) > 2  # the small cap cut several segments per rank
+    assert dict(reader.items) == dict.fromkeys(segments, 1)
+    storage = fx.read_raw(path).storage_data
+    assert reader.bytes_read == sum(int(info.length) for index, info in storage.items() if is_segment_key(index.fqn))
+
+
+def test_a_partial_read_reads_only_the_segments_holding_it(packed_w2) -> None:
+    path, layout, tensors = packed_w2
+    got, reader = _load_whole(path, {"model.w1": tensors["model.w1"]})
+    assert torch.equal(got["model.w1"], tensors["model.w1"])
+    entry = layout.by_key["model.w1"]
+    holding = {layout.locate(entry, r)[0].key for r, _, _ in layout.sources(entry, 0, 8)}
+    assert dict(reader.items) == dict.fromkeys(holding, 1)
+
+
+def test_consolidating_packed_gives_the_per_tensor_safetensors_byte_for_byte(packed_w2, tmp_path: Path) -> None:
+    path, _, tensors = packed_w2
+    fx.write_per_tensor(tmp_path / "plain", tensors, extra={"trainer": b"state"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        consolidate(path, tmp_path / "a.safetensors", verify="none")
+        consolidate(tmp_path / "plain", tmp_path / "b.safetensors", verify="none")
+        consolidate(path, tmp_path / "sharded", verify="none", max_shard_size=200)
+        consolidate(tmp_path / "plain", tmp_path / "sharded_plain", verify="none", max_shard_size=200)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    a = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(a) > 1
+    assert a == sorted(p.name for p in (tmp_path / "sharded_plain").glob("*.safetensors"))
+    for name in a:
+        assert (tmp_path / "sharded" / name).read_bytes() == (tmp_path / "sharded_plain" / name).read_bytes()
+
+
+def _tampered(path: Path, layout: PackedLayout, change: str) -> None:
+    table = layout.to_data()
+    if change == "shape":
+        table["entries"][1][2] = [9, 6]  # model.w1 claims a row more than was stored
+    elif change == "dtype":
+        table["entries"][0][1] = "float64"
+    elif change == "dropped":
+        table["entries"].pop()
+    elif change == "segment_bytes":
+        table["segment_bytes"] = 10**9
+    fx.add_table(path, table, keys=[])
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "dropped", "segment_bytes"])
+def test_a_table_that_does_not_match_the_segments_fails_before_anything_is_written(packed_w2, change) -> None:
+    path, layout, tensors = packed_w2
+    _tampered(path, layout, change)
+    with pytest.raises(IntegrityError, match="does not match the segments"):
+        open_checkpoint(path, level="none")
+    # a planner handed the raw metadata checks it too, before it plans a read: no target is touched
+    targets = {k: torch.full_like(v, 7.0) for k, v in tensors.items()}
+    reader = fx.CountingReader(path, fx.read_raw(path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        with pytest.raises(CheckpointException, match="does not match the segments"):
+            dcp.load(fx._nested(targets), storage_reader=reader, planner=ShardlineLoadPlanner(), no_dist=True)
+    assert not reader.items
+    assert all(bool((t == 7.0).all()) for t in targets.values())
+
+
+def test_torchs_planner_is_refused_on_a_packed_tensor(packed_w2) -> None:
+    path, _, tensors = packed_w2
+    targets = {k: torch.full_like(v, 7.0) for k, v in tensors.items()}
+    with pytest.raises(CheckpointException, match="packed layout, which torch's load planner cannot read"):
+        _load_whole(path, targets, planner=DefaultLoadPlanner())
+    with pytest.raises(ConfigurationError, match="ShardlineLoadPlanner"):
+        refuse_logical_reads(logical_metadata(fx.read_raw(path)), [MetadataIndex("model.w1", (0, 0))])
