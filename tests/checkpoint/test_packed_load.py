@@ -19,7 +19,9 @@ from shardline.checkpoint.format.packed_layout import MeshSpec, PackedLayout
 from shardline.checkpoint.format.packed_view import is_segment_key, logical_metadata, refuse_logical_reads
 from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.errors import ConfigurationError, IntegrityError
+from shardline.testing import run_distributed
 from tests.checkpoint import packed_fixture as fx
+from tests.checkpoint import packed_load_ranks
 
 W2 = (MeshSpec((2,), (0, 1)),)
 
@@ -76,6 +78,7 @@ def test_whole_tensors_read_each_segment_once(packed_w2) -> None:
         assert torch.equal(got[key], t), key
     segments = {s.key for r in range(2) for s in layout.segments(r)}
     assert len(segments) > 2  # the small cap cut several segments per rank
+    assert any(len(s.pieces) > 1 for r in range(2) for s in layout.segments(r))  # and some hold several tensors
     assert dict(reader.items) == dict.fromkeys(segments, 1)
     storage = fx.read_raw(path).storage_data
     assert reader.bytes_read == sum(int(info.length) for index, info in storage.items() if is_segment_key(index.fqn))
@@ -144,3 +147,57 @@ def test_torchs_planner_is_refused_on_a_packed_tensor(packed_w2) -> None:
         _load_whole(path, targets, planner=DefaultLoadPlanner())
     with pytest.raises(ConfigurationError, match="ShardlineLoadPlanner"):
         refuse_logical_reads(logical_metadata(fx.read_raw(path)), [MetadataIndex("model.w1", (0, 0))])
+
+
+def _reads(layout: PackedLayout, rank: int, world: int, *, whole: bool) -> set[str]:
+    """The segments rank ``rank`` of ``world`` needs for its row shards (or whole tensors) of every entry."""
+    out = set()
+    for i, entry in enumerate(layout.entries):
+        rows = entry.shape[0]
+        chunk = -(-rows // world)
+        start, stop = (0, rows) if whole else (min(rank * chunk, rows), min((rank + 1) * chunk, rows))
+        out |= {layout.locate(i, w)[0].key for w, _, _ in layout.sources(i, start, stop)}
+    return out
+
+
+@pytest.mark.slow
+def test_row_sharded_loads_read_only_overlapping_segments_once_each(tmp_path: Path) -> None:
+    tensors = fx.full_tensors()
+    layouts = {
+        "w2": fx.layout_for(tensors, W2, shard_dim=0, segment_bytes=96),
+        "w1": fx.layout_for(tensors, (MeshSpec((1,), (0,)),), shard_dim=0, segment_bytes=96),
+        # hybrid 2x2, rows split over mesh dimension 1; the first replica is ranks 3 and 2
+        "hybrid": fx.layout_for(tensors, (MeshSpec((2, 2), (3, 2, 1, 0)),), shard_dim=1, segment_bytes=96),
+    }
+    for name, layout in layouts.items():
+        fx.write_packed(tmp_path / name, layout, tensors)
+    cases = {
+        "shard-w2": "w2",
+        "shard-w1": "w1",
+        "shard-hybrid": "hybrid",
+        "replicate-w2": "w2",
+        "cols-w2": "w2",
+    }
+    out = run_distributed(
+        packed_load_ranks.load_pieces, 2, args=({c: str(tmp_path / p) for c, p in cases.items()},), timeout=120
+    )
+    for rank, got in enumerate(out):
+        for case, saved in cases.items():
+            if case.startswith("cols"):
+                continue
+            result, layout = got[case], layouts[saved]
+            assert all(result["equal"].values()), (rank, case, result["equal"])
+            expected = _reads(layout, rank, 2, whole=case.startswith("replicate"))
+            assert result["items"] == dict.fromkeys(expected, 1), (rank, case)
+            storage = fx.read_raw(tmp_path / saved).storage_data
+            assert result["bytes"] == sum(int(i.length) for x, i in storage.items() if x.fqn in expected)
+        # the same layout: each rank reads exactly its own segments; hybrid: only the first replica's, its half
+        assert set(got["shard-w2"]["items"]) == {s.key for s in layouts["w2"].segments(rank)}
+        assert {k.split(".")[1] for k in got["shard-hybrid"]["items"]} == {"r3"} if rank == 0 else {"r2"}
+        # a piece that is not whole rows: a clear error, before anything is read
+        cols = got["cols-w2"]
+        assert cols["untouched"]
+        assert any(
+            "CheckpointMismatchError" in e and "packed checkpoint loads into tensors sharded by rows" in e
+            for e in cols["error"]
+        )
