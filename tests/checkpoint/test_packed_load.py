@@ -13,12 +13,14 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from shardline.checkpoint import consolidate
+import shardline.checkpoint as ckpt
+from shardline.checkpoint import Reader, consolidate
 from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
 from shardline.checkpoint.format.packed_layout import MeshSpec, PackedLayout
 from shardline.checkpoint.format.packed_view import is_segment_key, logical_metadata, refuse_logical_reads
 from shardline.checkpoint.integrity.opening import open_checkpoint
-from shardline.errors import ConfigurationError, IntegrityError
+from shardline.checkpoint.integrity.reading import VerifyingReader
+from shardline.errors import CheckpointMismatchError, ConfigurationError, IntegrityError
 from shardline.testing import run_distributed
 from tests.checkpoint import packed_fixture as fx
 from tests.checkpoint import packed_load_ranks
@@ -201,3 +203,41 @@ def test_row_sharded_loads_read_only_overlapping_segments_once_each(tmp_path: Pa
             "CheckpointMismatchError" in e and "packed checkpoint loads into tensors sharded by rows" in e
             for e in cols["error"]
         )
+
+
+def test_shardline_readers_read_packed_tensors_through_the_view(packed_w2) -> None:
+    path, _, tensors = packed_w2
+    # the verifying reader (loads, object stores)
+    targets = {k: torch.full_like(v, 7.0) for k, v in tensors.items()}
+    reader = VerifyingReader(path, logical_metadata(fx.read_raw(path)), to_hash=())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(fx._nested(targets), storage_reader=reader, planner=ShardlineLoadPlanner(), no_dist=True)
+        assert all(torch.equal(targets[k], t) for k, t in tensors.items())
+        # DCP-native: shardline's Reader serves the view; torch's planner is refused, shardline's reads it
+        targets = {k: torch.full_like(v, 7.0) for k, v in tensors.items()}
+        with pytest.raises(CheckpointException, match="torch's load planner cannot read"):
+            dcp.load(fx._nested(targets), storage_reader=Reader(path, level="none"), no_dist=True)
+        assert all(bool((t == 7.0).all()) for t in targets.values())
+        dcp.load(
+            fx._nested(targets), storage_reader=Reader(path, level="none"), planner=ShardlineLoadPlanner(), no_dist=True
+        )
+    assert all(torch.equal(targets[k], t) for k, t in tensors.items())
+
+
+def test_load_checks_and_loads_a_model_from_a_packed_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    tensors = {f"model.{k}": v.detach().clone() for k, v in saved.state_dict().items()}
+    layout = fx.layout_for(tensors, (MeshSpec((1,), (0,)),), shard_dim=0, segment_bytes=64)
+    fx.write_packed(tmp_path / "p", layout, tensors)
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt.load(tmp_path / "p", model=fresh, verify="none")
+        for k, v in saved.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), k
+        # the model check sees the logical shapes: a model of another shape is refused by name
+        other = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
+        with pytest.raises(CheckpointMismatchError, match=r"0\.weight"):
+            ckpt.load(tmp_path / "p", model=other, verify="none")
