@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from shardline.errors import CheckpointMismatchError, ConfigurationError, Integr
 from shardline.testing import run_distributed
 from tests.checkpoint import packed_fixture as fx
 from tests.checkpoint import packed_load_ranks
+from tests.checkpoint.conftest import S3_BUCKET
+from tests.checkpoint.seaweed import S3Server
 
 W2 = (MeshSpec((2,), (0, 1)),)
 
@@ -241,3 +244,27 @@ def test_load_checks_and_loads_a_model_from_a_packed_checkpoint(tmp_path: Path) 
         other = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
         with pytest.raises(CheckpointMismatchError, match=r"0\.weight"):
             ckpt.load(tmp_path / "p", model=other, verify="none")
+
+
+@pytest.mark.slow
+def test_a_packed_checkpoint_in_a_bucket_consolidates_reading_each_segment_once(
+    packed_w2, s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, layout, _ = packed_w2
+    url = f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
+    s3_env.filesystem().put(str(path), url.removeprefix("s3://"), recursive=True)
+    reads: list[tuple[str, int]] = []
+    real = VerifyingReader._read_items
+
+    def counted(self: VerifyingReader, name: str, items: list, planner: Any) -> None:
+        reads.extend((name, offset) for offset, _, _ in self._groups(items))
+        real(self, name, items, planner)
+
+    monkeypatch.setattr(VerifyingReader, "_read_items", counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        consolidate(url, tmp_path / "s3.safetensors", verify="none")
+        consolidate(path, tmp_path / "local.safetensors", verify="none")
+    assert (tmp_path / "s3.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    segments = {s.key for r in range(2) for s in layout.segments(r)}
+    assert len(reads) == len(set(reads)) == len(segments)  # each segment fetched once, nothing else read
