@@ -18,14 +18,21 @@ import shardline.checkpoint as ckpt
 from shardline.checkpoint import Reader, consolidate
 from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
 from shardline.checkpoint.format.packed_layout import MeshSpec, PackedLayout
-from shardline.checkpoint.format.packed_view import is_segment_key, logical_metadata, refuse_logical_reads
+from shardline.checkpoint.format.packed_view import (
+    is_segment_key,
+    logical_metadata,
+    packed_layout,
+    refuse_logical_reads,
+)
 from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.checkpoint.integrity.reading import VerifyingReader
+from shardline.checkpoint.lifecycle.summary import summarize
 from shardline.errors import CheckpointMismatchError, ConfigurationError, IntegrityError
 from shardline.testing import run_distributed
 from tests.checkpoint import packed_fixture as fx
 from tests.checkpoint import packed_load_ranks
 from tests.checkpoint.conftest import S3_BUCKET
+from tests.checkpoint.ranks import unpack
 from tests.checkpoint.seaweed import S3Server
 
 W2 = (MeshSpec((2,), (0, 1)),)
@@ -244,6 +251,16 @@ def test_load_checks_and_loads_a_model_from_a_packed_checkpoint(tmp_path: Path) 
         other = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
         with pytest.raises(CheckpointMismatchError, match=r"0\.weight"):
             ckpt.load(tmp_path / "p", model=other, verify="none")
+        # a table edited to disagree with the segments: IntegrityError, the model untouched
+        table = layout.to_data()
+        table["entries"][0][2] = [6, 6]
+        fx.add_table(tmp_path / "p", table, keys=[])
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.fill_(3.0)
+        with pytest.raises(IntegrityError, match="does not match the segments"):
+            ckpt.load(tmp_path / "p", model=fresh, verify="none")
+        assert all(bool((p == 3.0).all()) for p in fresh.parameters())
 
 
 @pytest.mark.slow
@@ -268,3 +285,72 @@ def test_a_packed_checkpoint_in_a_bucket_consolidates_reading_each_segment_once(
     assert (tmp_path / "s3.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
     segments = {s.key for r in range(2) for s in layout.segments(r)}
     assert len(reads) == len(set(reads)) == len(segments)  # each segment fetched once, nothing else read
+
+
+@pytest.mark.slow
+def test_a_packed_save_loads_resumes_and_consolidates_as_the_per_tensor_one(tmp_path: Path) -> None:
+    trained = run_distributed(packed_load_ranks.save_both_layouts, 2, args=(str(tmp_path),), timeout=120)
+    assert read_raw_layout(tmp_path / "packed") is not None
+    assert read_raw_layout(tmp_path / "plain") is None
+    for world in (2, 1):  # the saving world size, and W=2 -> W=1
+        out = run_distributed(packed_load_ranks.load_both_layouts, world, args=(str(tmp_path),), timeout=120)
+        plain_state, plain, packed_state, packed = out[0]
+        _bitwise_equal(unpack(packed), unpack(trained[0]))  # model and optimizer, bit for bit
+        _bitwise_equal(unpack(plain), unpack(trained[0]))
+        _bitwise_equal(unpack(packed_state), unpack(plain_state))
+    # consolidation: the same safetensors; inspect (the manifest's summary): the same model and contents
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        consolidate(tmp_path / "plain", tmp_path / "out-plain")
+        consolidate(tmp_path / "packed", tmp_path / "out-packed")
+    exported = sorted(p.name for p in (tmp_path / "out-plain").glob("*.safetensors"))
+    assert exported == sorted(p.name for p in (tmp_path / "out-packed").glob("*.safetensors"))
+    for name in exported:
+        assert (tmp_path / "out-plain" / name).read_bytes() == (tmp_path / "out-packed" / name).read_bytes()
+    plain_summary, packed_summary = summarize(tmp_path / "plain"), summarize(tmp_path / "packed")
+    for key in ("step", "world_size", "parameters", "units", "strategies", "contents", "shard_files"):
+        assert packed_summary[key] == plain_summary[key], key
+    # a training run resumed from a packed checkpoint continues with the per-tensor resume's losses
+    first, resumed = run_distributed(packed_load_ranks.resume_losses, 2, args=(str(tmp_path), "packed"), timeout=120)[0]
+    first_plain, resumed_plain = run_distributed(
+        packed_load_ranks.resume_losses, 2, args=(str(tmp_path), "per_tensor"), timeout=120
+    )[0]
+    assert resumed == resumed_plain == first[2:] == first_plain[2:]
+
+
+def _bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    """Same structure, keys (in any order), dtypes, shapes and bits."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert torch.equal(
+            a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
+        ), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict), where
+        assert set(a) == set(b), where
+        for key in a:
+            _bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b), where
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def read_raw_layout(path: Path) -> PackedLayout | None:
+    return packed_layout(fx.read_raw(path))
+
+
+@pytest.mark.slow
+def test_a_packed_hybrid_save_loads_into_hybrid_and_full_shard(tmp_path: Path) -> None:
+    trained, hybrid, full_shard = run_distributed(
+        packed_load_ranks.hybrid_to_full_shard, 4, args=(str(tmp_path),), timeout=120
+    )[0]
+    layout = read_raw_layout(tmp_path / "hybrid-packed")
+    assert layout is not None
+    assert any(len(mesh.shape) == 2 for mesh in layout.meshes)
+    _bitwise_equal(unpack(hybrid), unpack(trained))
+    _bitwise_equal(unpack(full_shard), unpack(trained))

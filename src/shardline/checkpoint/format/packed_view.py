@@ -124,6 +124,10 @@ def logical_metadata(metadata: Metadata, *, where: object = "the checkpoint") ->
             chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
         )
     mapping = dict(data) if isinstance(data, Mapping) else {}
+    # In the flattening's order (the state dict's, as a per-tensor checkpoint lists its items): readers that
+    # build state from the metadata (a load's optimizer state) then build it in the same order either way.
+    ordered = {k: items.pop(k) for k in mapping if k in items}
+    items = ordered | items
     planner_data = {k: v for k, v in mapping.items() if not is_segment_key(str(k))}
     planner_data[_VIEW_KEY] = layout
     return dataclasses.replace(metadata, state_dict_metadata=items, planner_data=planner_data)
