@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -267,7 +268,7 @@ def test_load_checks_and_loads_a_model_from_a_packed_checkpoint(tmp_path: Path) 
 def test_a_packed_checkpoint_in_a_bucket_consolidates_reading_each_segment_once(
     packed_w2, s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path, layout, _ = packed_w2
+    path, layout, tensors = packed_w2
     url = f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
     s3_env.filesystem().put(str(path), url.removeprefix("s3://"), recursive=True)
     reads: list[tuple[str, int]] = []
@@ -283,6 +284,9 @@ def test_a_packed_checkpoint_in_a_bucket_consolidates_reading_each_segment_once(
         consolidate(url, tmp_path / "s3.safetensors", verify="none")
         consolidate(path, tmp_path / "local.safetensors", verify="none")
     assert (tmp_path / "s3.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    exported = load_file(tmp_path / "s3.safetensors")
+    assert set(exported) == {key.removeprefix("model.") for key in tensors}
+    assert all(torch.equal(exported[key.removeprefix("model.")], t) for key, t in tensors.items())
     segments = {s.key for r in range(2) for s in layout.segments(r)}
     assert len(reads) == len(set(reads)) == len(segments)  # each segment fetched once, nothing else read
 
