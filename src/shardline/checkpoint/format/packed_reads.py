@@ -51,12 +51,7 @@ def _describe(value: object) -> str:
 
 
 class PackedReads:
-    """The reads of packed tensors one rank plans (see the module note); one per load plan.
-
-    Attributes:
-        items_planned: ``ReadItem`` count per segment key (one each).
-        elements_planned: Elements read per segment key (the span's length).
-    """
+    """The reads of packed tensors one rank plans (see the module note); one per load plan."""
 
     def __init__(self, layout: PackedLayout) -> None:
         self.layout = layout
@@ -135,6 +130,7 @@ class PackedReads:
 
     @property
     def elements_planned(self) -> dict[str, int]:
+        """Elements read per segment key (each read's span)."""
         return {key: span.stop - span.start for key, span in self._spans.items() if span.stop > span.start}
 
     def owns(self, item: ReadItem) -> bool:
