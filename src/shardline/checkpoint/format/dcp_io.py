@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from shardline import _torch_compat
+from shardline.checkpoint.format.packed_view import refuse_logical_reads
 from shardline.checkpoint.format.safe_state import plainly_safe
 from shardline.errors import ConfigurationError, IntegrityError
 
@@ -165,6 +166,12 @@ class MetadataReader(FileSystemReader):
         if self._metadata.storage_meta is not None:
             self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # A packed tensor is read through its segments (ShardlineLoadPlanner); torch's planner would address it
+        # whole, at a storage index no file has (packed_view.py).
+        refuse_logical_reads(self._metadata, (item.storage_index for item in plan.items))
+        return super().prepare_local_plan(plan)
 
 
 def key_paths(metadata: Metadata) -> dict[str, tuple[Any, ...]]:

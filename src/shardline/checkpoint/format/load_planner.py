@@ -38,12 +38,14 @@ from __future__ import annotations
 import collections
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
@@ -52,6 +54,8 @@ from torch.distributed.tensor import DTensor
 
 from shardline import _torch_compat
 from shardline.checkpoint.format.dcp_io import SafeLoadPlanner
+from shardline.checkpoint.format.packed_reads import PackedReads
+from shardline.checkpoint.format.packed_view import logical_metadata, packed_layout
 
 __all__ = ["ChunkFinder", "ShardlineLoadPlanner"]
 
@@ -129,6 +133,9 @@ class ShardlineLoadPlanner(SafeLoadPlanner):
     """The planner of every shardline load: :class:`SafeLoadPlanner` (flattening, partial loads, non-tensors read
     with ``weights_only=True``) whose pieces are found by their box first (see the module note).
 
+    A checkpoint in the packed layout is read through its segments: every tensor the layout table lists is
+    planned by :class:`~.packed_reads.PackedReads` (one read per segment; :attr:`packed` after planning).
+
     Args:
         rank: Where to probe first for this rank's chunks (default: this process's rank in the world, or 0).
     """
@@ -138,6 +145,15 @@ class ShardlineLoadPlanner(SafeLoadPlanner):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.finder = ChunkFinder(position=rank)
+        self.packed: PackedReads | None = None
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        """DCP's set-up, with a packed checkpoint's metadata seen through its logical view (``packed_view.py``)."""
+        if metadata is not None:
+            metadata = logical_metadata(metadata)  # the same object unless it is raw packed metadata
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:
         """This rank's read items: ``DefaultLoadPlanner``'s checks and plan, each exact piece found by its box."""
@@ -147,6 +163,8 @@ class ShardlineLoadPlanner(SafeLoadPlanner):
         if self.flatten_state_dict:
             _torch_compat.take_pre_2_4_keys(self)
         saved_items = metadata.state_dict_metadata
+        layout = packed_layout(metadata)
+        packed = self.packed = PackedReads(layout) if layout is not None else None
         items: list[ReadItem] = []
         for fqn, value in self.state_dict.items():
             saved = saved_items.get(fqn)
@@ -159,8 +177,27 @@ class ShardlineLoadPlanner(SafeLoadPlanner):
                 raise ValueError(f"Size mismatch between saved {saved.size} and current: {size()} for {fqn}")
             if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
                 continue  # this rank is not in the DTensor's mesh
+            if packed is not None and fqn in packed.layout.by_key:
+                packed.add(fqn, value)
+                continue
             items += self._read_items(fqn, saved, value)
+        if packed is not None:
+            items += packed.read_items()
         return LoadPlan(items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """The target of ``read_item``: a staging buffer for a packed segment's read, else DCP's."""
+        if self.packed is not None and self.packed.owns(read_item):
+            return self.packed.staging(read_item)
+        target: torch.Tensor = super().resolve_tensor(read_item)
+        return target
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """A packed segment's read copied into the pieces it serves; other reads are in place already."""
+        if self.packed is not None and self.packed.owns(read_item):
+            self.packed.commit(read_item, tensor)
+            return
+        super().commit_tensor(read_item, tensor)
 
     def _read_items(
         self, fqn: str, saved: TensorStorageMetadata | BytesStorageMetadata, value: object

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.format.dcp_io import MetadataReader, unpickle_metadata
+from shardline.checkpoint.format.packed_view import logical_metadata
 from shardline.checkpoint.integrity.manifest import (
     DCP_METADATA,
     FORMAT,
@@ -227,9 +228,12 @@ def check_manifest(
 def read_checked_metadata(checked: CheckedManifest) -> Metadata:
     """Step 3: ``.metadata``'s bytes hashed against the manifest, then unpickled with the DCP allowlist.
 
+    A packed checkpoint's metadata comes back as its logical view (``packed_view.logical_metadata``: tensors by
+    name and shape, its table checked against its segments), so every reader sees the same keys in either layout.
+
     Raises:
         IntegrityError: ``.metadata`` is missing, does not match its manifest entry (it is then
-            never unpickled), or is not DCP metadata.
+            never unpickled), or is not DCP metadata; or a packed layout table that does not match its segments.
     """
     file = checked.path / DCP_METADATA
     try:
@@ -254,7 +258,7 @@ def read_checked_metadata(checked: CheckedManifest) -> Metadata:
             raise integrity_error(
                 checked.path, [FileProblem(DCP_METADATA, "altered", detail)], what="it was not unpickled or loaded"
             )
-    return unpickle_metadata(data, file)
+    return logical_metadata(unpickle_metadata(data, file), where=checked.path)
 
 
 @dataclass(frozen=True)
