@@ -6,8 +6,13 @@ At a small checkpoint these, not the bytes, decide how much a lineage save costs
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +24,31 @@ from shardline.testing import run_distributed
 from tests.checkpoint import fixed_cost_ranks
 
 linux_only = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+
+_OPENS: list[list[str]] = []  # the lists counting_opens is filling (an audit hook cannot be removed: it idles)
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event == "open" and _OPENS and isinstance(args[0], (str, bytes, os.PathLike)):
+        for opened in _OPENS:
+            opened.append(os.fsdecode(args[0]))
+
+
+@contextlib.contextmanager
+def counting_opens() -> Iterator[list[str]]:
+    """Every path this process opens meanwhile, on any thread (``open``, ``os.open``: the "open" audit event)."""
+    if _audit not in _HOOKED:
+        sys.addaudithook(_audit)
+        _HOOKED.append(_audit)
+    opened: list[str] = []
+    _OPENS.append(opened)
+    try:
+        yield opened
+    finally:
+        _OPENS.remove(opened)
+
+
+_HOOKED: list[Any] = []
 
 
 def test_a_two_rank_save_costs_three_round_trips_beyond_plain_dcp(tmp_path: Path) -> None:  # save() and the manager
@@ -63,6 +93,18 @@ def test_a_save_fsyncs_each_file_and_directory_once(tmp_path: Path, monkeypatch)
     assert {expected.get(ino, ino): n for ino, n in seen.items() if n != 1} == {}, "flushed more than once"
     assert set(seen) == set(expected), sorted(expected[i] for i in set(expected) - set(seen))
     assert ckpt.verify_checkpoint(final).ok
+
+
+def test_a_save_opens_each_commit_record_once(tmp_path: Path) -> None:
+    """The four commit records are written and flushed through one descriptor each (not reopened to be fsynced)."""
+    model, optimizer = _model()
+    ckpt.save(tmp_path / "warm", model=model, optimizer=optimizer, step=0, files_per_rank=2)
+    with counting_opens() as opened:
+        info = ckpt.save(tmp_path / "step-1", model=model, optimizer=optimizer, step=1, files_per_rank=2)
+    records = ("manifest.json", "manifest.sha256", "SHA256SUMS", "provenance.intoto.json")
+    in_tmp = collections.Counter(Path(p).name for p in opened if Path(p).parent.name.startswith(".step-1.tmp-"))
+    assert {name: in_tmp[name] for name in records} == dict.fromkeys(records, 1), in_tmp
+    assert ckpt.verify_checkpoint(info.path).ok
 
 
 def test_the_durable_floor_adds_the_measured_fixed_work_to_the_floor(tmp_path: Path) -> None:
