@@ -20,6 +20,7 @@ from benchmarks import floors
 from torch import nn
 
 import shardline.checkpoint as ckpt
+from shardline.checkpoint.storage import calibration
 from shardline.testing import run_distributed
 from tests.checkpoint import fixed_cost_ranks
 
@@ -105,6 +106,23 @@ def test_a_save_opens_each_commit_record_once(tmp_path: Path) -> None:
     in_tmp = collections.Counter(Path(p).name for p in opened if Path(p).parent.name.startswith(".step-1.tmp-"))
     assert {name: in_tmp[name] for name in records} == dict.fromkeys(records, 1), in_tmp
     assert ckpt.verify_checkpoint(info.path).ok
+
+
+def test_a_save_reads_the_calibration_cache_only_when_it_changed(tmp_path: Path, monkeypatch) -> None:
+    """The location's calibration is looked up at every save; the cache file is opened again only after a change."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model, optimizer = _model()
+    ckpt.save(tmp_path / "warm", model=model, optimizer=optimizer, step=0, files_per_rank=2)  # probes, caches
+    cache = calibration.cache_path()
+    with counting_opens() as opened:
+        for step in (1, 2):
+            ckpt.save(tmp_path / f"step-{step}", model=model, optimizer=optimizer, step=step, files_per_rank=2)
+    assert [p for p in opened if Path(p).parent == cache.parent] == []
+    cache.write_text(cache.read_text() + " ")  # another process rewrote it: read again, once
+    with counting_opens() as opened:
+        for step in (3, 4):
+            ckpt.save(tmp_path / f"step-{step}", model=model, optimizer=optimizer, step=step, files_per_rank=2)
+    assert [p for p in opened if p == str(cache)] == [str(cache)]
 
 
 def test_the_durable_floor_adds_the_measured_fixed_work_to_the_floor(tmp_path: Path) -> None:
