@@ -126,12 +126,26 @@ def test_a_save_reads_the_calibration_cache_only_when_it_changed(tmp_path: Path,
 
 
 def test_the_durable_floor_adds_the_measured_fixed_work_to_the_floor(tmp_path: Path) -> None:
-    """benchmarks/floors.py: the manifest made durable and a ledger commit, timed on the given storage, added
-    to the floor (the ledger only where the save records a row); nothing is left behind."""
-    term = floors.fixed_cost(tmp_path)
-    assert term.manifest_s > 0
+    """benchmarks/floors.py: the four commit records made durable (written, fsynced with their directory, renamed
+    into place, the parent fsynced) and a ledger commit, timed on the given storage, added to the floor (the ledger
+    only where the save records a row); nothing is left behind."""
+    fsynced: list[int] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        fsynced.append(fd)
+        real_fsync(fd)
+
+    os.fsync = spy  # the floor's fsync threads look os.fsync up when they run
+    try:
+        term = floors.fixed_cost(tmp_path, record_sizes=(1915, 881, 80, 403))
+    finally:
+        os.fsync = real_fsync
+    # the records, their directory, the parent (the rename); then the ledger's commit (SQLite's own fsyncs, in C)
+    assert len(fsynced) == 6
+    assert term.records_s > 0
     assert term.ledger_s > 0
-    assert term.round_trip_s == 0.0  # one process: no round trip
+    assert term.round_trips_s == 0.0  # one process: no round trip
     assert list(tmp_path.iterdir()) == []
-    assert floors.durable_floor_s(floor=1.0, fixed=term, ledger=False) == 1.0 + term.manifest_s
-    assert floors.durable_floor_s(floor=1.0, fixed=term, ledger=True) == 1.0 + term.manifest_s + term.ledger_s
+    assert floors.durable_floor_s(floor=1.0, fixed=term, ledger=False) == 1.0 + term.records_s
+    assert floors.durable_floor_s(floor=1.0, fixed=term, ledger=True) == 1.0 + term.records_s + term.ledger_s
