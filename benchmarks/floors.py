@@ -20,15 +20,21 @@ save does once per save whatever its size, which plain DCP does not do at all, s
 checkpoint it says nothing about those. What a lineage save cannot skip (:func:`fixed_cost`),
 timed in the same run on the same storage:
 
-* its manifest made durable: a small file written and fsynced, renamed into place, and the
-  directory fsynced (the commit point needs it);
-* at W>1, one round trip of the process group (a barrier): the ranks must learn the outcome;
+* its commit records made durable: the manifest, the provenance statement, ``manifest.sha256``
+  and ``SHA256SUMS`` (four small files, at the sizes the save wrote: :data:`RECORD_SIZES` by
+  default) written into the checkpoint's temporary directory, fsynced together with that
+  directory from threads kept for it (one journal commit where the file system groups them),
+  the directory renamed to its final name, and the parent fsynced (the commit point needs it);
+* at W>1, two round trips of the process group (barriers): the ranks learn the directory rank 0
+  reserved before they write into it, and the outcome after the commit;
 * with ``ledger=True`` (a save that records its row: ``CheckpointManager.save``), one SQLite
   commit with the ledger's settings (``journal_mode=DELETE``, ``synchronous=FULL``).
   ``shardline.checkpoint.save`` records no row, so its durable floor leaves the ledger out.
 
-The durable floor is the floor plus that fixed term: still a lower bound (a real save also writes
-the provenance statement and the hash files, and agrees with the ranks before the write).
+The durable floor is the floor plus that fixed term: still a lower bound. Not in it: building and
+hashing the records (CPU, well under a millisecond at a few ranks), the agreement after the
+capture (a third round trip at W>1: every rank's state dict was built before any rank writes),
+and the last file's hash where it trails the writes (the floor's hash terms assume perfect overlap).
 
 Note: the verification floor of a load (:func:`verification_floor_s`). A verified load's floor
 (plain's load, the CPU work plus one SHA-256 pass, the hash on its threads) likewise counts none of
@@ -50,6 +56,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +64,7 @@ import numpy as np
 import torch.distributed as dist
 
 __all__ = [
+    "RECORD_SIZES",
     "FixedCost",
     "LoadFixedCost",
     "durable_floor_s",
@@ -71,20 +79,25 @@ __all__ = [
 ]
 
 
+RECORD_SIZES: tuple[int, ...] = (1915, 881, 80, 403)
+"""Bytes of a save's commit records: ``manifest.json``, ``provenance.intoto.json``, ``manifest.sha256``,
+``SHA256SUMS`` (a 12 MiB, one-rank, two-file save of ``benchmarks.checkpoint_save``)."""
+
+
 @dataclass(frozen=True)
 class FixedCost:
     """One measurement of a lineage save's per-save fixed work (see the module note), in seconds."""
 
-    manifest_s: float
-    """Write and fsync a small file, rename it into place, fsync the directory."""
+    records_s: float
+    """Write the commit records, fsync them and their directory together, rename it into place, fsync the parent."""
     ledger_s: float
     """One SQLite commit (one row) with the ledger's settings."""
-    round_trip_s: float
-    """One barrier of the process group (0 at W=1)."""
+    round_trips_s: float
+    """Two barriers of the process group (0 at W=1)."""
 
     def total_s(self, *, ledger: bool) -> float:
-        """The fixed term: the manifest, the round trip, and the ledger commit where the save records a row."""
-        return self.manifest_s + self.round_trip_s + (self.ledger_s if ledger else 0.0)
+        """The fixed term: the records, the round trips, and the ledger commit where the save records a row."""
+        return self.records_s + self.round_trips_s + (self.ledger_s if ledger else 0.0)
 
 
 def floor_s(
@@ -99,33 +112,56 @@ def durable_floor_s(*, floor: float, fixed: FixedCost, ledger: bool) -> float:
     return floor + fixed.total_s(ledger=ledger)
 
 
-def round_trip_s() -> float:
-    """Seconds of one barrier of the default process group (every rank calls it; 0 without one, or at W=1)."""
+def round_trip_s(*, count: int = 1) -> float:
+    """Seconds of ``count`` barriers of the default process group, one after another (every rank calls it; 0
+    without one, or at W=1)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return 0.0
-    dist.barrier()  # the ranks arrive together: the timed one is a round trip, not a wait for a late rank
+    dist.barrier()  # the ranks arrive together: the timed ones are round trips, not a wait for a late rank
     started = time.perf_counter()
-    dist.barrier()
+    for _ in range(count):
+        dist.barrier()
     return time.perf_counter() - started
 
 
-def _manifest_s(directory: Path, size: int) -> float:
-    data = os.urandom(size)
-    final = directory / "manifest.json"
-    tmp = directory / ".manifest.json.tmp"
-    started = time.perf_counter()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+_FSYNC_THREADS: ThreadPoolExecutor | None = None
+
+
+def _fsync_threads() -> ThreadPoolExecutor:
+    """Threads kept for the records' fsyncs (a save keeps its own: starting threads is not part of the floor)."""
+    global _FSYNC_THREADS
+    if _FSYNC_THREADS is None:
+        _FSYNC_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="floor-fsync")
+    return _FSYNC_THREADS
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, final)
-    dir_fd = os.open(directory, os.O_RDONLY)
+
+
+def _records_s(directory: Path, sizes: Sequence[int]) -> float:
+    blobs = [os.urandom(size) for size in sizes]
+    tmp, final = directory / ".step.tmp", directory / "step"
+    tmp.mkdir()  # not timed: a save makes its directory before it writes, as plain DCP does
+    threads = _fsync_threads()
+    list(threads.map(lambda _: None, range(len(sizes) + 1)))  # started before the timed part
+    started = time.perf_counter()
+    fds = []
     try:
-        os.fsync(dir_fd)
+        for n, blob in enumerate(blobs):
+            fds.append(os.open(tmp / f"record-{n}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            os.write(fds[-1], blob)
+        fds.append(os.open(tmp, os.O_RDONLY))
+        list(threads.map(os.fsync, fds))  # at once: where the file system groups them, one journal commit
     finally:
-        os.close(dir_fd)
+        for fd in fds:
+            os.close(fd)
+    os.rename(tmp, final)
+    _fsync_dir(directory)
     return time.perf_counter() - started
 
 
@@ -145,17 +181,18 @@ def _ledger_s(directory: Path) -> float:
         conn.close()
 
 
-def fixed_cost(directory: Path, *, manifest_bytes: int = 4096) -> FixedCost:
+def fixed_cost(directory: Path, *, record_sizes: Sequence[int] = RECORD_SIZES) -> FixedCost:
     """Time a lineage save's fixed work once, in a fresh directory under ``directory`` (removed after), on rank 0;
-    and one barrier of the default group (a collective when torch.distributed is initialized: call on every rank).
-    Other ranks report 0 for the file-system parts (rank 0 alone writes the manifest and the ledger row)."""
-    trip = round_trip_s()
+    and two barriers of the default group (a collective when torch.distributed is initialized: call on every rank).
+    ``record_sizes``: the bytes of each commit record (pass those of the save being measured). Other ranks report
+    0 for the file-system parts (rank 0 alone writes the records and the ledger row)."""
+    trips = round_trip_s(count=2)
     if dist.is_initialized() and dist.get_rank() != 0:
-        return FixedCost(manifest_s=0.0, ledger_s=0.0, round_trip_s=trip)
+        return FixedCost(records_s=0.0, ledger_s=0.0, round_trips_s=trips)
     with tempfile.TemporaryDirectory(prefix=".fixed-cost-", dir=directory) as where:
-        manifest = _manifest_s(Path(where), manifest_bytes)
+        records = _records_s(Path(where), record_sizes)
         ledger = _ledger_s(Path(where))
-    return FixedCost(manifest_s=manifest, ledger_s=ledger, round_trip_s=trip)
+    return FixedCost(records_s=records, ledger_s=ledger, round_trips_s=trips)
 
 
 def hash_in_parallel(views: Sequence[memoryview], threads: int) -> float:

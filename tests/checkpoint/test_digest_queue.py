@@ -184,3 +184,30 @@ def test_a_discarded_digest_reads_no_buffer_afterwards(pool) -> None:
     lazy.later(b"x")
     lazy.discard()  # never started: nothing to wait for
     assert not lazy._queue
+
+
+def test_a_small_file_is_hashed_on_the_thread_that_closes_it(tmp_path: Path, monkeypatch, pool) -> None:
+    """A file of a few KiB (``.metadata``) is hashed where it is closed, without a helper thread; a large one still
+    on the hasher pool."""
+    drained: list[int] = []
+    real = digest_queue.OrderedDigest._drain
+
+    def spy(self: OrderedDigest) -> None:
+        drained.append(threading.get_ident())
+        real(self)
+
+    monkeypatch.setattr(digest_queue.OrderedDigest, "_drain", spy)
+    fs = HashingFileSystem()
+    small = np.random.default_rng(1).integers(0, 256, size=3243, dtype=np.uint8).tobytes()
+    with fs.create_stream(tmp_path / ".metadata", "wb") as stream:
+        stream.write(small[:100])
+        stream.write(small[100:])
+    assert fs.take()[str(tmp_path / ".metadata")] == (len(small), hashlib.sha256(small).hexdigest())
+    assert drained == [], "a small file's hash was handed to a helper thread"
+
+    digest = OrderedDigest(pool, eager=False)
+    digest.later(b"x" * MIB)  # a long queue: hashed on the pool once started
+    digest.start()
+    assert digest.hexdigest() == hashlib.sha256(b"x" * MIB).hexdigest()
+    assert drained, "a long queue is hashed on the pool"
+    assert threading.get_ident() not in drained

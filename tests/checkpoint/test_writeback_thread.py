@@ -7,6 +7,7 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardline.checkpoint.integrity import hashing
@@ -101,6 +102,61 @@ def test_a_file_that_cannot_be_flushed_early_is_not_asked_again(tmp_path: Path) 
         queue = BackgroundWriteback(f.fileno(), start=refuse)
         assert queue.request(offset=0, length=10)
         assert answered.wait(timeout=20)
-        queue.close()  # waits for the call in progress
+        queue.close()
         assert not queue.request(offset=10, length=10), "refused once: never asked again"
     assert seen == [0]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts /proc/self/fd (Linux)")
+def test_a_file_closes_and_is_flushed_without_waiting_for_a_hint_in_progress(tmp_path: Path, monkeypatch) -> None:
+    """The close drops the ranges not yet asked for and fsyncs at once; the hint still in the disk's queue releases
+    its own descriptor when it returns (none is leaked)."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    def congested(fd: int, *, offset: int, length: int) -> bool:
+        entered.set()
+        release.wait(timeout=30)  # a full disk queue: sync_file_range waits for room
+        return True
+
+    flushed: list[int] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        flushed.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(hashing, "start_writeback", congested)
+    monkeypatch.setattr(os, "fsync", spy)
+    fs = HashingFileSystem()
+    target = tmp_path / "f.distcp"
+    before = _open_fds()
+    closed = threading.Event()
+
+    def write() -> None:
+        with fs.create_stream(target, "wb") as stream:
+            for chunk in _chunks(3):
+                stream.write(chunk)
+            assert entered.wait(timeout=20), "the file's writeback was started early"
+        closed.set()
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    try:
+        assert closed.wait(timeout=10), "the close waited for a writeback hint the disk had not answered"
+        assert flushed == [target.stat().st_ino], "the file was fsynced at its close, beside the hint"
+        assert _open_fds() == before + 1, "only the hint's own descriptor is still open, while its call runs"
+    finally:
+        release.set()
+        thread.join(timeout=30)
+    for _ in range(200):
+        if _open_fds() == before:
+            break
+        threading.Event().wait(0.01)
+    assert _open_fds() == before, "the hint's descriptor was released when its call returned"
+    content = target.read_bytes()
+    assert fs.take()[str(target)] == (len(content), hashlib.sha256(content).hexdigest())

@@ -31,6 +31,11 @@ Small buffers (headers, pickled records) are copied into the queue. Any other la
 mutable one, such as DCP's byte items; raw memory the writer does not retain, such as a tensor
 DCP copied on its own off an accelerator) is hashed before ``write`` returns, overlapped with the
 write itself.
+
+A queue that is short when its hashing starts (a small file: ``.metadata``, a rank's file of a
+small checkpoint's tail; at most :data:`_HERE_MAX` bytes) is hashed on the thread that starts it:
+handing a few KiB to a helper thread and waiting for it at close costs more than their hash (on a
+busy machine, the wait for the helper to be scheduled), and it sits on the save's critical path.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ import numpy as np
 import torch
 
 __all__ = ["OrderedDigest", "RetainedMemory"]
+
+_HERE_MAX = 64 << 10  # a queue this short when its hashing starts is hashed on the starting thread (module note)
 
 T = TypeVar("T")
 
@@ -119,9 +126,34 @@ class OrderedDigest:
         self._kick()
 
     def start(self) -> None:
-        """Hash the queue from now on (a no-op once started)."""
+        """Hash the queue from now on (a no-op once started): a short queue here and now, a longer one on the pool."""
         self._started = True
-        self._kick()
+        if not self._hash_short_queue():
+            self._kick()
+
+    def _hash_short_queue(self) -> bool:
+        with self._cond:
+            if self._draining or not self._queue or len(self._queue) > 4:
+                return False
+            sizes = [b.nbytes if isinstance(b, memoryview) else len(b) for b in self._queue]
+            if sum(sizes) > _HERE_MAX:
+                return False
+            self._draining = True  # no helper thread takes a buffer meanwhile: the updates stay in order
+            buffers = list(self._queue)
+            self._queue.clear()
+        try:
+            for buffer in buffers:
+                self._hash.update(buffer)
+        except BaseException as e:  # kept and raised by hexdigest, as a helper thread's error is
+            with self._cond:
+                self._error = e
+                self._queue.clear()
+        finally:
+            with self._cond:
+                self._draining = False
+                self._cond.notify_all()
+        self._kick()  # anything queued meanwhile (another thread's later()) goes to the pool as before
+        return True
 
     def _kick(self) -> None:
         with self._cond:

@@ -282,6 +282,29 @@ def _cached_probe(entry: object, now: float) -> Probe | None:
         return None
 
 
+# Note: a save asks for its tuning every time, and the cache file changes only when a process probes. The entry
+# this process read (or wrote) last is kept per cache file and location with the file's identity (inode, size,
+# modification time); while a stat shows the same identity, the file is not locked, opened and parsed again.
+# Its age is checked at every use, as the file's is.
+_SEEN: dict[tuple[str, str], tuple[tuple[int, int, int] | None, object]] = {}
+
+
+def _version(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _seen_entry(cache: Path, key: str) -> object:
+    """The cache entry this process last read for ``key``, if the cache file has not changed since (else None)."""
+    seen = _SEEN.get((str(cache), key))
+    if seen is None or seen[0] is None or seen[0] != _version(cache):
+        return None
+    return seen[1]
+
+
 def _write_cache(path: Path, entries: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
@@ -315,9 +338,15 @@ def tuning_for(directory: Path, *, writers: int, cores: int) -> SaveTuning:
     except OSError as e:
         return fixed_tuning(writers=writers, cores=cores, source="fallback", reason=f"cannot stat {directory}: {e}")
     now = time.time()
+    if mode == "auto":
+        seen = _cached_probe(_seen_entry(cache, key), now)
+        if seen is not None:
+            return decide(seen, writers=writers, cores=cores, source="cached")
     try:
         with _locked(cache):
+            version = _version(cache)  # before the read: a file replaced meanwhile only looks changed next time
             entries = _read_cache(cache)
+            _SEEN[(str(cache), key)] = (version, entries.get(key))
             cached = None if mode == "force" else _cached_probe(entries.get(key), now)
             if cached is not None:
                 return decide(cached, writers=writers, cores=cores, source="cached")
@@ -330,6 +359,7 @@ def tuning_for(directory: Path, *, writers: int, cores: int) -> SaveTuning:
             }
             with contextlib.suppress(OSError):
                 _write_cache(cache, entries)
+                _SEEN[(str(cache), key)] = (_version(cache), entries[key])
             tuning = decide(measured, writers=writers, cores=cores)
             log.info("save calibration for %s (cached in %s): %s", directory, cache, tuning.reason)
             return tuning

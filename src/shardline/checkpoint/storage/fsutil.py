@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import re
 import sys
 import threading
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from shardline.checkpoint.faults.crashpoints import crash_point
@@ -33,6 +34,7 @@ __all__ = [
     "tmp_dir_for",
     "tmp_in_use",
     "trash_dir_for",
+    "write_unflushed",
 ]
 
 # Temporary directories of saves in progress: ".step-100.tmp-<hex>" next to the final "step-100".
@@ -200,8 +202,33 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_together(*, files: list[Path], directories: list[Path]) -> None:
+def write_unflushed(path: Path, data: bytes) -> int:
+    """Create (or truncate) ``path`` and write ``data``; return the still open descriptor, for
+    :func:`fsync_together` (``opened``) to flush and close, so the file is opened once, not again to flush it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_together(*, files: list[Path], directories: list[Path], opened: Sequence[int] = ()) -> None:
     """Flush several files' contents and directories' entries to stable storage at once.
+
+    ``opened``: descriptors of files written here (:func:`write_unflushed`), flushed through them
+    and closed, whatever happens (each such file costs one open in all, not a second one to flush it).
 
     Note: one journal commit instead of one each. A journaling file system (ext4, XFS) commits
     the fsyncs that wait at the same moment in one transaction, so small files fsynced from
@@ -212,13 +239,20 @@ def fsync_together(*, files: list[Path], directories: list[Path]) -> None:
     Raises:
         OSError: the first flush that failed (as :func:`fsync_file` and :func:`fsync_dir` raise).
     """
-    jobs = [(fsync_file, p) for p in files] + [(fsync_dir, d) for d in directories]
+    jobs: list[Callable[[], None]] = [functools.partial(_fsync_and_close, fd) for fd in opened]
+    jobs += [functools.partial(fsync_file, p) for p in files] + [functools.partial(fsync_dir, d) for d in directories]
     if len(jobs) <= 1:
-        for job, path in jobs:
-            job(path)
+        for job in jobs:
+            job()
         return
-    pool = fsync_pool()
-    futures = [pool.submit(job, path) for job, path in jobs]
+    futures: list[Future[None]] = []
+    try:
+        pool = fsync_pool()
+        for job in jobs:
+            futures.append(pool.submit(job))
+    finally:
+        for fd in opened[len(futures) :]:  # not handed to a thread (the pool could not start it): closed here
+            os.close(fd)
     for future in futures:
         future.result()
 

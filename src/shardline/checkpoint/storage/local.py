@@ -37,6 +37,7 @@ from shardline.checkpoint.storage.fsutil import (
     tmp_dir_for,
     tmp_in_use,
     trash_dir_for,
+    write_unflushed,
 )
 from shardline.checkpoint.storage.key_prefixes import flat_prefix
 from shardline.checkpoint.storage.protocol import (
@@ -77,13 +78,6 @@ def clear_latest(directory: Path) -> None:
     """Remove ``latest`` (no regular checkpoint is left for it to name)."""
     (directory / LATEST_FILE).unlink(missing_ok=True)
     fsync_dir(directory)
-
-
-def _write(path: Path, data: bytes) -> Path:
-    """One commit record, written (flushed later, with the others: see :meth:`LocalStore.commit`)."""
-    with open(path, "wb") as f:
-        f.write(data)
-    return path
 
 
 def _write_new(path: Path, data: bytes) -> Path:
@@ -320,12 +314,19 @@ class LocalStore(CheckpointStore):
         tmp, final = _path(in_progress), _path(final)
         # Nothing in tmp counts until the rename, so the records are written first and flushed together with
         # the files written unflushed and tmp's entries, before it: one journal commit rather than six.
-        written = []
-        for record in records:
-            written.append(_write(tmp / record.name, record.data))
-            if record.written:
-                crash_point(record.written)
-        fsync_together(files=[*(tmp / name for name in flush), *written], directories=[tmp])
+        # Note: each record stays open from its write to its flush (on an fsync thread, which closes it): one
+        # open per record, not a second one to flush it.
+        opened: list[int] = []
+        try:
+            for record in records:
+                opened.append(write_unflushed(tmp / record.name, record.data))
+                if record.written:
+                    crash_point(record.written)
+        except BaseException:
+            for fd in opened:
+                os.close(fd)
+            raise
+        fsync_together(files=[tmp / name for name in flush], directories=[tmp], opened=opened)
         wait_synced()
         crash_point("save.sums_written")
         observer.on_phase(SavePhase.AFTER_MANIFEST, 0)

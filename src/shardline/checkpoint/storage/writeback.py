@@ -11,8 +11,11 @@ duplicate of the file's descriptor. The writer never waits for a hint while it w
 
 Durability does not depend on the hints: the file's fsync is still the only durability point.
 :meth:`BackgroundWriteback.close`, called before that fsync, drops the ranges not yet asked for
-(the fsync writes them anyway) and waits for the one call in progress, if any, so no hint is
-issued once the file's flush has begun.
+(the fsync writes them anyway), so no new hint is issued once the file's flush has begun. It does
+not wait for the one call in progress, if any: on a busy disk that call can wait milliseconds for
+room in the queue, which held the writer (and the save) at every file's close. The fsync may run
+beside it -- it writes and waits for every dirty page of the file, those the hint started
+included -- and the hint's own descriptor is closed by whichever of the two ends last.
 """
 
 from __future__ import annotations
@@ -57,11 +60,12 @@ class BackgroundWriteback:
     def request(self, *, offset: int, length: int) -> bool:
         """Ask for ``length`` bytes from ``offset`` to be written back soon; returns at once.
 
-        Returns False once a hint has found that this file cannot be flushed early (then no more are asked for).
+        Returns False once a hint has found that this file cannot be flushed early (then no more are asked for),
+        or once the queue is closed.
         """
         with self._cond:
             if self._closed or not self._supported:
-                return self._supported
+                return self._supported and not self._closed
             start = offset if self._pending is None else self._pending[0]
             self._pending = (start, offset + length)
             if self._running:
@@ -82,7 +86,8 @@ class BackgroundWriteback:
                 if self._pending is None or self._closed:
                     self._running = False
                     self._cond.notify_all()
-                    return
+                    closed = self._closed
+                    break
                 (start, end), self._pending = self._pending, None
             try:
                 supported = bool(self._start(self._fd, offset=start, length=end - start))
@@ -93,13 +98,17 @@ class BackgroundWriteback:
                 if not supported:
                     self._supported = False
                     self._pending = None
+        if closed:  # closed while this call ran: the descriptor is this thread's to release
+            os.close(self._fd)
 
     def close(self) -> None:
-        """Drop the ranges not yet asked for, wait for the call in progress, and release the descriptor."""
+        """Drop the ranges not yet asked for and release the descriptor, now or when the call in progress ends
+        (without waiting for it: see the module note)."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._pending = None
-            self._cond.wait_for(lambda: not self._running)
+            if self._running:
+                return  # the draining thread releases the descriptor once its call returns
         os.close(self._fd)
