@@ -124,6 +124,8 @@ class TrainingCheckpoints:
             mode=self.cfg.mode,
             files_per_rank=int(self.cfg.files_per_rank),
             tags=dict(cfg.tracking.tags),
+            layout=self.cfg.layout,
+            segment_bytes=int(self.cfg.segment_bytes),
         )
         self.last_saved_step: int | None = None
         self.recorded_global_batch: int | None = None

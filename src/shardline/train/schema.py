@@ -26,7 +26,9 @@ from typing import Any, Literal, get_args
 from hydra.core.config_store import ConfigStore
 
 from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
+from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, CheckpointLayout
 from shardline.checkpoint.integrity.verify import VerifyLevel
+from shardline.checkpoint.lifecycle.capture import check_layout_options
 from shardline.checkpoint.provenance.run_tags import check_run_tags
 from shardline.checkpoint.state.model_state import SAVE_KINDS
 from shardline.engine import ShardingStrategy
@@ -283,6 +285,11 @@ class CheckpointConfig:
     files_per_rank: int = 0
     """Files each rank writes per checkpoint, each hashed by its own writer thread and verified on its own reader
     thread (0: the cores each rank has on its node, at most 8)."""
+    layout: str = CheckpointLayout.PER_TENSOR.value
+    """How sharded checkpoints store their tensors: per_tensor (DCP's chunk per rank and tensor, any DCP reader) or
+    packed (each rank's row shards in a few segments: metadata O(ranks + tensors), for thousands of ranks)."""
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    """The packed layout's segment size in bytes (default 256 MiB)."""
 
     def __post_init__(self) -> None:
         try:
@@ -293,6 +300,12 @@ class CheckpointConfig:
             resolve_files_per_rank(self.files_per_rank)
         except ConfigurationError as exc:
             raise ConfigurationError(f"checkpoint.{exc}") from None
+        try:
+            check_layout_options(CheckpointLayout.parse(self.layout), self.segment_bytes, kind="sharded")
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"checkpoint.layout={self.layout!r}, segment_bytes={self.segment_bytes!r}: {exc}"
+            ) from None
 
 
 @dataclass

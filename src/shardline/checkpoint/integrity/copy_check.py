@@ -146,8 +146,8 @@ def digest_staged(state_dict: Mapping[str, Any]) -> dict[tuple[str, int], Staged
     return StagedDigester().digests(state_dict)
 
 
-def _written_digest(file: Location, offset: int, length: int, handles: dict[str, Any]) -> str:
-    """SHA-256 of the storage record of the ``torch.save`` archive at ``file[offset:offset + length]``.
+def _written_record(file: Location, offset: int, length: int, handles: dict[str, Any]) -> bytes:
+    """The storage record (the tensor's bytes) of the ``torch.save`` archive at ``file[offset:offset + length]``.
 
     ``handles`` keeps each file open across its items (in an object store an open is a request)."""
     f = handles.get(str(file))
@@ -161,7 +161,12 @@ def _written_digest(file: Location, offset: int, length: int, handles: dict[str,
         records = [n for n in archive.namelist() if _DATA_RECORD.search(n)]
         if len(records) != 1:
             raise OSError(f"the item at {file.name}:{offset} holds {len(records)} storage records, expected 1")
-        return hashlib.sha256(archive.read(records[0])).hexdigest()
+        return archive.read(records[0])
+
+
+def _written_digest(file: Location, offset: int, length: int, handles: dict[str, Any]) -> str:
+    """SHA-256 of the storage record of the ``torch.save`` archive at ``file[offset:offset + length]``."""
+    return hashlib.sha256(_written_record(file, offset, length, handles)).hexdigest()
 
 
 def check_written(
@@ -201,6 +206,10 @@ def _check_results(
         info = result.storage_data
         if item is None or not hasattr(info, "relative_path"):
             continue
+        parts = _segment_parts(planner, result.index.fqn)
+        if parts is not None:
+            _check_segment(root, result.index.fqn, info, parts, staged, problems, handles)
+            continue
         tensor = planner.resolve_data(item)
         if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
             continue
@@ -217,4 +226,49 @@ def _check_results(
             problems.append(
                 f"{expected.name}: the bytes written to {info.relative_path} (sha256 {actual[:16]}...) are not the "
                 f"bytes staged (sha256 {expected.sha256[:16]}...)"
+            )
+
+
+def _segment_parts(planner: SavePlanner, key: str) -> list[tuple[int, torch.Tensor]] | None:
+    """The staged pieces of a packed segment (``(element offset, flat tensor)``), or None for any other item."""
+    packed = getattr(planner, "packed", None)
+    if packed is None or key not in packed.segments:
+        return None
+    parts: list[tuple[int, torch.Tensor]] = packed.parts(key)
+    return parts
+
+
+def _check_segment(
+    root: Location,
+    key: str,
+    info: Any,
+    parts: list[tuple[int, torch.Tensor]],
+    staged: Mapping[tuple[str, int], StagedTensor],
+    problems: list[str],
+    handles: dict[str, Any],
+) -> None:
+    """A packed segment is checked piece by piece: each piece's bytes in the file against its staged digest.
+
+    Note: the segment itself is assembled at write time (``PackedSave.segment_data``), so no digest of it
+    exists from staging; its pieces are the staged tensors, and their digests are what the file must match.
+    """
+    try:
+        record = _written_record(root / info.relative_path, int(info.offset), int(info.length), handles)
+    except (OSError, zipfile.BadZipFile) as e:
+        problems.append(f"{key}: its bytes cannot be read back from {info.relative_path} ({e})")
+        return
+    view = memoryview(record)
+    for offset, flat in parts:
+        if not flat.numel():
+            continue
+        expected = staged.get(tensor_key(flat))
+        if expected is None:
+            problems.append(f"{key}: a piece written is not one the staging copied and hashed")
+            continue
+        start = offset * flat.element_size()
+        actual = hashlib.sha256(view[start : start + expected.nbytes]).hexdigest()
+        if actual != expected.sha256:
+            problems.append(
+                f"{expected.name}: the bytes written to {info.relative_path} (segment {key}, sha256 {actual[:16]}...) "
+                f"are not the bytes staged (sha256 {expected.sha256[:16]}...)"
             )

@@ -37,6 +37,7 @@ from shardline.checkpoint.coordination.parallelism import AUTO, cores_per_rank, 
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
 from shardline.checkpoint.integrity.digest_queue import RetainedMemory
 from shardline.checkpoint.integrity.hashing import FileDigest, HashingFileSystem
+from shardline.checkpoint.integrity.packed_plan import is_segment_key
 from shardline.checkpoint.storage.calibration import SaveTuning
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for
@@ -63,6 +64,10 @@ class _RetainingPlanner:
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = self._planner.resolve_data(write_item)
+        if is_segment_key(write_item.index.fqn):
+            # Note: a packed segment is assembled for this write alone; retaining it until the files are hashed
+            # would hold a second copy of the rank's state. Unretained, its bytes are hashed as they are written.
+            return data
         if isinstance(data, torch.Tensor) and data.device.type == "cpu":
             data = data.detach()
             if data.untyped_storage().nbytes() != data.nbytes:

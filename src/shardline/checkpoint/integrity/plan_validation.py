@@ -20,15 +20,23 @@ the same as torch's on every plan (tests/checkpoint/test_plan_validation.py).
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import math
 import sys
 from bisect import bisect_right, insort
 from collections.abc import Sequence
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from shardline._torch_compat import ValidatingSavePlanner
+from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, PACKED_LAYOUT_KEY, CheckpointLayout
+from shardline.checkpoint.integrity.packed_plan import PLAN_DIGEST_KEY, PackedSave, check_packed_plan, table_digest
+from shardline.errors import ConfigurationError
 
 __all__ = ["ShardlineSavePlanner", "overlapping_pairs", "sweep_dimension", "validate_global_plan"]
 
@@ -96,8 +104,72 @@ def validate_global_plan(global_plan: list[SavePlan], metadata: Metadata) -> lis
 
 
 class ShardlineSavePlanner(ValidatingSavePlanner):
-    """torch DCP's default save planner with :func:`validate_global_plan` as its global-plan check."""
+    """torch DCP's default save planner with :func:`validate_global_plan` as its global-plan check.
+
+    ``layout="packed"`` stores every packable DTensor (``Replicate`` and at most one ``Shard(0)``) in
+    this rank's segments instead of one chunk per tensor (:mod:`..format.packed_layout`,
+    :mod:`.packed_plan`): rank 0 records the layout table in the metadata's ``planner_data`` and its
+    plan check fails the save when a rank's table or segments differ from it. ``per_tensor`` (the
+    default) plans exactly what torch's default planner plans.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: CheckpointLayout | str = CheckpointLayout.PER_TENSOR,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> None:
+        super().__init__()
+        self.layout = CheckpointLayout.parse(layout)
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes <= 0:
+            raise ConfigurationError(f"segment_bytes must be a positive number of bytes, got {segment_bytes!r}")
+        self.segment_bytes = segment_bytes
+        self.packed: PackedSave | None = None
+        """This rank's packed part, once the local plan is made (packed layout only)."""
+
+    def create_local_plan(self) -> SavePlan:
+        """torch's local plan; in the packed layout with the packable DTensors' chunks replaced by segment items."""
+        if self.layout is CheckpointLayout.PER_TENSOR:
+            return super().create_local_plan()
+        initialized = dist.is_available() and dist.is_initialized()
+        self.packed = PackedSave.build(
+            self.state_dict,
+            rank=dist.get_rank() if initialized else 0,
+            world_size=dist.get_world_size() if initialized else 1,
+            segment_bytes=self.segment_bytes,
+        )
+        packed_keys = self.packed.packed_keys
+        rest = {k: v for k, v in self.state_dict.items() if k not in packed_keys}
+        plan = create_default_local_save_plan(rest, self.is_coordinator)
+        self.plan = dataclasses.replace(
+            plan,
+            items=[*plan.items, *self.packed.write_items()],
+            planner_data={**self.mappings, PLAN_DIGEST_KEY: table_digest(self.packed.layout)},
+        )
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """A segment's concatenated pieces (built now), or what torch resolves for any other item."""
+        if self.packed is not None and write_item.index.fqn in self.packed.segments:
+            return self.packed.segment_data(write_item.index.fqn)
+        return super().resolve_data(write_item)
 
     def validate_global_plan(self, global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
-        """See :func:`validate_global_plan`."""
-        return validate_global_plan(global_plan, metadata)
+        """See :func:`validate_global_plan`; a packed save also checks every rank's table and segments
+        (:func:`~.packed_plan.check_packed_plan`)."""
+        errors = validate_global_plan(global_plan, metadata)
+        if self.packed is not None:
+            errors += check_packed_plan(self.packed.layout, global_plan, metadata)
+        elif any(PLAN_DIGEST_KEY in (plan.planner_data or {}) for plan in global_plan):
+            errors.append(
+                "packed layout: some ranks planned a packed save and rank 0 did not; configure every rank alike"
+            )
+        return errors
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        global_plan, metadata = super()._create_global_plan(all_plans)
+        if self.packed is None:
+            return global_plan, metadata
+        data = {k: v for k, v in (metadata.planner_data or {}).items() if k != PLAN_DIGEST_KEY}
+        data[PACKED_LAYOUT_KEY] = self.packed.layout.to_data()
+        return global_plan, dataclasses.replace(metadata, planner_data=data)

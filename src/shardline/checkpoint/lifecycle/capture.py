@@ -27,6 +27,7 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.format.canonical import config_hash
 from shardline.checkpoint.format.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.format.hf_export import hf_metadata
+from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, CheckpointLayout
 from shardline.checkpoint.integrity.copy_check import StagedDigester, StagedTensor
 from shardline.checkpoint.integrity.manifest import describe_units
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
@@ -39,7 +40,16 @@ from shardline.checkpoint.storage.stores import locate
 from shardline.engine._checkpoint_support import buffer_original_dtypes, registered_state_dict
 from shardline.errors import ConfigurationError
 
-__all__ = ["SAVE_KINDS", "CapturedCheckpoint", "SaveKind", "SaveRequest", "capture", "describe_model", "dtype_name"]
+__all__ = [
+    "SAVE_KINDS",
+    "CapturedCheckpoint",
+    "SaveKind",
+    "SaveRequest",
+    "capture",
+    "check_layout_options",
+    "describe_model",
+    "dtype_name",
+]
 
 TAG_PATTERN = re.compile(r"^[a-z0-9_]+$")
 
@@ -64,6 +74,11 @@ class SaveRequest:
         metrics: What the run measured at ``step`` (``{"val_loss": 2.31}``): a
             :class:`~shardline.checkpoint.CheckpointManager` records them in the checkpoint's commit
             row, where best-k retention (``keep_best_k``, ``monitor``) and ``shardline lineage`` read them.
+        layout: How a sharded save stores its tensors (a ``CheckpointLayout`` or its name): ``"per_tensor"``
+            (DCP's chunk per rank and tensor) or ``"packed"`` (each rank's row shards in a few segments, for
+            thousands of ranks; docs/checkpoint-protocol.md). None: the manager's layout, else ``per_tensor``. A
+            ``full`` save has nothing to pack and refuses ``"packed"``.
+        segment_bytes: The packed layout's segment size (None: the manager's, else 256 MiB).
     """
 
     model: nn.Module
@@ -76,9 +91,12 @@ class SaveRequest:
     tag: str | None = None
     run_tags: Mapping[str, str] | None = None
     metrics: Mapping[str, float] | None = None
+    layout: CheckpointLayout | str | None = None
+    segment_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_run_tags(self.run_tags, where="run_tags")
+        check_layout_options(self.layout, self.segment_bytes, kind=self.kind)
         if self.kind not in SAVE_KINDS:
             raise ConfigurationError(
                 f"checkpoints are saved with kind 'sharded' (default; reshardable) or 'full' (gathered on rank 0), "
@@ -97,6 +115,19 @@ class SaveRequest:
                 raise ConfigurationError(
                     f"metrics must map metric names to numbers (e.g. {{'val_loss': 2.31}}), got {name!r}: {value!r}"
                 )
+
+
+def check_layout_options(layout: CheckpointLayout | str | None, segment_bytes: int | None, *, kind: str) -> None:
+    """A request's layout options: a known layout, a positive segment size, and no packed ``full`` save."""
+    if layout is not None and CheckpointLayout.parse(layout) is CheckpointLayout.PACKED and kind == "full":
+        raise ConfigurationError(
+            "layout='packed' stores each rank's shards of sharded tensors; a kind='full' save gathers every tensor "
+            "on rank 0, so there is nothing to pack: save kind='full' with layout='per_tensor' (the default)"
+        )
+    if segment_bytes is not None and (
+        isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes <= 0
+    ):
+        raise ConfigurationError(f"segment_bytes must be a positive number of bytes, got {segment_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -130,6 +161,10 @@ class CapturedCheckpoint:
     """The manifest's ``sharding`` section: the engine that sharded the model and how (:mod:`..state.engines`)."""
     run_tags: dict[str, str] = field(default_factory=dict)
     """The request's run tags (recorded in the manifest and the statement only when there are some)."""
+    layout: CheckpointLayout = CheckpointLayout.PER_TENSOR
+    """How the tensors are stored (recorded in the manifest's ``sharding`` section when packed)."""
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    """The packed layout's segment size."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -307,6 +342,11 @@ def capture(
         sd = _snapshot(sd, on_copy=digester.add, buffers=buffers)
         buffers.finish()
         source_device = buffers.source_device
+    layout = CheckpointLayout.parse(request.layout or CheckpointLayout.PER_TENSOR)
+    segment_bytes = request.segment_bytes or DEFAULT_SEGMENT_BYTES
+    sharding = describe_sharding(model, engine)
+    if layout is CheckpointLayout.PACKED:
+        sharding = {**sharding, "layout": layout.value, "segment_bytes": segment_bytes}
     return CapturedCheckpoint(
         final=locate(path),
         step=request.step,
@@ -330,8 +370,10 @@ def capture(
         config=request.config,
         staged_digests=digester.digests(sd) if digester is not None else None,
         source_device=source_device,
-        sharding=describe_sharding(model, engine),
+        sharding=sharding,
         run_tags=check_run_tags(request.run_tags),
+        layout=layout,
+        segment_bytes=segment_bytes,
     )
 
 

@@ -53,6 +53,7 @@ from shardline.checkpoint.format.dcp_io import key_paths
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import HashingWriter
 from shardline.checkpoint.integrity.manifest import DCP_METADATA, DERIVED_FILES
+from shardline.checkpoint.integrity.packed_plan import PLAN_DIGEST_KEY
 from shardline.checkpoint.integrity.verify import check_expected_hash
 from shardline.checkpoint.lifecycle.capture import TAG_PATTERN, CapturedCheckpoint
 from shardline.checkpoint.lifecycle.recovery import run_name
@@ -242,6 +243,11 @@ class Writer(StorageWriter):
 
     # ------------------------------------------------------------------ preflight (coordinator)
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if any(PLAN_DIGEST_KEY in (p.planner_data or {}) for p in plans):
+            raise ConfigurationError(
+                "the DCP-native Writer saves the per_tensor layout (its manifest describes the state dict as DCP "
+                "stores it); for layout='packed' save with shardline.checkpoint.save or a CheckpointManager"
+            )
         if _unfinished:
             # Note: DCP gives a writer no call when a save fails on another rank. A failed save's writer is
             # garbage (in a reference cycle with DCP's exception): collecting it runs its finalizer, which removes

@@ -58,9 +58,10 @@ from torch import nn
 from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, CheckpointLayout
 from shardline.checkpoint.integrity.verify import VerifyLevel
 from shardline.checkpoint.lifecycle.async_writer import AsyncWriter
-from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveRequest
+from shardline.checkpoint.lifecycle.capture import CapturedCheckpoint, SaveRequest, check_layout_options
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
 from shardline.checkpoint.lifecycle.load import load_verified
 from shardline.checkpoint.lifecycle.quarantine import move_aside
@@ -137,6 +138,9 @@ class CheckpointManager:
             (0, the default: the cores each rank has on its node, at most 8; :mod:`.parallelism`).
         tags: Run tags (``{"ticket": "ABC-1", "owner": "..."}``), recorded in every checkpoint's
             manifest and provenance statement (``run_tags``); a request's own ``run_tags`` win per key.
+        layout: How sharded saves store their tensors: ``"per_tensor"`` (default) or ``"packed"`` (see
+            :class:`~.capture.SaveRequest`); a request's own ``layout`` wins, and a ``full`` save stays per tensor.
+        segment_bytes: The packed layout's segment size (default 256 MiB).
 
     Raises:
         ConfigurationError: ``keep_last_n``, ``keep_best_k`` or ``files_per_rank`` is negative; ``mode``
@@ -163,7 +167,12 @@ class CheckpointManager:
         keep_best_k: int = 0,
         monitor: str | None = None,
         mode: str = "min",
+        layout: CheckpointLayout | str = CheckpointLayout.PER_TENSOR,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     ) -> None:
+        self.layout = CheckpointLayout.parse(layout)
+        check_layout_options(self.layout, segment_bytes, kind="sharded")
+        self.segment_bytes = segment_bytes
         self.tags = check_run_tags(tags)
         """The run tags every save records (checked, sorted by key)."""
         best = BestPolicy(keep_best_k=keep_best_k, monitor=monitor, mode=mode)
@@ -275,6 +284,10 @@ class CheckpointManager:
         self.wait()
         if self.tags:
             request = dataclasses.replace(request, run_tags={**self.tags, **(request.run_tags or {})})
+        if request.layout is None and request.kind == "sharded":
+            request = dataclasses.replace(
+                request, layout=self.layout, segment_bytes=request.segment_bytes or self.segment_bytes
+            )
         path = self.path_for(request.step, request.tag)
         self._metrics[path] = metrics_detail(request.metrics or {})
         # capture_agreed checks that every rank can write tmp, in its own agreement (one collective fewer).

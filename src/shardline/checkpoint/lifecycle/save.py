@@ -59,6 +59,7 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.coordination.parallelism import AUTO, resolve_files_per_rank
 from shardline.checkpoint.faults.crashpoints import crash_point
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, CheckpointLayout
 from shardline.checkpoint.integrity.copy_check import check_written
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.hashing_writer import HashingWriter
@@ -304,7 +305,7 @@ def write_and_commit(
             dcp.save(
                 captured.state_dict,
                 storage_writer=writer,
-                planner=ShardlineSavePlanner(),
+                planner=ShardlineSavePlanner(layout=captured.layout, segment_bytes=captured.segment_bytes),
                 process_group=process_group,
                 no_dist=not dist.is_initialized(),
             )
@@ -532,6 +533,8 @@ def save(
     files_per_rank: int = AUTO,
     storage_options: Mapping[str, Any] | None = None,
     run_tags: Mapping[str, str] | None = None,
+    layout: CheckpointLayout | str = CheckpointLayout.PER_TENSOR,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> CheckpointInfo:
     """Save a checkpoint into the new directory ``path`` and commit it atomically (a collective).
 
@@ -549,6 +552,9 @@ def save(
             its own reader thread (0, the default: the cores each rank has on its node, at most 8).
         storage_options: Options of the fsspec file system of a URL ``path`` (``endpoint_url``, ``key``,
             ``secret``...); default: the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...).
+        layout: ``"per_tensor"`` (default) or ``"packed"`` (each rank's row shards in a few segments; see
+            :class:`~.capture.SaveRequest`).
+        segment_bytes: The packed layout's segment size (default 256 MiB).
 
     Returns:
         The committed checkpoint's :class:`CheckpointInfo`, identical on every rank.
@@ -559,7 +565,7 @@ def save(
         CheckpointError: unwritable path, or the write failed (nothing is committed).
         StorageAccessError: a URL whose bucket does not exist, whose credentials are refused, or whose endpoint
             does not answer (nothing is written).
-        ConfigurationError: ``files_per_rank`` is not a count (nothing is written).
+        ConfigurationError: ``files_per_rank`` is not a count, or the layout options are bad (nothing is written).
     """
     request = SaveRequest(
         model=model,
@@ -571,6 +577,8 @@ def save(
         kind=kind,
         tag=tag,
         run_tags=run_tags,
+        layout=layout,
+        segment_bytes=segment_bytes,
     )
     return commit(
         path,

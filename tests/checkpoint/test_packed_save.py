@@ -1,0 +1,258 @@
+"""The packed layout's save side: segments instead of per-tensor chunks, the table in .metadata, the plan check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata as Stored
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+import shardline.checkpoint as ckpt
+from shardline.checkpoint.format.packed_layout import (
+    PACKED_LAYOUT_KEY,
+    MeshSpec,
+    PackedEntry,
+    PackedLayout,
+    layout_of,
+    segment_key,
+)
+from shardline.checkpoint.integrity.packed_plan import (
+    PLAN_DIGEST_KEY,
+    PackedSave,
+    check_packed_plan,
+    is_segment_key,
+    table_digest,
+)
+from shardline.checkpoint.integrity.plan_validation import ShardlineSavePlanner
+from shardline.errors import ConfigurationError
+from shardline.testing import run_distributed
+from tests.checkpoint import packed_ranks
+from tests.checkpoint.ranks import unpack
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("packed")
+    return root, run_distributed(packed_ranks.packed_saves, WORLD, args=(str(root),), timeout=150)
+
+
+def _metadata(path: Path) -> Metadata:
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def _segments(path: Path) -> dict[str, torch.Tensor]:
+    """Every segment of ``path``, read with plain ``dcp.load`` into plain tensors."""
+    metadata = _metadata(path)
+    state = {
+        key: torch.empty(tuple(value.size), dtype=value.properties.dtype)
+        for key, value in metadata.state_dict_metadata.items()
+        if is_segment_key(key) and isinstance(value, Stored)
+    }
+    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return state
+
+
+def _expected(pieces: list[tuple[str, str, bytes]], keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """A rank's pieces of every dtype concatenated in key order (one segment per dtype)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for key, dtype, data in pieces:
+        if keys is None or key in keys:
+            out.setdefault(dtype, []).append(unpack(data))
+    return {dtype: torch.cat(parts) for dtype, parts in out.items()}
+
+
+def test_a_full_shard_save_writes_one_segment_per_rank_and_dtype_and_the_table(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, facts = saved
+    metadata = _metadata(root / "packed")
+    stored = metadata.state_dict_metadata
+    segment_keys = sorted(k for k in stored if is_segment_key(k))
+    packed = [key for key, _, _ in facts[0]["locals"]]
+    assert len(packed) > 40
+    # W x dtypes items for the DTensors (all float32 here), not one item per tensor
+    assert segment_keys == sorted(segment_key(r, "float32", 0) for r in range(WORLD))
+    assert not set(packed) & set(stored), "a packed tensor was also stored per tensor"
+    assert {"model.pos_scale", "optim.state.emb.weight.step"} <= set(stored)  # plain tensors stay DCP items
+    layout = layout_of(metadata)
+    assert layout is not None
+    assert [e.key for e in layout.entries] == packed
+    assert layout.world_size == WORLD
+    assert all(len(stored[k].chunks) == 1 for k in segment_keys)
+    segments = _segments(root / "packed")
+    for rank, f in enumerate(facts):
+        assert [k for k, _, _ in f["locals"]] == packed
+        expected = _expected(f["locals"])
+        assert torch.equal(segments[segment_key(rank, "float32", 0)], expected["float32"]), rank
+    manifest = json.loads((root / "packed" / "manifest.json").read_text())
+    assert manifest["sharding"]["layout"] == "packed"
+    assert manifest["sharding"]["segment_bytes"] == 256 * 2**20
+    assert ckpt.verify_checkpoint(root / "packed").ok
+
+
+def test_small_segments_are_cut_by_the_rule_and_hold_the_same_bytes(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    root, facts = saved
+    metadata = _metadata(root / "small")
+    layout = layout_of(metadata)
+    assert layout is not None
+    assert layout.segment_bytes == 64
+    planned = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if is_segment_key(k)}
+    expected = layout.expected_segment_sizes()
+    assert planned == {k: (n,) for k, n in expected.items()}
+    assert len(planned) > 4 * WORLD
+    segments = _segments(root / "small")
+    for rank, f in enumerate(facts):
+        parts = [segments[s.key] for s in layout.segments(rank)]
+        assert torch.equal(torch.cat(parts), _expected(f["locals"])["float32"]), rank
+
+
+def test_a_replicated_model_writes_its_pieces_once(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    root, facts = saved
+    metadata = _metadata(root / "replicated")
+    segment_keys = sorted(k for k in metadata.state_dict_metadata if is_segment_key(k))
+    assert segment_keys == [segment_key(0, "float32", 0)]  # rank 1 holds replicas only: no segment
+    layout = layout_of(metadata)
+    assert layout is not None
+    assert all(e.shard_dim is None for e in layout.entries)
+    segments = _segments(root / "replicated")
+    expected = _expected(facts[0]["replicated_locals"])["float32"]
+    assert torch.equal(segments[segment_keys[0]], expected)
+    assert torch.equal(expected, _expected(facts[1]["replicated_locals"])["float32"])  # the replicas agree
+
+
+def test_async_packed_gives_the_sync_bytes_and_a_torn_piece_fails_the_save(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, facts = saved
+    assert all(f["async_info"] for f in facts)
+    sync, background = _segments(root / "packed"), _segments(root / "async" / "step-1")
+    assert sync.keys() == background.keys()
+    assert all(torch.equal(sync[k], background[k]) for k in sync)
+    for f in facts:
+        kind, message = f["torn"]
+        assert kind == "CheckpointError", f["torn"]
+        assert "IntegrityError: rank " in message, message
+        assert "differ from what it staged" in message, message
+        assert "segment _shardline_packed.r" in message, message
+        assert "are not the bytes staged" in message, message
+    assert not (root / "async" / "step-2").exists()
+
+
+@pytest.mark.parametrize(
+    ("what", "phrase"),
+    [("digest", "built a layout table that differs from rank 0's"), ("size", "segment(s) of the wrong size")],
+)
+def test_an_altered_rank_fails_the_plan_check_on_every_rank(
+    saved: tuple[Path, list[dict[str, Any]]], what: str, phrase: str
+) -> None:
+    root, facts = saved
+    for f in facts:
+        kind, message = f[f"altered_{what}"]
+        assert kind == "CheckpointError", f[f"altered_{what}"]
+        assert "Failed to validate global plan" in message, message
+        assert phrase in message, message
+    assert not (root / f"altered-{what}").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(f".altered-{what}")]
+
+
+def test_a_full_save_refuses_the_packed_layout(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, facts = saved
+    for f in facts:
+        kind, message = f["full_refused"]
+        assert kind == "ConfigurationError", f["full_refused"]
+        assert "nothing to pack" in message, message
+
+
+# -- the plan check alone (no ranks) ------------------------------------------------------------------------------
+
+
+def _layout() -> PackedLayout:
+    entries = (PackedEntry("w", "float32", (5, 3), 0, 0), PackedEntry("b", "bfloat16", (4,), 0, None))
+    return PackedLayout(2, 2**20, (MeshSpec((2,), (0, 1)),), entries)
+
+
+def _segment_item(key: str, numel: int, dtype: torch.dtype) -> WriteItem:
+    size = torch.Size([numel])
+    data = TensorWriteData(
+        chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size),
+        properties=TensorProperties(dtype=dtype),
+        size=size,
+    )
+    return WriteItem(index=MetadataIndex(key, torch.Size([0])), type=WriteItemType.TENSOR, tensor_data=data)
+
+
+def _plans(layout: PackedLayout) -> list[SavePlan]:
+    digest = table_digest(layout)
+    plans = []
+    for rank in range(layout.world_size):
+        items = [_segment_item(s.key, s.numel, getattr(torch, s.dtype)) for s in layout.segments(rank)]
+        plans.append(SavePlan(items, planner_data={PLAN_DIGEST_KEY: digest}))
+    return plans
+
+
+def _coordinator(layout: PackedLayout) -> ShardlineSavePlanner:
+    """Rank 0's planner after its local plan (its packed part holds the table)."""
+    planner = ShardlineSavePlanner(layout="packed")
+    planner.packed = PackedSave(layout, 0, {}, {s.key: s for s in layout.segments(0)})
+    return planner
+
+
+def test_the_plan_check_accepts_the_tables_segments_and_records_the_table() -> None:
+    layout = _layout()
+    _, metadata = _coordinator(layout).create_global_plan(_plans(layout))
+    assert metadata.planner_data[PACKED_LAYOUT_KEY] == layout.to_data()
+    assert PLAN_DIGEST_KEY not in metadata.planner_data
+    assert sorted(k for k in metadata.state_dict_metadata) == sorted(layout.expected_segment_sizes())
+
+
+def test_the_plan_check_names_missing_unexpected_and_resized_segments() -> None:
+    layout = _layout()
+    plans = _plans(layout)
+    plans[1] = dataclasses.replace(plans[1], items=[])  # rank 1's segment is missing
+    plans[0] = dataclasses.replace(
+        plans[0],
+        items=[
+            _segment_item(segment_key(0, "float32", 0), 10, torch.float32),  # 9 expected
+            plans[0].items[0],  # the bfloat16 segment, as planned
+            _segment_item(segment_key(0, "float32", 7), 1, torch.float32),
+        ],
+    )
+    stored = {
+        i.index.fqn: Stored(TensorProperties(), i.tensor_data.size, []) for p in plans for i in p.items if i.tensor_data
+    }
+    errors = check_packed_plan(layout, plans, Metadata(stored))
+    text = "\n".join(errors)
+    assert "1 segment(s) the table expects were not planned: '_shardline_packed.r1.float32.s0'" in text, text
+    assert "were planned that the table does not give: '_shardline_packed.r0.float32.s7'" in text, text
+    assert "'_shardline_packed.r0.float32.s0' planned (10,) expected (9,)" in text, text
+    assert len(errors) == 3, errors
+
+
+def test_the_plan_check_names_a_rank_whose_table_differs() -> None:
+    layout = _layout()
+    plans = _plans(layout)
+    plans[1] = dataclasses.replace(plans[1], planner_data={PLAN_DIGEST_KEY: "f" * 64})
+    with pytest.raises(ValueError, match=r"^Failed to validate global plan") as failure:
+        _coordinator(layout).create_global_plan(plans)
+    message = str(failure.value)
+    assert message.startswith("Failed to validate global plan: packed layout: 1 rank(s) (plan 1)"), message
+
+
+def test_a_per_tensor_rank_zero_refuses_packed_plans_and_bad_options_are_refused() -> None:
+    layout = _layout()
+    with pytest.raises(ValueError, match="some ranks planned a packed save and rank 0 did not"):
+        ShardlineSavePlanner().create_global_plan(_plans(layout))
+    with pytest.raises(ConfigurationError, match="unknown checkpoint layout 'dense'"):
+        ShardlineSavePlanner(layout="dense")
+    with pytest.raises(ConfigurationError, match="segment_bytes must be a positive number of bytes, got 0"):
+        ShardlineSavePlanner(layout="packed", segment_bytes=0)
