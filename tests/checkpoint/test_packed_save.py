@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata as Stored
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan
 
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.format.packed_layout import (
@@ -29,6 +29,7 @@ from shardline.checkpoint.integrity.packed_plan import (
     PackedSave,
     check_packed_plan,
     is_segment_key,
+    segment_write_item,
     table_digest,
 )
 from shardline.checkpoint.integrity.plan_validation import ShardlineSavePlanner
@@ -181,21 +182,11 @@ def _layout() -> PackedLayout:
     return PackedLayout(2, 2**20, (MeshSpec((2,), (0, 1)),), entries)
 
 
-def _segment_item(key: str, numel: int, dtype: torch.dtype) -> WriteItem:
-    size = torch.Size([numel])
-    data = TensorWriteData(
-        chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size),
-        properties=TensorProperties(dtype=dtype),
-        size=size,
-    )
-    return WriteItem(index=MetadataIndex(key, torch.Size([0])), type=WriteItemType.TENSOR, tensor_data=data)
-
-
 def _plans(layout: PackedLayout) -> list[SavePlan]:
     digest = table_digest(layout)
     plans = []
     for rank in range(layout.world_size):
-        items = [_segment_item(s.key, s.numel, getattr(torch, s.dtype)) for s in layout.segments(rank)]
+        items = [segment_write_item(s.key, s.numel, s.dtype) for s in layout.segments(rank)]
         plans.append(SavePlan(items, planner_data={PLAN_DIGEST_KEY: digest}))
     return plans
 
@@ -222,9 +213,9 @@ def test_the_plan_check_names_missing_unexpected_and_resized_segments() -> None:
     plans[0] = dataclasses.replace(
         plans[0],
         items=[
-            _segment_item(segment_key(0, "float32", 0), 10, torch.float32),  # 9 expected
+            segment_write_item(segment_key(0, "float32", 0), 10, "float32"),  # 9 expected
             plans[0].items[0],  # the bfloat16 segment, as planned
-            _segment_item(segment_key(0, "float32", 7), 1, torch.float32),
+            segment_write_item(segment_key(0, "float32", 7), 1, "float32"),
         ],
     )
     stored = {

@@ -45,7 +45,14 @@ from shardline.checkpoint.format.packed_layout import (
 )
 from shardline.errors import CheckpointError
 
-__all__ = ["PLAN_DIGEST_KEY", "PackedSave", "check_packed_plan", "is_segment_key", "table_digest"]
+__all__ = [
+    "PLAN_DIGEST_KEY",
+    "PackedSave",
+    "check_packed_plan",
+    "is_segment_key",
+    "segment_write_item",
+    "table_digest",
+]
 
 PLAN_DIGEST_KEY = "shardline.packed_layout.sha256"
 """Key of a local plan's ``planner_data`` holding the SHA-256 of the rank's layout table (same on every rank)."""
@@ -117,20 +124,7 @@ class PackedSave:
 
     def write_items(self) -> list[WriteItem]:
         """One 1-D ``TENSOR`` write item per segment of this rank."""
-        items = []
-        for segment in self.segments.values():
-            size = torch.Size([segment.numel])
-            data = TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size),
-                properties=TensorProperties(dtype=getattr(torch, segment.dtype)),
-                size=size,
-            )
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(segment.key, torch.Size([0])), type=WriteItemType.TENSOR, tensor_data=data
-                )
-            )
-        return items
+        return [segment_write_item(s.key, s.numel, s.dtype) for s in self.segments.values()]
 
     def parts(self, key: str) -> list[tuple[int, torch.Tensor]]:
         """``(element offset, flat local rows)`` of each piece of segment ``key``, in order."""
@@ -146,6 +140,17 @@ class PackedSave:
         for offset, flat in self.parts(key):
             out[offset : offset + flat.numel()].copy_(flat)
         return out
+
+
+def segment_write_item(key: str, numel: int, dtype: str) -> WriteItem:
+    """The write item of segment ``key``: a plain 1-D tensor of ``numel`` elements, one chunk at offset 0."""
+    size = torch.Size([numel])
+    data = TensorWriteData(
+        chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size),
+        properties=TensorProperties(dtype=getattr(torch, dtype)),
+        size=size,
+    )
+    return WriteItem(index=MetadataIndex(key, torch.Size([0])), type=WriteItemType.TENSOR, tensor_data=data)
 
 
 def _check_rows(layout: PackedLayout, entry: int, rank: int, value: DTensor) -> None:
