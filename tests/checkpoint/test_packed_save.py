@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata as Stored
 from torch.distributed.checkpoint.planner import SavePlan
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.format.packed_layout import (
     PACKED_LAYOUT_KEY,
+    CheckpointLayout,
     MeshSpec,
     PackedEntry,
     PackedLayout,
@@ -247,3 +249,28 @@ def test_a_per_tensor_rank_zero_refuses_packed_plans_and_bad_options_are_refused
         ShardlineSavePlanner(layout="dense")
     with pytest.raises(ConfigurationError, match="segment_bytes must be a positive number of bytes, got 0"):
         ShardlineSavePlanner(layout="packed", segment_bytes=0)
+
+
+def test_the_layout_options_are_checked_where_a_save_is_configured(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigurationError, match="nothing to pack"):
+        ckpt.SaveRequest(model=model, step=1, kind="full", layout="packed")
+    with pytest.raises(ConfigurationError, match="segment_bytes must be a positive number of bytes, got -1"):
+        ckpt.SaveRequest(model=model, step=1, segment_bytes=-1)
+    with pytest.raises(ConfigurationError, match="unknown checkpoint layout 'dense'"):
+        ckpt.CheckpointManager(tmp_path / "c", layout="dense")
+    manager = ckpt.CheckpointManager(tmp_path / "c", layout="segments", segment_bytes=4096)
+    assert (manager.layout, manager.segment_bytes) == (CheckpointLayout.PACKED, 4096)
+    manager.close()
+
+
+def test_the_dcp_native_writer_refuses_a_packed_plan(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointException) as failure:  # DCP's collective error, carrying the Writer's
+        dcp.save(
+            {"w": torch.ones(2)},
+            storage_writer=ckpt.Writer(tmp_path / "step-1"),
+            planner=ShardlineSavePlanner(layout="packed"),
+            no_dist=True,
+        )
+    assert "ConfigurationError: the DCP-native Writer saves the per_tensor layout" in str(failure.value)
+    assert not (tmp_path / "step-1").exists()
