@@ -168,6 +168,14 @@ def test_an_altered_rank_fails_the_plan_check_on_every_rank(
     assert not [p for p in root.iterdir() if p.name.startswith(f".altered-{what}")]
 
 
+def test_local_rows_other_than_the_rules_fail_the_save_on_every_rank(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, facts = saved
+    message = facts[0]["uneven_rows"]
+    assert "packed layout: rank 0 holds rows (0, 3) of 'w'" in message, message
+    assert "gives it rows (0, 2)" in message, message
+    assert facts[1]["uneven_rows"] == message  # rank 1's rows are right; it fails with rank 0's error
+
+
 def test_a_full_save_refuses_the_packed_layout(saved: tuple[Path, list[dict[str, Any]]]) -> None:
     _, facts = saved
     for f in facts:

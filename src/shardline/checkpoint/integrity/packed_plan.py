@@ -169,17 +169,22 @@ def _check_rows(layout: PackedLayout, entry: int, rank: int, value: DTensor) -> 
     expected = layout.rows_of(entry, mesh.rank_at(first))
     chunks = _torch_compat.local_chunks(value)
     chunk = chunks[0] if len(chunks) == 1 else None
+    # Note: DTensor answers its chunk from its placements; the rows are also counted in the local tensor itself,
+    # whose bytes the segment takes (a piece of another length would shift every piece after it).
+    local = tuple(value.to_local().shape)
     seen: tuple[int, int] | None = None
-    if chunk is not None and chunk.sizes[0]:
-        seen = (int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))
+    if chunk is not None and local[0]:
+        seen = (int(chunk.offsets[0]), int(chunk.offsets[0]) + local[0])
     whole_rows = chunk is not None and all(
-        o == 0 and s == n for o, s, n in zip(chunk.offsets[1:], chunk.sizes[1:], spec.shape[1:], strict=True)
+        o == 0 and s == n == m
+        for o, s, n, m in zip(chunk.offsets[1:], chunk.sizes[1:], spec.shape[1:], local[1:], strict=True)
     )
-    if chunk is None or seen != expected or not whole_rows:
+    if chunk is None or seen != expected or tuple(chunk.sizes)[:1] != local[:1] or not whole_rows:
         raise CheckpointError(
-            f"packed layout: rank {rank} holds rows {seen} of {spec.key!r} (shape {spec.shape}, local chunks "
-            f"{[(tuple(c.offsets), tuple(c.sizes)) for c in chunks]}), but the layout's rule (torch.chunk's split of "
-            f"dimension 0) gives it rows {expected}; this sharding cannot be packed: save with layout='per_tensor'"
+            f"packed layout: rank {rank} holds rows {seen} of {spec.key!r} (shape {spec.shape}, local shape {local}, "
+            f"chunks {[(tuple(c.offsets), tuple(c.sizes)) for c in chunks]}), but the layout's rule (torch.chunk's "
+            f"split of dimension 0) gives it rows {expected}; this sharding cannot be packed: save with "
+            "layout='per_tensor'"
         )
 
 
