@@ -26,6 +26,9 @@ two Adam moments) sharded FULL_SHARD (``benchmarks/scale_layout.py``). Per W it 
 * **Beside those** (``benchmarks/scale_side_costs.py``): rank 0's listing check before the commit (a real
   directory of W x ``files`` empty files), the whole checked manifest (its bytes, rank 0's encoding, each
   rank's decoding), what of it each rank receives at a load, and the elastic restart's restart count.
+* **Packed layout** (``--layout packed``, ``benchmarks/scale_packed.py``): the save planner's packed
+  code at W -- rank 0's table build, a rank's local plan, rank 0's global plan with metadata and
+  plan check, ``.metadata``'s items and pickled size -- printed beside the per-tensor figures.
 * **Object store**: the requests a save and a verified load make under the checkpoint's prefixes,
   counted from the store's operations (claim, multipart uploads in s3fs's 50 MiB parts, records; computed,
   not sent), and the floor they put on the save at S3's documented 3,500 PUT/s and 5,500 GET/s per prefix:
@@ -41,7 +44,7 @@ table. Everything shardline gathers or writes per file runs at full size.
 The ledger over many saves is ``benchmarks/scale_ledger.py``.
 
     python -m benchmarks.scale_sim [--worlds 8,64,512,1024,4096,16384] [--files 8] [--json out.json]
-        [--plot docs/benchmarks/scale.png]
+        [--plot docs/benchmarks/scale.png] [--layout packed]
     python -m benchmarks.scale_sim --from-json out.json --plot docs/benchmarks/scale.png   # redraw only
 """
 
@@ -97,6 +100,7 @@ from benchmarks.scale_layout import (
     rank_rows,
     state_dict_keys,
 )
+from benchmarks.scale_packed import PACKED_COLUMNS, packed_costs
 from benchmarks.scale_side_costs import side_costs
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.format.dcp_io import unpickle_metadata
@@ -317,8 +321,11 @@ def simulate(
     reps: int | None = None,
     workdir: Path | None = None,
     validate_max_world: int = 4096,
+    layout: str = "per_tensor",
 ) -> SimulatedSave:
     """Run the protocol's rank-0 and per-rank planning code for ``world`` ranks (see the module note).
+
+    ``layout="packed"`` also runs the packed layout's planning (``scale_packed.py``).
 
     torch's validation of the global save plan is quadratic in W for some tensors; above
     ``validate_max_world`` it is not run (:func:`extrapolate` fills it in from the largest W measured).
@@ -351,6 +358,8 @@ def simulate(
         else:
             out.extrapolated.append("dcp_validate_s")
         item_results = [_item_results(p, r, files) for r, p in enumerate(global_plan)]
+        if layout == "packed":
+            v.update(packed_costs(world, tensors, timed=timed, reps=reps))
 
         def finish() -> tuple[Metadata, bytes]:  # FileSystemWriter.finish: every result's storage data, pickled
             storage: dict[MetadataIndex, Any] = {}
@@ -633,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--validate-max-world", type=int, default=4096, help="largest W whose DCP plan validation (quadratic) runs"
     )
+    parser.add_argument(
+        "--layout",
+        choices=("per_tensor", "packed", "packed_only"),
+        default="per_tensor",
+        help="packed: also the packed layout's planning; packed_only: only that (seconds, even at 16,384 ranks)",
+    )
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument("--plot", type=Path, help="draw cost vs W (log-log) into this PNG (needs matplotlib)")
     parser.add_argument("--from-json", type=Path, help="print and plot the rows of an earlier --json; run nothing")
@@ -644,6 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = _load(args.from_json) if args.from_json else []
     for w in [] if args.from_json else (int(x) for x in args.worlds.split(",")):
         t = time.perf_counter()
+        if args.layout == "packed_only":
+            packed = packed_costs(w, state_dict_keys(layers=args.layers), timed=timed, reps=3 if w <= 1024 else 1)
+            rows.append(SimulatedSave(world=w, files=args.files, values=packed))
+            continue
         rows.append(
             simulate(
                 w,
@@ -652,11 +671,18 @@ def main(argv: list[str] | None = None) -> int:
                 dcp_layers=args.dcp_layers,
                 keep=args.keep,
                 validate_max_world=args.validate_max_world,
+                layout=args.layout,
             )
         )
         print(f"W={w}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     extrapolate(rows)
-    print(markdown(rows, SAVE_COLUMNS) + "\n\n" + markdown(rows, LOAD_COLUMNS))
+    if args.layout != "packed_only":
+        print(markdown(rows, SAVE_COLUMNS) + "\n\n" + markdown(rows, LOAD_COLUMNS))
+    if any("packed_metadata_items" in r.values for r in rows):
+        columns = PACKED_COLUMNS
+        if args.layout == "packed_only":  # no per-tensor figures to stand beside
+            columns = [c for c in columns if not c[1].startswith("per-tensor")]
+        print("\npacked layout:\n\n" + markdown(rows, columns))
     print("\n~ extrapolated from the two largest W measured (--validate-max-world)")
     print("\n* scaled from the sampled tensors (--dcp-layers) to all of them by count")
     if len(rows) > 1:

@@ -62,6 +62,18 @@ FLAT = {
     "manifest_load_bytes_per_rank": 0.05,
     "restart_count_bytes_per_rank": 0.0,
 }
+# The packed layout (scale_packed.py): .metadata holds a segment per rank and dtype (W x dtypes items, the table
+# O(tensors + W)), so rank 0's plan and the metadata grow with W at most; a rank's table build and local plan
+# depend on the tensors, not on W (only the mesh's rank list grows).
+LINEAR |= {
+    "packed_global_plan_s": 1.4,
+    "packed_plan_check_s": 1.4,
+    "packed_finish_s": 1.4,
+    "packed_metadata_open_per_rank_s": 1.4,
+    "packed_metadata_items": 1.05,
+    "packed_metadata_bytes": 1.05,
+}
+FLAT |= {"packed_table_build_s": 0.5, "packed_local_plan_s": 0.5}
 # A bucket save spreads its data files over key prefixes of 256 ranks each: the fullest prefix stops growing there.
 SUBLINEAR = {"objects_per_prefix": 0.55, "save_requests_per_prefix": 0.55}
 
@@ -69,7 +81,10 @@ SUBLINEAR = {"objects_per_prefix": 0.55, "save_requests_per_prefix": 0.55}
 def _measure() -> list[scale_sim.SimulatedSave]:
     # torch's validation of the global plan is quadratic in W (docs/benchmarks.md) and takes seconds at 1,024, so
     # it is left out here (validate_max_world=0); shardline's own (shardline_validate_s) is measured and bounded.
-    return [scale_sim.simulate(w, layers=2, dcp_layers=1, keep=1, reps=3, validate_max_world=0) for w in WORLDS]
+    return [
+        scale_sim.simulate(w, layers=2, dcp_layers=1, keep=1, reps=3, validate_max_world=0, layout="packed")
+        for w in WORLDS
+    ]
 
 
 def _over(rows: list[scale_sim.SimulatedSave]) -> dict[str, float]:
@@ -86,6 +101,11 @@ def test_protocol_costs_scale_no_worse_than_linearly() -> None:
     assert large.values["manifest_bytes"] > small.values["manifest_bytes"] * 4  # every file is listed
     bound = max_objects_per_prefix(world=RANKS_PER_PREFIX, files_per_rank=8, spread=True)
     assert large.values["objects_per_prefix"] == bound, "W=1,024: no prefix holds more than 256 ranks' files"
+    # packed: W x dtypes x segments per rank (this 2-layer model's fp32 state is 3 segments of 256 MiB per rank at
+    # W=64, one at 1,024), against a chunk per rank and tensor in the per-tensor layout
+    assert small.values["packed_metadata_items"] == 64 * 3
+    assert large.values["packed_metadata_items"] == 1024
+    assert large.values["packed_metadata_bytes"] * 10 < large.values["dcp_metadata_bytes"]
 
 
 def test_the_object_store_floor_is_the_fullest_prefix_at_16k_ranks() -> None:

@@ -65,6 +65,25 @@ def _altered(what: str, victim: int) -> Any:
     return create_local_plan
 
 
+def _uneven_rows(rank: int, world: int, path: str) -> str:
+    """A DTensor whose rank 0 holds 3 of its 4 rows (torch.chunk gives 2): the packed save fails on every rank."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.ones(3 if rank == 0 else 2, 2)  # rank 1 holds what the rule gives it
+    uneven = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([4, 2]), stride=(2, 1))
+    try:
+        torch.distributed.checkpoint.save(
+            {"w": uneven}, storage_writer=FileSystemWriter(path), planner=ShardlineSavePlanner(layout="packed")
+        )
+    except CheckpointException as e:
+        return str(e)
+    return "no error"
+
+
 def packed_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     """Every packed save the tests read back: sync, small segments, async (and a torn async one), injected plan
     faults, and a replicated (no_shard) model. Returns this rank's facts and local pieces."""
@@ -107,6 +126,7 @@ def packed_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     ckpt.save(
         os.path.join(root, "replicated"), model=replicated, optimizer=replicated_optimizer, step=1, layout="packed"
     )
+    out["uneven_rows"] = _uneven_rows(rank, world, os.path.join(root, "uneven"))
     out["full_refused"] = catch(
         ckpt.save, os.path.join(root, "full"), model=model, optimizer=optimizer, step=1, kind="full", layout="packed"
     )

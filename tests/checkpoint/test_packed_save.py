@@ -11,13 +11,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata as Stored
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan
 
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.format.packed_layout import (
     PACKED_LAYOUT_KEY,
+    CheckpointLayout,
     MeshSpec,
     PackedEntry,
     PackedLayout,
@@ -29,6 +31,7 @@ from shardline.checkpoint.integrity.packed_plan import (
     PackedSave,
     check_packed_plan,
     is_segment_key,
+    segment_write_item,
     table_digest,
 )
 from shardline.checkpoint.integrity.plan_validation import ShardlineSavePlanner
@@ -165,6 +168,14 @@ def test_an_altered_rank_fails_the_plan_check_on_every_rank(
     assert not [p for p in root.iterdir() if p.name.startswith(f".altered-{what}")]
 
 
+def test_local_rows_other_than_the_rules_fail_the_save_on_every_rank(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, facts = saved
+    message = facts[0]["uneven_rows"]
+    assert "packed layout: rank 0 holds rows (0, 3) of 'w'" in message, message
+    assert "gives it rows (0, 2)" in message, message
+    assert facts[1]["uneven_rows"] == message  # rank 1's rows are right; it fails with rank 0's error
+
+
 def test_a_full_save_refuses_the_packed_layout(saved: tuple[Path, list[dict[str, Any]]]) -> None:
     _, facts = saved
     for f in facts:
@@ -181,21 +192,11 @@ def _layout() -> PackedLayout:
     return PackedLayout(2, 2**20, (MeshSpec((2,), (0, 1)),), entries)
 
 
-def _segment_item(key: str, numel: int, dtype: torch.dtype) -> WriteItem:
-    size = torch.Size([numel])
-    data = TensorWriteData(
-        chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size),
-        properties=TensorProperties(dtype=dtype),
-        size=size,
-    )
-    return WriteItem(index=MetadataIndex(key, torch.Size([0])), type=WriteItemType.TENSOR, tensor_data=data)
-
-
 def _plans(layout: PackedLayout) -> list[SavePlan]:
     digest = table_digest(layout)
     plans = []
     for rank in range(layout.world_size):
-        items = [_segment_item(s.key, s.numel, getattr(torch, s.dtype)) for s in layout.segments(rank)]
+        items = [segment_write_item(s.key, s.numel, s.dtype) for s in layout.segments(rank)]
         plans.append(SavePlan(items, planner_data={PLAN_DIGEST_KEY: digest}))
     return plans
 
@@ -222,9 +223,9 @@ def test_the_plan_check_names_missing_unexpected_and_resized_segments() -> None:
     plans[0] = dataclasses.replace(
         plans[0],
         items=[
-            _segment_item(segment_key(0, "float32", 0), 10, torch.float32),  # 9 expected
+            segment_write_item(segment_key(0, "float32", 0), 10, "float32"),  # 9 expected
             plans[0].items[0],  # the bfloat16 segment, as planned
-            _segment_item(segment_key(0, "float32", 7), 1, torch.float32),
+            segment_write_item(segment_key(0, "float32", 7), 1, "float32"),
         ],
     )
     stored = {
@@ -256,3 +257,28 @@ def test_a_per_tensor_rank_zero_refuses_packed_plans_and_bad_options_are_refused
         ShardlineSavePlanner(layout="dense")
     with pytest.raises(ConfigurationError, match="segment_bytes must be a positive number of bytes, got 0"):
         ShardlineSavePlanner(layout="packed", segment_bytes=0)
+
+
+def test_the_layout_options_are_checked_where_a_save_is_configured(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigurationError, match="nothing to pack"):
+        ckpt.SaveRequest(model=model, step=1, kind="full", layout="packed")
+    with pytest.raises(ConfigurationError, match="segment_bytes must be a positive number of bytes, got -1"):
+        ckpt.SaveRequest(model=model, step=1, segment_bytes=-1)
+    with pytest.raises(ConfigurationError, match="unknown checkpoint layout 'dense'"):
+        ckpt.CheckpointManager(tmp_path / "c", layout="dense")
+    manager = ckpt.CheckpointManager(tmp_path / "c", layout="segments", segment_bytes=4096)
+    assert (manager.layout, manager.segment_bytes) == (CheckpointLayout.PACKED, 4096)
+    manager.close()
+
+
+def test_the_dcp_native_writer_refuses_a_packed_plan(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointException) as failure:  # DCP's collective error, carrying the Writer's
+        dcp.save(
+            {"w": torch.ones(2)},
+            storage_writer=ckpt.Writer(tmp_path / "step-1"),
+            planner=ShardlineSavePlanner(layout="packed"),
+            no_dist=True,
+        )
+    assert "ConfigurationError: the DCP-native Writer saves the per_tensor layout" in str(failure.value)
+    assert not (tmp_path / "step-1").exists()

@@ -74,6 +74,8 @@ def test_the_no_sharding_sentinel_has_one_meaning() -> None:
         ),
         ("checkpoint.verify=bogus", r"checkpoint.verify='bogus': unknown verification level 'bogus'"),
         ("checkpoint.files_per_rank=-2", r"^checkpoint.files_per_rank=-2 is not a file count; use a positive integer"),
+        ("checkpoint.layout=dense", r"^checkpoint.layout='dense', .*unknown checkpoint layout 'dense'; choose"),
+        ("checkpoint.segment_bytes=0", r"segment_bytes must be a positive number of bytes, got 0"),
         ("data.name=csv", r"unknown data source data.name='csv'; available: stdlib, text, jsonl, tokens"),
     ],
 )

@@ -45,7 +45,14 @@ from shardline.checkpoint.format.packed_layout import (
 )
 from shardline.errors import CheckpointError
 
-__all__ = ["PLAN_DIGEST_KEY", "PackedSave", "check_packed_plan", "is_segment_key", "table_digest"]
+__all__ = [
+    "PLAN_DIGEST_KEY",
+    "PackedSave",
+    "check_packed_plan",
+    "is_segment_key",
+    "segment_write_item",
+    "table_digest",
+]
 
 PLAN_DIGEST_KEY = "shardline.packed_layout.sha256"
 """Key of a local plan's ``planner_data`` holding the SHA-256 of the rank's layout table (same on every rank)."""
@@ -117,20 +124,7 @@ class PackedSave:
 
     def write_items(self) -> list[WriteItem]:
         """One 1-D ``TENSOR`` write item per segment of this rank."""
-        items = []
-        for segment in self.segments.values():
-            size = torch.Size([segment.numel])
-            data = TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size),
-                properties=TensorProperties(dtype=getattr(torch, segment.dtype)),
-                size=size,
-            )
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(segment.key, torch.Size([0])), type=WriteItemType.TENSOR, tensor_data=data
-                )
-            )
-        return items
+        return [segment_write_item(s.key, s.numel, s.dtype) for s in self.segments.values()]
 
     def parts(self, key: str) -> list[tuple[int, torch.Tensor]]:
         """``(element offset, flat local rows)`` of each piece of segment ``key``, in order."""
@@ -146,6 +140,17 @@ class PackedSave:
         for offset, flat in self.parts(key):
             out[offset : offset + flat.numel()].copy_(flat)
         return out
+
+
+def segment_write_item(key: str, numel: int, dtype: str) -> WriteItem:
+    """The write item of segment ``key``: a plain 1-D tensor of ``numel`` elements, one chunk at offset 0."""
+    size = torch.Size([numel])
+    data = TensorWriteData(
+        chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size),
+        properties=TensorProperties(dtype=getattr(torch, dtype)),
+        size=size,
+    )
+    return WriteItem(index=MetadataIndex(key, torch.Size([0])), type=WriteItemType.TENSOR, tensor_data=data)
 
 
 def _check_rows(layout: PackedLayout, entry: int, rank: int, value: DTensor) -> None:
@@ -164,17 +169,22 @@ def _check_rows(layout: PackedLayout, entry: int, rank: int, value: DTensor) -> 
     expected = layout.rows_of(entry, mesh.rank_at(first))
     chunks = _torch_compat.local_chunks(value)
     chunk = chunks[0] if len(chunks) == 1 else None
+    # Note: DTensor answers its chunk from its placements; the rows are also counted in the local tensor itself,
+    # whose bytes the segment takes (a piece of another length would shift every piece after it).
+    local = tuple(value.to_local().shape)
     seen: tuple[int, int] | None = None
-    if chunk is not None and chunk.sizes[0]:
-        seen = (int(chunk.offsets[0]), int(chunk.offsets[0]) + int(chunk.sizes[0]))
+    if chunk is not None and local[0]:
+        seen = (int(chunk.offsets[0]), int(chunk.offsets[0]) + local[0])
     whole_rows = chunk is not None and all(
-        o == 0 and s == n for o, s, n in zip(chunk.offsets[1:], chunk.sizes[1:], spec.shape[1:], strict=True)
+        o == 0 and s == n == m
+        for o, s, n, m in zip(chunk.offsets[1:], chunk.sizes[1:], spec.shape[1:], local[1:], strict=True)
     )
-    if chunk is None or seen != expected or not whole_rows:
+    if chunk is None or seen != expected or tuple(chunk.sizes)[:1] != local[:1] or not whole_rows:
         raise CheckpointError(
-            f"packed layout: rank {rank} holds rows {seen} of {spec.key!r} (shape {spec.shape}, local chunks "
-            f"{[(tuple(c.offsets), tuple(c.sizes)) for c in chunks]}), but the layout's rule (torch.chunk's split of "
-            f"dimension 0) gives it rows {expected}; this sharding cannot be packed: save with layout='per_tensor'"
+            f"packed layout: rank {rank} holds rows {seen} of {spec.key!r} (shape {spec.shape}, local shape {local}, "
+            f"chunks {[(tuple(c.offsets), tuple(c.sizes)) for c in chunks]}), but the layout's rule (torch.chunk's "
+            f"split of dimension 0) gives it rows {expected}; this sharding cannot be packed: save with "
+            "layout='per_tensor'"
         )
 
 
