@@ -9,6 +9,12 @@ every planned segment against ``expected_segment_sizes``), the table into ``plan
 ``.metadata`` as ``FileSystemWriter.finish`` pickles it, unpickled as every rank opens it. Each other
 rank's plan is what it sends: its segment items (``segment_write_item``, sizes from the table) and
 its digest. Every tensor is planned (nothing is sampled: packed plans are O(W + tensors)).
+
+Then what rank 0 gathers at the end of the save (every rank's DCP write results for its segments and
+its ``files`` data files' digest records, pickled as DCP's ``gather_object`` sends them), and a load at
+the same W by a rank in the middle of the world: the logical view of the checkpoint's ``.metadata``
+(``packed_view.logical_metadata``: the table checked against the stored segments) and
+``ShardlineLoadPlanner``'s plan into that rank's DTensors (one read per segment it needs).
 """
 
 from __future__ import annotations
@@ -24,12 +30,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from benchmarks.scale_layout import Tensor, rank_rows
+from benchmarks.scale_layout import Tensor, fake_sha256, file_bytes, rank_rows
 from shardline.checkpoint.format.dcp_io import unpickle_metadata
+from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
 from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES
+from shardline.checkpoint.format.packed_view import logical_metadata
+from shardline.checkpoint.integrity.hashing import FileDigest
+from shardline.checkpoint.integrity.hashing_writer import digest_result
 from shardline.checkpoint.integrity.manifest import DCP_METADATA
 from shardline.checkpoint.integrity.packed_plan import (
     PLAN_DIGEST_KEY,
@@ -46,25 +57,25 @@ Timed = Callable[[Callable[[], Any], int], tuple[float, Any]]
 
 
 @contextlib.contextmanager
-def fake_world(world: int) -> Iterator[None]:
-    """This process as rank 0 of a ``world``-rank fake process group (collectives do nothing)."""
+def fake_world(world: int, rank: int = 0) -> Iterator[None]:
+    """This process as ``rank`` of a ``world``-rank fake process group (collectives do nothing)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("the packed simulation needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
 
 
-def _state_dict(tensors: list[Tensor], world: int) -> dict[str, DTensor]:
-    """Rank 0's FULL_SHARD DTensors of ``tensors`` (its ``Shard(0)`` rows, on the meta device)."""
+def _state_dict(tensors: list[Tensor], world: int, rank: int = 0) -> dict[str, DTensor]:
+    """``rank``'s FULL_SHARD DTensors of ``tensors`` (its ``Shard(0)`` rows, on the meta device)."""
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for t in tensors:
-        _, rows = rank_rows(t.shape[0], world, 0)
+        _, rows = rank_rows(t.shape[0], world, rank)
         local = torch.empty((rows, *t.shape[1:]), device="meta")
         shape = torch.Size(t.shape)
         stride = torch.empty(shape, device="meta").stride()
@@ -82,7 +93,13 @@ def _plans(sizes: dict[str, int], world: int, digest: str) -> list[SavePlan]:
 
 
 def packed_costs(
-    world: int, tensors: list[Tensor], *, timed: Timed, reps: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    world: int,
+    tensors: list[Tensor],
+    *,
+    timed: Timed,
+    reps: int,
+    files: int = 8,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> dict[str, float]:
     """The packed layout's planning costs and ``.metadata`` at ``world`` ranks (see the module note)."""
     v: dict[str, float] = {}
@@ -119,8 +136,42 @@ def packed_costs(
     v["packed_finish_s"], data = timed(finish, 1)
     v["packed_metadata_bytes"] = len(data)
     v["packed_metadata_items"] = len(metadata.state_dict_metadata)
-    v["packed_metadata_open_per_rank_s"], _ = timed(lambda: unpickle_metadata(data, DCP_METADATA), reps)
+    v["packed_gathered_bytes"] = _gathered_bytes(global_plan, tensors, world, files)
+    v["packed_metadata_open_per_rank_s"], opened = timed(lambda: unpickle_metadata(data, DCP_METADATA), reps)
+    v["packed_view_per_rank_s"], view = timed(lambda: logical_metadata(opened), reps)
+    mid = world // 2
+    with fake_world(world, rank=mid):
+        target = _state_dict(tensors, world, rank=mid)
+
+        def load_plan() -> int:
+            planner = ShardlineLoadPlanner(rank=mid)
+            planner.set_up_planner(target, view)
+            return len(planner.create_local_plan().items)
+
+        v["packed_load_plan_per_rank_s"], reads = timed(load_plan, reps)
+    v["packed_reads_per_rank"] = reads
     return v
+
+
+def _gathered_bytes(global_plan: list[SavePlan], tensors: list[Tensor], world: int, files: int) -> int:
+    """What DCP's ``gather_object`` brings rank 0 at the end of a packed save: each rank's write results (one per
+    segment) and the digest records of its ``files`` data files, pickled per rank."""
+    total = 0
+    for rank, plan in enumerate(global_plan):
+        results: list[Any] = []
+        offset = 0
+        for item in plan.items:
+            assert item.tensor_data is not None
+            length = item.tensor_data.chunk.sizes[0] * item.tensor_data.properties.dtype.itemsize
+            info = _StorageInfo(relative_path=f"__{rank}_0.distcp", offset=offset, length=length)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+            offset += length
+        sizes = file_bytes(tensors, world, rank, files)
+        for k, size in enumerate(sizes):
+            name = f"__{rank}_{k}.distcp"
+            results.append(digest_result(FileDigest(name, rank, size, fake_sha256(name))))
+        total += len(pickle.dumps(results))
+    return total
 
 
 PACKED_COLUMNS = [
@@ -132,10 +183,15 @@ PACKED_COLUMNS = [
     ("packed_finish_s", "DCP finish (s)", "{:.3f}"),
     ("packed_metadata_items", ".metadata items", "{:,.0f}"),
     ("packed_metadata_bytes", ".metadata", "bytes"),
+    ("packed_gathered_bytes", "gathered to rank 0", "bytes"),
     ("packed_metadata_open_per_rank_s", "open .metadata per rank (s)", "{:.4f}"),
+    ("packed_view_per_rank_s", "logical view per rank (s)", "{:.3f}"),
+    ("packed_load_plan_per_rank_s", "load plan per rank (s)", "{:.3f}"),
+    ("packed_reads_per_rank", "reads per rank", "{:,.0f}"),
     ("dcp_global_plan_s", "per-tensor: DCP global plan (s) *", "{:.1f}"),
     ("shardline_validate_s", "per-tensor: plan validation (s) *", "{:.2f}"),
     ("dcp_finish_s", "per-tensor: DCP finish (s) *", "{:.1f}"),
     ("dcp_metadata_bytes", "per-tensor: .metadata *", "bytes"),
+    ("gathered_bytes", "per-tensor: gathered to rank 0 *", "bytes"),
 ]
 """The packed layout's columns, beside the per-tensor layout's counterparts (``*``: scaled from sampled tensors)."""

@@ -359,7 +359,7 @@ def simulate(
             out.extrapolated.append("dcp_validate_s")
         item_results = [_item_results(p, r, files) for r, p in enumerate(global_plan)]
         if layout == "packed":
-            v.update(packed_costs(world, tensors, timed=timed, reps=reps))
+            v.update(packed_costs(world, tensors, timed=timed, reps=reps, files=files))
 
         def finish() -> tuple[Metadata, bytes]:  # FileSystemWriter.finish: every result's storage data, pickled
             storage: dict[MetadataIndex, Any] = {}
@@ -660,7 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     for w in [] if args.from_json else (int(x) for x in args.worlds.split(",")):
         t = time.perf_counter()
         if args.layout == "packed_only":
-            packed = packed_costs(w, state_dict_keys(layers=args.layers), timed=timed, reps=3 if w <= 1024 else 1)
+            packed = packed_costs(
+                w, state_dict_keys(layers=args.layers), timed=timed, reps=3 if w <= 1024 else 1, files=args.files
+            )
             rows.append(SimulatedSave(world=w, files=args.files, values=packed))
             continue
         rows.append(
