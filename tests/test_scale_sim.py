@@ -149,14 +149,27 @@ def test_an_injected_quadratic_cost_fails_the_check(monkeypatch: pytest.MonkeyPa
 
 
 def _assign_by_scanning_every_rank(files: Mapping[str, int], reads: Sequence[Mapping[str, int]]) -> list[list[str]]:
-    """The rule ``assign_hashing`` implements, written as its definition (files x ranks)."""
+    """The rule ``assign_hashing`` implements, written as its definition (files x ranks): the rank reading most of
+    the file, then the fewest bytes to hash, then the fewest files, then the lowest rank."""
     load = [0] * len(reads)
+    count = [0] * len(reads)
     out: list[list[str]] = [[] for _ in reads]
     for name, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
-        best = max(range(len(reads)), key=lambda r: (reads[r].get(name, 0), -load[r], -r))
+        best = max(range(len(reads)), key=lambda r: (reads[r].get(name, 0), -load[r], -count[r], -r))
         out[best].append(name)
         load[best] += size
+        count[best] += 1
     return out
+
+
+def test_files_of_no_bytes_that_no_rank_reads_spread_over_the_ranks() -> None:
+    """At 16,384 ranks the ranks past 16,032 hold no rows and write empty files no rank reads: they went to one
+    rank (2,816 entries, 277 KB of its load plan), now one each to the least loaded ranks."""
+    files = {f"__{r}_0.distcp": (100 if r < 4 else 0) for r in range(12)}
+    reads = [{f"__{r}_0.distcp": 100} if r < 4 else {} for r in range(12)]
+    shares = assign_hashing(files, reads)
+    assert shares[:4] == [[f"__{r}_0.distcp"] for r in range(4)]
+    assert sorted(len(share) for share in shares[4:]) == [1] * 8
 
 
 @pytest.mark.parametrize("seed", range(20))

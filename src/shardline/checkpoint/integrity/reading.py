@@ -72,26 +72,30 @@ def assign_hashing(files: Mapping[str, int], reads: Sequence[Mapping[str, int]])
     """
     # Note: linear in the files and the reads, not files x ranks (the coordinator of 16,384 ranks assigns 131k
     # files): a file's candidates are the ranks that read it; a file no rank reads goes to the least loaded rank,
-    # kept at the top of a heap of (load, rank) whose stale entries are skipped.
+    # kept at the top of a heap of (bytes, files, rank) whose stale entries are skipped. The file count breaks
+    # ties so that files of no bytes (ranks that hold no rows of any tensor write empty files) spread over the
+    # ranks instead of all going to the first one: each costs an open and a record in that rank's load plan.
     load = [0] * len(reads)
+    count = [0] * len(reads)
     out: list[list[str]] = [[] for _ in reads]
     readers: dict[str, list[int]] = {}
     for r, per_file in enumerate(reads):
         for name, nbytes in per_file.items():
             if nbytes > 0:
                 readers.setdefault(name, []).append(r)
-    least = [(0, r) for r in range(len(reads))]
+    least = [(0, 0, r) for r in range(len(reads))]
     for name, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
         candidates = readers.get(name)
         if candidates:
-            best = max(candidates, key=lambda r: (reads[r][name], -load[r], -r))
+            best = max(candidates, key=lambda r: (reads[r][name], -load[r], -count[r], -r))
         else:
-            while least[0][0] != load[least[0][1]]:
+            while (least[0][0], least[0][1]) != (load[least[0][2]], count[least[0][2]]):
                 heapq.heappop(least)
-            best = least[0][1]
+            best = least[0][2]
         out[best].append(name)
         load[best] += size
-        heapq.heappush(least, (load[best], best))
+        count[best] += 1
+        heapq.heappush(least, (load[best], count[best], best))
     return out
 
 
