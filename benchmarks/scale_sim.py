@@ -427,15 +427,15 @@ def simulate(
         rounds = 20  # a few milliseconds at any W: repeated, so the CPU clock's resolution does not decide it
         t, _ = timed(lambda: fast_plan(mid, rounds), reps)
         v["load_plan_fast_per_rank_s"] = t / rounds * scale
+        reader = VerifyingReader(root, full_md, to_hash=[d.to_json() for d in listed if d.path.endswith(".distcp")])
+        reader.set_up_storage_reader(full_md, is_coordinator=True)
         load_plans = []
         for results in item_results:  # same world and layout: each rank reads back its own items
             items = [
                 ReadItem(LoadItemType.TENSOR, wr.index, torch.Size([0]), wr.index, torch.Size([0]), torch.Size([1]))
                 for wr in results
             ]
-            load_plans.append(LoadPlan(items))
-        reader = VerifyingReader(root, full_md, to_hash=[d.to_json() for d in listed if d.path.endswith(".distcp")])
-        reader.set_up_storage_reader(full_md, is_coordinator=True)
+            load_plans.append(reader.prepare_local_plan(LoadPlan(items)))  # each rank's own step, in parallel
         v["load_global_plan_s"], global_plans = timed(lambda: reader.prepare_global_plan(load_plans), reps)
         share_bytes = max(len(pickle.dumps(p.storage_data)) for p in global_plans)  # entries each rank hashes
 

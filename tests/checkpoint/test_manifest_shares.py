@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
@@ -58,3 +59,46 @@ def test_a_rank_whose_plan_lost_its_share_fails_closed(tmp_path: Path, storage_d
     reader = VerifyingReader(tmp_path, Metadata(state_dict_metadata={}, storage_data={}), to_hash=(), verify=True)
     with pytest.raises(CheckpointError, match="carries no hashing assignment"):
         reader.read_data(LoadPlan([], storage_data=storage_data), planner=None)  # type: ignore[arg-type]
+
+
+def test_the_coordinator_sums_each_ranks_totals_instead_of_walking_its_read_items(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank totals its reads per file in its local plan step; rank 0 then never looks at a read item (35M of
+    them at 16,384 ranks in the per-tensor layout). A plan that arrives without totals is totalled as before."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from shardline.checkpoint.integrity import reading
+
+    storage = {
+        MetadataIndex(f"t{i}", (0,)): _StorageInfo(f"__{i % 2}_0.distcp", offset=100 * (i // 2), length=100)
+        for i in range(6)
+    }
+    metadata = Metadata(state_dict_metadata={}, storage_data=storage)
+    to_hash = [{"path": f"__{r}_0.distcp", "bytes": 300, "sha256": "0" * 64} for r in range(2)]
+    reader = VerifyingReader(tmp_path, metadata, to_hash=to_hash)
+    reader.set_up_storage_reader(metadata, is_coordinator=True)
+    plans = [
+        LoadPlan([ReadItem(LoadItemType.TENSOR, i, torch.Size([0]), i, torch.Size([0]), torch.Size([1])) for i in part])
+        for part in (list(storage)[:4], list(storage)[4:])
+    ]
+    local = [reader.prepare_local_plan(p) for p in plans]
+    assert [p.storage_data for p in local] == [
+        {reading.READS_KEY: {"__0_0.distcp": 200, "__1_0.distcp": 200}},
+        {reading.READS_KEY: {"__0_0.distcp": 100, "__1_0.distcp": 100}},
+    ]
+    walked: list[int] = []
+    original = reading.VerifyingReader._reads_per_file
+
+    def counting(self: VerifyingReader, items: list[ReadItem]) -> dict[str, int]:
+        walked.append(len(items))
+        return original(self, items)
+
+    monkeypatch.setattr(reading.VerifyingReader, "_reads_per_file", counting)
+    with_totals = reader.prepare_global_plan(local)
+    assert walked == []
+    without = reader.prepare_global_plan(plans)
+    assert walked == [4, 2]
+    assert [p.storage_data for p in with_totals] == [p.storage_data for p in without]  # the same shares either way

@@ -59,6 +59,8 @@ from shardline.errors import CheckpointError, CheckpointReadError, IntegrityErro
 __all__ = ["ASSIGNMENT_KEY", "VerifyingReader", "assign_hashing"]
 
 ASSIGNMENT_KEY = "shardline_hash_files"
+READS_KEY = "shardline_reads"
+"""A local load plan's ``storage_data`` key: the bytes the rank reads per file, totalled by the rank itself."""
 _CHUNK = 8 << 20
 _OVERLAP_MIN = 1 << 20
 
@@ -160,17 +162,31 @@ class VerifyingReader(MetadataReader):
         self._planner_lock = threading.Lock()
 
     # ------------------------------------------------------------------ planning (coordinator)
+    def _reads_per_file(self, items: Sequence[ReadItem]) -> dict[str, int]:
+        per_file: dict[str, int] = {}
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            per_file[info.relative_path] = per_file.get(info.relative_path, 0) + int(info.length)
+        return per_file
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = super().prepare_local_plan(plan)
+        if not self._verify:
+            return plan
+        # Note: each rank totals its reads per file here, in parallel, so the coordinator sums W small dicts
+        # instead of walking every rank's read items (in the per-tensor layout, a chunk per rank and tensor:
+        # 35M items at 16,384 ranks of a 70B model, about a minute of rank 0's CPU).
+        return dataclasses.replace(plan, storage_data={READS_KEY: self._reads_per_file(plan.items)})
+
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         plans = super().prepare_global_plan(plans)
         if not self._verify:
             return plans
         reads: list[dict[str, int]] = []
         for plan in plans:
-            per_file: dict[str, int] = {}
-            for item in plan.items:
-                info = self.storage_data[item.storage_index]
-                per_file[info.relative_path] = per_file.get(info.relative_path, 0) + int(info.length)
-            reads.append(per_file)
+            totals = plan.storage_data.get(READS_KEY) if isinstance(plan.storage_data, dict) else None
+            # a plan that lost its totals on the way (a torch version that rebuilds plans) is totalled here
+            reads.append(dict(totals) if isinstance(totals, dict) else self._reads_per_file(plan.items))
         shares = assign_hashing({name: int(e["bytes"]) for name, e in self._to_hash.items()}, reads)
         return [
             dataclasses.replace(plan, storage_data={ASSIGNMENT_KEY: [_entry(self._to_hash[n]) for n in share]})
