@@ -16,6 +16,8 @@ from shardline.checkpoint.format.packed_layout import (
 )
 from shardline.errors import ConfigurationError, IntegrityError
 
+pytestmark = pytest.mark.compat  # the packed layout rests on DTensor and DCP planner APIs: every torch in the matrix
+
 
 def _random_layout(rng: random.Random) -> PackedLayout:
     world = rng.choice([2, 4, 6, 8])
