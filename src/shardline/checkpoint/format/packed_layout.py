@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -299,9 +299,27 @@ class PackedLayout:
         """
         world = self.world_size
         cap = self.segment_bytes
+        coords = []
+        for mesh in self.meshes:
+            axes = np.unravel_index(np.arange(len(mesh.ranks)), mesh.shape)
+            coords.append((np.asarray(mesh.ranks, dtype=np.int64), np.stack(axes, axis=1)))
         state: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         closed: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = []
-        for spec, size in self._entry_bytes():
+        for spec in self.entries:
+            ranks, grid = coords[spec.mesh]
+            writes = np.ones(len(ranks), dtype=bool)
+            for d in range(grid.shape[1]):
+                if d != spec.shard_dim:
+                    writes &= grid[:, d] == 0
+            rows_total = spec.shape[0]
+            if spec.shard_dim is None:
+                rows = np.full(len(ranks), rows_total, dtype=np.int64)
+            else:
+                chunk = -(-rows_total // self.meshes[spec.mesh].shape[spec.shard_dim])
+                start = np.minimum(grid[:, spec.shard_dim].astype(np.int64) * chunk, rows_total)
+                rows = np.minimum(start + chunk, rows_total) - start
+            size = np.zeros(world, dtype=np.int64)
+            size[ranks[writes]] = rows[writes] * spec.row_numel * _itemsize(spec.dtype)
             used, index = state.setdefault(spec.dtype, (np.zeros(world, np.int64), np.zeros(world, np.int64)))
             new = (size > 0) & (used > 0) & (used + size > cap)
             if new.any():
@@ -319,36 +337,6 @@ class PackedLayout:
             for r, i, b in zip(where.tolist(), index.tolist(), used.tolist(), strict=True):
                 out[segment_key(r, dtype, i)] = b // itemsize
         return out
-
-    def rank_bytes(self) -> np.ndarray:
-        """The bytes each rank stores in its segments (all dtypes), indexed by rank, from the table alone."""
-        total = np.zeros(self.world_size, dtype=np.int64)
-        for _, size in self._entry_bytes():
-            total += size
-        return total
-
-    def _entry_bytes(self) -> Iterator[tuple[PackedEntry, np.ndarray]]:
-        """Each entry with the bytes every rank writes of it (indexed by rank; 0 for a rank that writes none)."""
-        coords = []
-        for mesh in self.meshes:
-            axes = np.unravel_index(np.arange(len(mesh.ranks)), mesh.shape)
-            coords.append((np.asarray(mesh.ranks, dtype=np.int64), np.stack(axes, axis=1)))
-        for spec in self.entries:
-            ranks, grid = coords[spec.mesh]
-            writes = np.ones(len(ranks), dtype=bool)
-            for d in range(grid.shape[1]):
-                if d != spec.shard_dim:
-                    writes &= grid[:, d] == 0
-            rows_total = spec.shape[0]
-            if spec.shard_dim is None:
-                rows = np.full(len(ranks), rows_total, dtype=np.int64)
-            else:
-                chunk = -(-rows_total // self.meshes[spec.mesh].shape[spec.shard_dim])
-                start = np.minimum(grid[:, spec.shard_dim].astype(np.int64) * chunk, rows_total)
-                rows = np.minimum(start + chunk, rows_total) - start
-            size = np.zeros(self.world_size, dtype=np.int64)
-            size[ranks[writes]] = rows[writes] * spec.row_numel * _itemsize(spec.dtype)
-            yield spec, size
 
     # -- plain data ------------------------------------------------------------------------------------
 

@@ -8,17 +8,22 @@ alone, its bytes would go to one file, written and hashed on one thread.
 Note: why the size is chosen from the table, and why the automatic count counts 8 files. Every
 rank builds the same table, and every rank's segments must be the ones the table's rule gives
 (the plan check compares them), so the size can only depend on what every rank knows alike: the
-table and the configured options. It is ``min(configured, ceil(B / n))``, where ``B`` is the
-largest bytes any rank stores in segments (all dtypes) and ``n`` the files each rank writes:
-``files_per_rank`` as given or, for the automatic count, :data:`MAX_FILES_PER_RANK` -- not the
-cores of this node, which another node may not share -- with at least
-:data:`MIN_AUTO_FILE_BYTES` per file, as the writer counts them. Segments never exceed the size
+table and the configured options. It is ``min(configured, ceil(B / n))``. ``B`` is the largest
+share of a rank, from the table in O(tensors): each tensor's bytes at coordinate 0 of its mesh
+(``torch.chunk``'s split gives it the most rows; only it writes a replicated tensor), summed --
+exactly the largest rank's share when the tensors share a mesh, an upper bound otherwise (a
+vectorized pass over every rank would cost each rank 0.18 s per save at 16,384 ranks). ``n`` is
+the files each rank writes: ``files_per_rank`` as given or, for the automatic count,
+:data:`MAX_FILES_PER_RANK` -- not the cores of this node, which another node may not share --
+with at least :data:`MIN_AUTO_FILE_BYTES` per file, as the writer counts them. Segments never exceed the size
 and hold all of a rank's bytes, so the largest rank has at least ``n`` of them where its pieces
 allow it (a piece larger than the size is a segment of its own), and the writer spreads them
 over its files by size. The table records the size used, which readers follow.
 """
 
 from __future__ import annotations
+
+import torch
 
 from shardline.checkpoint.coordination.parallelism import (
     AUTO,
@@ -28,7 +33,18 @@ from shardline.checkpoint.coordination.parallelism import (
 )
 from shardline.checkpoint.format.packed_layout import PackedLayout
 
-__all__ = ["spread_segment_bytes"]
+__all__ = ["largest_share", "spread_segment_bytes"]
+
+
+def largest_share(layout: PackedLayout) -> int:
+    """The bytes a rank stores in segments, at most (all dtypes; see the module note): exact when the tensors
+    share a mesh, an upper bound otherwise."""
+    total = 0
+    for i, spec in enumerate(layout.entries):
+        rows = layout.rows_of(i, layout.meshes[spec.mesh].ranks[0])
+        if rows is not None:
+            total += (rows[1] - rows[0]) * spec.row_numel * getattr(torch, spec.dtype).itemsize
+    return total
 
 
 def spread_segment_bytes(layout: PackedLayout, *, files_per_rank: int) -> int:
@@ -41,7 +57,7 @@ def spread_segment_bytes(layout: PackedLayout, *, files_per_rank: int) -> int:
     files = resolve_files_per_rank(files_per_rank)
     if files_per_rank != AUTO and files <= 1:
         return layout.segment_bytes
-    largest = int(layout.rank_bytes().max(initial=0))
+    largest = largest_share(layout)
     if files_per_rank == AUTO:
         files = min(MAX_FILES_PER_RANK, largest // MIN_AUTO_FILE_BYTES)
     if files <= 1 or not largest:
