@@ -18,10 +18,11 @@ shardline hashes and flushes as the location's calibration decided
 with the calibration off (the fixed behaviour). Targets: where the floor is the plain save,
 shardline's save at most 1.03x plain; elsewhere within 5% of the floor; judged on the median of
 the per-rep ratios, with a 95% interval from resampling the reps. Before each timed save the
-disk is settled (``os.sync`` and ``--settle`` seconds).
+disk is settled (``os.sync`` and ``--settle`` seconds). ``--layout packed`` times shardline's saves
+in the packed layout (plain DCP stays per tensor, the reference).
 
     python -m benchmarks.checkpoint_save --mib 192 --reps 30 --no-async [--world W] [--files N]
-        [--also-fixed] [--recalibrate] [--dir /path/on/the/target/disk] [--json]
+        [--layout per_tensor|packed] [--also-fixed] [--recalibrate] [--dir /path/on/the/target/disk] [--json]
 """
 
 from __future__ import annotations
@@ -92,7 +93,15 @@ def local_bytes(obj: object) -> list[memoryview]:
 
 
 def _timed_saves(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, root: Path, files: int, reps: int, settle: float, fixed: bool
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    root: Path,
+    files: int,
+    reps: int,
+    settle: float,
+    fixed: bool,
+    layout: str = "per_tensor",
 ) -> dict[str, list[float]]:
     """Each rep: the SHA-256 of this rank's bytes (one thread; the threads the save may hash with), then plain
     DCP's save and shardline's (and with ``fixed``, shardline's with the calibration off), in alternating order;
@@ -131,11 +140,11 @@ def _timed_saves(
                 runs["building"].append(time.perf_counter() - t)
                 dcp.save(built, storage_writer=dcp.FileSystemWriter(target, thread_count=files))
             elif which == "ours":
-                ckpt.save(target, model=model, optimizer=optimizer, step=i, files_per_rank=files)
+                ckpt.save(target, model=model, optimizer=optimizer, step=i, files_per_rank=files, layout=layout)
             else:
                 os.environ[calibration.ENV] = "off"
                 try:
-                    ckpt.save(target, model=model, optimizer=optimizer, step=i, files_per_rank=files)
+                    ckpt.save(target, model=model, optimizer=optimizer, step=i, files_per_rank=files, layout=layout)
                 finally:
                     del os.environ[calibration.ENV]
             runs[which].append(time.perf_counter() - t)
@@ -176,7 +185,16 @@ def _tuning(root: Path, files: int, recalibrate: bool) -> calibration.SaveTuning
 
 
 def _rank(
-    rank: int, world: int, root: str, mib: int, files: int, reps: int, settle: float, fixed: bool, recalibrate: bool
+    rank: int,
+    world: int,
+    root: str,
+    mib: int,
+    files: int,
+    reps: int,
+    settle: float,
+    fixed: bool,
+    recalibrate: bool,
+    layout: str = "per_tensor",
 ) -> dict[str, Any]:
     warnings.simplefilter("ignore")
     model, optimizer = build(mib)
@@ -184,19 +202,20 @@ def _rank(
     tuning = _tuning(Path(root), count, recalibrate and rank == 0)
     dist.barrier()
     runs: dict[str, Any] = _timed_saves(
-        model, optimizer, root=Path(root), files=count, reps=reps, settle=settle, fixed=fixed
+        model, optimizer, root=Path(root), files=count, reps=reps, settle=settle, fixed=fixed, layout=layout
     )
     runs["files"] = [float(count)]
+    runs["layout"] = layout
     runs["tuning"] = asdict(tuning)
     return runs
 
 
 def _async(
-    root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, files: int, reps: int
+    root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, files: int, reps: int, layout: str = "per_tensor"
 ) -> dict[str, list[float]]:
     """Per rep: how long ``dcp.async_save`` and ``CheckpointManager(async_save=True).save`` block the caller
     (staging; shardline's also hashes the staged bytes), each with no write in flight; alternating order."""
-    manager = ckpt.CheckpointManager(root / "async", async_save=True, files_per_rank=files)
+    manager = ckpt.CheckpointManager(root / "async", async_save=True, files_per_rank=files, layout=layout)
     out: dict[str, list[float]] = {"plain": [], "ours": []}
     for step in range(1, reps + 1):
         for which in ("plain", "ours") if step % 2 else ("ours", "plain"):
@@ -235,6 +254,7 @@ def _summary(runs: dict[str, Any], *, world: int, reps: int) -> dict[str, Any]:
     ]
     durable = [durable_floor_s(floor=f, fixed=t, ledger=False) for f, t in zip(floors, terms, strict=True)]
     return {
+        "layout": runs["layout"],
         "bytes": int(runs["bytes"][0]),
         "world_size": world,
         "files_per_rank": int(runs["files"][0]),
@@ -284,6 +304,12 @@ def main() -> None:
     )
     parser.add_argument("--world", type=int, default=1, help="ranks (gloo, this machine); timings are rank 0's")
     parser.add_argument(
+        "--layout",
+        choices=("per_tensor", "packed"),
+        default="per_tensor",
+        help="layout of shardline's saves (plain DCP's is per tensor, the reference)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=0.2,
@@ -300,6 +326,7 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    layout = args.layout
     warnings.simplefilter("ignore")
     root = Path(args.dir or tempfile.mkdtemp(prefix="shardline-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -308,15 +335,17 @@ def main() -> None:
         runs = run_distributed(
             _rank,
             args.world,
-            args=(str(root), args.mib, args.files, args.reps, args.settle, args.also_fixed, args.recalibrate),
+            args=(str(root), args.mib, args.files, args.reps, args.settle, args.also_fixed, args.recalibrate, layout),
             timeout=590,
         )[0]
     else:
         shardline.init_distributed(backend="gloo")
-        runs = _rank(0, 1, str(root), args.mib, args.files, args.reps, args.settle, args.also_fixed, args.recalibrate)
+        runs = _rank(
+            0, 1, str(root), args.mib, args.files, args.reps, args.settle, args.also_fixed, args.recalibrate, layout
+        )
         if not args.no_async:
             model, optimizer = build(args.mib)
-            staging = _async(root, model, optimizer, int(runs["files"][0]), min(args.reps, 6))
+            staging = _async(root, model, optimizer, int(runs["files"][0]), min(args.reps, 6), layout)
     result = _summary(runs, world=args.world, reps=args.reps)
     if staging:
         result["async_blocking_plain_s"] = statistics.median(staging["plain"])
@@ -338,7 +367,7 @@ def _print(result: dict[str, Any]) -> None:
     ms = {k: v * 1e3 for k, v in result.items() if k.endswith("_s") and isinstance(v, float)}
     tuning = result["tuning"]
     print(
-        f"state dict: {result['bytes'] / 2**20:.0f} MiB per rank at W={result['world_size']}, "
+        f"state dict: {result['bytes'] / 2**20:.0f} MiB per rank at W={result['world_size']} ({result['layout']}), "
         f"{result['files_per_rank']} file(s) and {result['cores_per_rank']} core(s) per rank, {result['reps']} "
         f"alternating runs, medians (load average {result['load_average']:.1f})"
     )

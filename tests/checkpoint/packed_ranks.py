@@ -85,7 +85,7 @@ def _uneven_rows(rank: int, world: int, path: str) -> str:
 
 
 def packed_saves(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Every packed save the tests read back: sync, small segments, async (and a torn async one), injected plan
+    """Every packed save the tests read back: sync, small segments, two files per rank, async (and a torn async one), injected plan
     faults, and a replicated (no_shard) model. Returns this rank's facts and local pieces."""
     out: dict[str, Any] = {}
     model, optimizer = build("full_shard")
@@ -95,6 +95,7 @@ def packed_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     ckpt.save(
         os.path.join(root, "small"), model=model, optimizer=optimizer, step=1, layout="segments", segment_bytes=64
     )
+    ckpt.save(os.path.join(root, "spread"), model=model, optimizer=optimizer, step=1, layout="packed", files_per_rank=2)
 
     manager = ckpt.CheckpointManager(os.path.join(root, "async"), async_save=True, layout="packed")
     manager.save(SaveRequest(model=model, optimizer=optimizer, step=1))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
@@ -34,6 +36,7 @@ from shardline.checkpoint.integrity.packed_plan import (
     segment_write_item,
     table_digest,
 )
+from shardline.checkpoint.integrity.packed_spread import largest_share, spread_segment_bytes
 from shardline.checkpoint.integrity.plan_validation import ShardlineSavePlanner
 from shardline.errors import ConfigurationError
 from shardline.testing import run_distributed
@@ -119,6 +122,57 @@ def test_small_segments_are_cut_by_the_rule_and_hold_the_same_bytes(saved: tuple
     for rank, f in enumerate(facts):
         parts = [segments[s.key] for s in layout.segments(rank)]
         assert torch.equal(torch.cat(parts), _expected(f["locals"])["float32"]), rank
+
+
+def test_a_packed_rank_cuts_its_segments_to_spread_them_over_its_files(
+    saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    root, facts = saved
+    path = root / "spread"  # files_per_rank=2: each rank writes two files, as a per-tensor save would
+    metadata = _metadata(path)
+    layout = layout_of(metadata)
+    assert layout is not None
+    largest = max(sum(unpack(data).nbytes for _, _, data in f["locals"]) for f in facts)
+    assert layout.segment_bytes == -(-largest // 2) < 256 * 2**20  # the size used, recorded in the table
+    assert sorted(p.name for p in path.glob("*.distcp")) == [f"__{r}_{n}.distcp" for r in range(WORLD) for n in (0, 1)]
+    stored_in = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    segments = _segments(path)
+    for rank, f in enumerate(facts):
+        keys = [s.key for s in layout.segments(rank)]
+        assert len(keys) >= 2, rank
+        assert {stored_in[k] for k in keys} == {f"__{rank}_0.distcp", f"__{rank}_1.distcp"}, rank
+        parts = [segments[k] for k in keys]
+        assert torch.equal(torch.cat(parts), _expected(f["locals"])["float32"]), rank
+    assert json.loads((path / "manifest.json").read_text())["sharding"]["segment_bytes"] == 256 * 2**20
+    assert ckpt.verify_checkpoint(path).ok
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt.consolidate(path, tmp_path / "spread.safetensors", verify="none")
+        ckpt.consolidate(root / "packed", tmp_path / "packed.safetensors", verify="none")
+    spread, packed = load_file(tmp_path / "spread.safetensors"), load_file(tmp_path / "packed.safetensors")
+    assert spread.keys() == packed.keys()
+    assert len(spread) > 10
+    for key, value in packed.items():  # the same weights, bit for bit, as the one-file packed save of the model
+        assert spread[key].dtype == value.dtype
+        assert torch.equal(spread[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+def test_the_segment_size_spreads_the_largest_rank_over_its_files() -> None:
+    entries = (
+        PackedEntry("a", "float32", (64, 256 * 2**10), 0, 0),  # 32 MiB per rank of 2
+        PackedEntry("b", "bfloat16", (2, 3 * 2**20), 0, None),  # 12 MiB, written by rank 0 only
+    )
+    layout = PackedLayout(2, 256 * 2**20, (MeshSpec((2,), (0, 1)),), entries)
+    assert largest_share(layout) == 44 * 2**20  # rank 0: its rows of "a" and all of "b"
+    assert spread_segment_bytes(layout, files_per_rank=1) == 256 * 2**20  # one file: the configured size
+    assert spread_segment_bytes(layout, files_per_rank=4) == 11 * 2**20  # ceil(44 MiB / 4)
+    assert spread_segment_bytes(layout, files_per_rank=0) == 44 * 2**20 // 2  # automatic: >= 16 MiB per file
+    smaller = dataclasses.replace(layout, segment_bytes=2**20)
+    assert spread_segment_bytes(smaller, files_per_rank=4) == 2**20  # never above the configured size
+    with pytest.raises(ConfigurationError, match="files_per_rank"):
+        spread_segment_bytes(layout, files_per_rank=-1)
+    with pytest.raises(ConfigurationError, match="files_per_rank"):
+        ShardlineSavePlanner(layout="packed", files_per_rank=-1)
 
 
 def test_a_replicated_model_writes_its_pieces_once(saved: tuple[Path, list[dict[str, Any]]]) -> None:

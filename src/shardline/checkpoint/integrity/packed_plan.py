@@ -43,6 +43,7 @@ from shardline.checkpoint.format.packed_layout import (
     dtype_name,
     packing_placement,
 )
+from shardline.checkpoint.integrity.packed_spread import spread_segment_bytes
 from shardline.errors import CheckpointError
 
 __all__ = [
@@ -87,8 +88,13 @@ class PackedSave:
     """This rank's segments by key."""
 
     @classmethod
-    def build(cls, state_dict: Mapping[str, Any], *, rank: int, world_size: int, segment_bytes: int) -> PackedSave:
+    def build(
+        cls, state_dict: Mapping[str, Any], *, rank: int, world_size: int, segment_bytes: int, files_per_rank: int = 1
+    ) -> PackedSave:
         """The table of a flattened state dict's packable DTensors (in key order) and ``rank``'s segments.
+
+        Segments are cut at ``segment_bytes``, or smaller so that a rank's segments spread over the
+        ``files_per_rank`` files it writes (0: automatic; :func:`.packed_spread.spread_segment_bytes`).
 
         Raises:
             CheckpointError: a DTensor's local piece is not the rows the table's rule gives this rank.
@@ -112,6 +118,9 @@ class PackedSave:
             values[len(entries)] = value
             entries.append(PackedEntry(key, dtype_name(value.dtype), tuple(value.shape), index, shard_dim))
         layout = PackedLayout(world_size, segment_bytes, tuple(meshes), tuple(entries))
+        spread = spread_segment_bytes(layout, files_per_rank=files_per_rank)
+        if spread != segment_bytes:
+            layout = PackedLayout(world_size, spread, layout.meshes, layout.entries)
         for i, value in values.items():
             _check_rows(layout, i, rank, value)
         segments = {s.key: s for s in layout.segments(rank)}
@@ -201,7 +210,8 @@ def check_packed_plan(layout: PackedLayout, global_plan: list[SavePlan], metadat
         ranks = ", ".join(map(str, differing[:_SHOWN])) + (" ..." if len(differing) > _SHOWN else "")
         errors.append(
             f"packed layout: {len(differing)} rank(s) (plan {ranks}) built a layout table that differs from rank "
-            f"0's (sha256 {digest[:12]}): every rank must hold the same keys, shapes, dtypes and device meshes"
+            f"0's (sha256 {digest[:12]}): every rank must hold the same keys, shapes, dtypes and device meshes, "
+            "and save with the same segment_bytes and files_per_rank"
         )
     planned: dict[str, tuple[int, ...]] = {
         key: tuple(value.size)

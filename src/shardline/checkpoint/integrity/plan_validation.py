@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from shardline._torch_compat import ValidatingSavePlanner
+from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
 from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, PACKED_LAYOUT_KEY, CheckpointLayout
 from shardline.checkpoint.integrity.packed_plan import PLAN_DIGEST_KEY, PackedSave, check_packed_plan, table_digest
 from shardline.errors import ConfigurationError
@@ -109,8 +110,10 @@ class ShardlineSavePlanner(ValidatingSavePlanner):
     ``layout="packed"`` stores every packable DTensor (``Replicate`` and at most one ``Shard(0)``) in
     this rank's segments instead of one chunk per tensor (:mod:`..format.packed_layout`,
     :mod:`.packed_plan`): rank 0 records the layout table in the metadata's ``planner_data`` and its
-    plan check fails the save when a rank's table or segments differ from it. ``per_tensor`` (the
-    default) plans exactly what torch's default planner plans.
+    plan check fails the save when a rank's table or segments differ from it. Segments are cut at
+    ``segment_bytes``, or smaller so that they spread over the ``files_per_rank`` files the storage
+    writer writes per rank (0: automatic, up to 8 of at least 16 MiB each; :mod:`.packed_spread`);
+    give every rank the same value. ``per_tensor`` (the default) plans exactly what torch's default planner plans.
     """
 
     def __init__(
@@ -118,12 +121,15 @@ class ShardlineSavePlanner(ValidatingSavePlanner):
         *,
         layout: CheckpointLayout | str = CheckpointLayout.PER_TENSOR,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        files_per_rank: int = 1,
     ) -> None:
         super().__init__()
         self.layout = CheckpointLayout.parse(layout)
         if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes <= 0:
             raise ConfigurationError(f"segment_bytes must be a positive number of bytes, got {segment_bytes!r}")
+        resolve_files_per_rank(files_per_rank)
         self.segment_bytes = segment_bytes
+        self.files_per_rank = files_per_rank
         self.packed: PackedSave | None = None
         """This rank's packed part, once the local plan is made (packed layout only)."""
 
@@ -137,6 +143,7 @@ class ShardlineSavePlanner(ValidatingSavePlanner):
             rank=dist.get_rank() if initialized else 0,
             world_size=dist.get_world_size() if initialized else 1,
             segment_bytes=self.segment_bytes,
+            files_per_rank=self.files_per_rank,
         )
         packed_keys = self.packed.packed_keys
         rest = {k: v for k, v in self.state_dict.items() if k not in packed_keys}

@@ -305,7 +305,9 @@ def write_and_commit(
             dcp.save(
                 captured.state_dict,
                 storage_writer=writer,
-                planner=ShardlineSavePlanner(layout=captured.layout, segment_bytes=captured.segment_bytes),
+                planner=ShardlineSavePlanner(
+                    layout=captured.layout, segment_bytes=captured.segment_bytes, files_per_rank=files_per_rank
+                ),
                 process_group=process_group,
                 no_dist=not dist.is_initialized(),
             )
