@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from benchmarks.scale_layout import Tensor, fake_sha256, file_bytes, rank_rows
+from shardline.checkpoint.coordination.parallelism import AUTO
 from shardline.checkpoint.format.dcp_io import unpickle_metadata
 from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
 from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES
@@ -106,11 +107,12 @@ def packed_costs(
     with fake_world(world):
         state = _state_dict(tensors, world)
         v["packed_table_build_s"], packed = timed(
-            lambda: PackedSave.build(state, rank=0, world_size=world, segment_bytes=segment_bytes), reps
+            lambda: PackedSave.build(state, rank=0, world_size=world, segment_bytes=segment_bytes, files_per_rank=AUTO),
+            reps,
         )
 
         def local_plan() -> ShardlineSavePlanner:
-            planner = ShardlineSavePlanner(layout="packed", segment_bytes=segment_bytes)
+            planner = ShardlineSavePlanner(layout="packed", segment_bytes=segment_bytes, files_per_rank=AUTO)
             planner.set_up_planner(state, is_coordinator=True)
             planner.create_local_plan()
             return planner

@@ -166,7 +166,9 @@ def test_the_segment_size_spreads_the_largest_rank_over_its_files() -> None:
     assert largest_share(layout) == 44 * 2**20  # rank 0: its rows of "a" and all of "b"
     assert spread_segment_bytes(layout, files_per_rank=1) == 256 * 2**20  # one file: the configured size
     assert spread_segment_bytes(layout, files_per_rank=4) == 11 * 2**20  # ceil(44 MiB / 4)
-    assert spread_segment_bytes(layout, files_per_rank=0) == 44 * 2**20 // 2  # automatic: >= 16 MiB per file
+    assert spread_segment_bytes(layout, files_per_rank=0) == 256 * 2**20  # automatic: >= 64 MiB per file, so one
+    larger = dataclasses.replace(layout, entries=(PackedEntry("a", "float32", (64, 5 * 2**18), 0, 0),))  # 160 MiB
+    assert spread_segment_bytes(larger, files_per_rank=0) == 80 * 2**20  # automatic: two files of 80 MiB
     smaller = dataclasses.replace(layout, segment_bytes=2**20)
     assert spread_segment_bytes(smaller, files_per_rank=4) == 2**20  # never above the configured size
     with pytest.raises(ConfigurationError, match="files_per_rank"):
