@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.scale_capture import captured_checkpoint, rank_digests
 from benchmarks.scale_layout import state_dict_keys
-from benchmarks.scale_sim import captured_checkpoint, rank_digests
 from shardline.checkpoint.integrity.hashing import FileDigest
 from shardline.checkpoint.integrity.manifest import MANIFEST, MANIFEST_HASH_FILE, render_manifest_hash_file
 from shardline.checkpoint.lifecycle.commit_records import build_records

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks.scale_capture import captured_checkpoint, rank_digests
 from benchmarks.scale_layout import state_dict_keys
-from benchmarks.scale_sim import captured_checkpoint, rank_digests
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from benchmarks import scale_sim
+from benchmarks.scale_capture import captured_checkpoint, rank_digests
 from benchmarks.scale_layout import fake_sha256, state_dict_keys
 
 from shardline.checkpoint.coordination import coord
@@ -26,8 +26,8 @@ def _checkpoint(root: Path, world: int) -> Path:
     tensors = state_dict_keys(layers=1)
     final = root / f"step-{world}"
     final.mkdir()
-    captured = scale_sim.captured_checkpoint(final, world, tensors, 1)
-    digests = [d for r in range(world) for d in scale_sim.rank_digests(tensors, world, r, 8)]
+    captured = captured_checkpoint(final, world, tensors, 1)
+    digests = [d for r in range(world) for d in rank_digests(tensors, world, r, 8)]
     made = build_records(captured, [*digests, FileDigest(DCP_METADATA, 0, 1000, fake_sha256(DCP_METADATA))])
     (final / MANIFEST).write_bytes(made.manifest)
     (final / MANIFEST_HASH_FILE).write_text(f"{made.manifest_sha256}  {MANIFEST}\n")

@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import posixpath
-import threading
-import time
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from shardline.checkpoint.storage.object_clients import SCHEME_SEP, endpoint_of, filesystem, split_url
+from shardline.checkpoint.storage.object_errors import first_line, precondition_failed
 from shardline.checkpoint.storage.object_listing import by_folder, deep_listing, empty_folders
-from shardline.errors import CheckpointWarning, ConfigurationError, StorageAccessError
+from shardline.checkpoint.storage.object_versions import purge_versions, versioned
+from shardline.errors import StorageAccessError
 
 __all__ = [
     "Location",
@@ -52,14 +51,6 @@ __all__ = [
     "split_url",
 ]
 
-log = logging.getLogger(__name__)
-
-_SCHEME_SEP = "://"
-# Protocols whose fsspec client ships in an extra of ours, and that extra's name.
-_EXTRAS = {"s3": "s3", "s3a": "s3"}
-_CACHE: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
-_CACHE_LOCK = threading.Lock()
-
 
 def is_url(path: object) -> bool:
     """Whether ``path`` names an object-store location (``proto://...``) rather than a local path."""
@@ -68,70 +59,8 @@ def is_url(path: object) -> bool:
     if isinstance(path, os.PathLike):
         return False
     text = str(path)
-    scheme, sep, _ = text.partition(_SCHEME_SEP)
+    scheme, sep, _ = text.partition(SCHEME_SEP)
     return bool(sep) and scheme.isidentifier() and scheme != "file"
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """``(protocol, "bucket/key")`` of ``proto://bucket/key`` (trailing slashes dropped).
-
-    Raises:
-        StorageAccessError: no bucket is named (``s3://`` alone, or ``s3:///x``).
-    """
-    scheme, _, rest = url.partition(_SCHEME_SEP)
-    key = posixpath.normpath(rest).strip("/") if rest.strip("/") else ""
-    if not key or rest.startswith("/") or key.startswith(".."):
-        raise StorageAccessError(
-            f"{url!r} names no bucket: an object-store checkpoint location reads {scheme}://BUCKET/PREFIX "
-            f"(e.g. {scheme}://my-bucket/run-1/checkpoints)"
-        )
-    return scheme.lower(), key
-
-
-def _filesystem(protocol: str, options: Mapping[str, Any]) -> Any:
-    """The fsspec file system of ``protocol`` with ``options`` (one instance per distinct options)."""
-    # The AWS environment is part of the key: credentials or an endpoint changed there mean another client.
-    aws = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
-    frozen = tuple(sorted((str(k), repr(v)) for k, v in options.items())) + tuple(aws)
-    with _CACHE_LOCK:
-        fs = _CACHE.get((protocol, frozen))
-        if fs is not None:
-            return fs
-        try:
-            import fsspec
-        except ImportError:  # pragma: no cover - fsspec comes with torch
-            raise ConfigurationError("object-store checkpoints need fsspec: pip install 'shardline[s3]'") from None
-        kwargs = dict(options)
-        if protocol in ("s3", "s3a"):
-            # Listings must see what was just written (the commit record); s3fs caches them by default.
-            kwargs.setdefault("use_listings_cache", False)
-            kwargs.setdefault("skip_instance_cache", True)
-        try:
-            fs = fsspec.filesystem(protocol, **kwargs)
-        except ImportError as e:
-            extra = _EXTRAS.get(protocol)
-            hint = f"pip install 'shardline[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
-            raise ConfigurationError(
-                f"checkpoints at {protocol}:// need an fsspec client for that protocol ({e}); {hint}"
-            ) from None
-        except ValueError as e:
-            raise ConfigurationError(f"unknown storage protocol {protocol!r} ({e}); use s3://BUCKET/PREFIX") from None
-        except TypeError as e:
-            raise ConfigurationError(
-                f"checkpoint.storage_options are not accepted by the {protocol}:// client: {e}"
-            ) from None
-        _CACHE[(protocol, frozen)] = fs
-        return fs
-
-
-def _endpoint(fs: Any) -> str:
-    """The endpoint ``fs`` talks to, for messages (the AWS default when none is configured)."""
-    for source in (getattr(fs, "client_kwargs", None) or {}, getattr(fs, "kwargs", None) or {}):
-        if source.get("endpoint_url"):
-            return str(source["endpoint_url"])
-    if getattr(fs, "endpoint_url", None):
-        return str(fs.endpoint_url)
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint"
 
 
 @dataclass(frozen=True)
@@ -170,7 +99,7 @@ class ObjectPath:
 
     # ------------------------------------------------------------------ naming
     def __str__(self) -> str:
-        return f"{self.protocol}{_SCHEME_SEP}{self.key}"
+        return f"{self.protocol}{SCHEME_SEP}{self.key}"
 
     def __repr__(self) -> str:
         return f"ObjectPath({str(self)!r})"
@@ -251,7 +180,7 @@ class ObjectPath:
 
     @property
     def endpoint(self) -> str:
-        return _endpoint(self._fs)
+        return endpoint_of(self._fs)
 
     def with_name(self, name: str) -> ObjectPath:
         return self.parent / name
@@ -350,7 +279,7 @@ class ObjectPath:
             try:
                 self._fs.pipe_file(self.key, bytes(data), IfNoneMatch="*")
             except Exception as e:  # s3fs's OSError, or botocore's own class once its retries ran out unanswered
-                refused = _precondition_failed(e)
+                refused = precondition_failed(e)
                 try:
                     ours = self.read_bytes() == bytes(data)
                 except Exception:  # not there, or the store still failing: not known to be ours
@@ -370,8 +299,8 @@ class ObjectPath:
 
         See :meth:`remove_tree` for why versions go too.
         """
-        if _versioned(self._fs, self.protocol, self.bucket):
-            _purge_versions(self._fs, self.key, exact=True)
+        if versioned(self._fs, self.protocol, self.bucket):
+            purge_versions(self._fs, self.key, exact=True)
             return
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm_file(self.key)
@@ -413,7 +342,7 @@ class ObjectPath:
         instead (``NoncurrentVersionExpiration``).
         """
         self.abort_uploads()
-        purged = _versioned(self._fs, self.protocol, self.bucket) and _purge_versions(
+        purged = versioned(self._fs, self.protocol, self.bucket) and purge_versions(
             self._fs, self.key + "/", exact=False
         )
         if not purged and self._fs.exists(self.key):
@@ -449,7 +378,7 @@ def as_location(
     if not is_url(path):
         return Path(path)
     protocol, key = split_url(str(path))
-    return ObjectPath(_filesystem(protocol, storage_options or {}), protocol, key)
+    return ObjectPath(filesystem(protocol, storage_options or {}), protocol, key)
 
 
 def describe(location: object) -> str:
@@ -473,7 +402,7 @@ def check_access(location: object) -> None:
         location.fs.info(location.bucket)  # one HEAD of the bucket (a listing could be long)
     except PermissionError as e:
         raise StorageAccessError(
-            f"access to {where} was refused ({_first_line(e)}) for {location}: check the credentials "
+            f"access to {where} was refused ({first_line(e)}) for {location}: check the credentials "
             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or checkpoint.storage_options key/secret)"
         ) from None
     except FileNotFoundError:
@@ -482,20 +411,14 @@ def check_access(location: object) -> None:
         ) from None
     except OSError as e:
         raise StorageAccessError(
-            f"cannot reach {where} for {location} ({type(e).__name__}: {_first_line(e)}): check the endpoint "
+            f"cannot reach {where} for {location} ({type(e).__name__}: {first_line(e)}): check the endpoint "
             "(AWS_ENDPOINT_URL or checkpoint.storage_options endpoint_url) and that the server is up"
         ) from None
     except Exception as e:  # botocore raises its own classes for an unreachable endpoint
         raise StorageAccessError(
-            f"cannot reach {where} for {location} ({type(e).__name__}: {_first_line(e)}): check the endpoint "
+            f"cannot reach {where} for {location} ({type(e).__name__}: {first_line(e)}): check the endpoint "
             "(AWS_ENDPOINT_URL or checkpoint.storage_options endpoint_url) and that the server is up"
         ) from None
-
-
-_WARNED: set[str] = set()
-# (endpoint, bucket) -> (keeps versions, when asked): asked again after a minute (versioning can be turned on).
-_VERSIONING: dict[tuple[str, str], tuple[bool, float]] = {}
-_VERSIONING_TTL_S = 60.0
 
 
 def delete_object(fs: Any, key: str) -> None:
@@ -503,98 +426,3 @@ def delete_object(fs: Any, key: str) -> None:
     that keeps versions (see :meth:`ObjectPath.remove_tree`)."""
     protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else str(fs.protocol)
     ObjectPath(fs, protocol, key).unlink()
-
-
-def _versioned(fs: Any, protocol: str, bucket: str) -> bool:
-    """Whether ``bucket`` keeps versions (versioning enabled, or suspended with versions from before).
-
-    One ``GetBucketVersioning`` request; a store that will not say (no permission, not implemented) counts as
-    not versioned, with a warning (once per bucket) naming the lifecycle rule that frees noncurrent versions.
-    """
-    call = getattr(fs, "call_s3", None)
-    if call is None or protocol not in ("s3", "s3a"):
-        return False
-    cached = _VERSIONING.get((_endpoint(fs), bucket))
-    if cached is not None and time.monotonic() - cached[1] < _VERSIONING_TTL_S:
-        return cached[0]
-    try:
-        status = call("get_bucket_versioning", Bucket=bucket).get("Status")
-    except Exception as e:  # botocore's own classes for a refusal, s3fs's OSError for the rest
-        _warn_versions(bucket, f"its versioning could not be read ({type(e).__name__}: {_first_line(e)})")
-        return False
-    versioned = status in ("Enabled", "Suspended")
-    _VERSIONING[(_endpoint(fs), bucket)] = (versioned, time.monotonic())
-    return versioned
-
-
-def _purge_versions(fs: Any, key: str, *, exact: bool) -> bool:
-    """Delete every version and delete marker of ``key`` (``exact``) or of every key under the prefix ``key``.
-
-    Returns False, having deleted nothing, when the store refuses to delete by version (the caller then deletes
-    plainly; a warning names the lifecycle rule to set).
-    """
-    bucket, prefix = key.split("/", 1)
-    found: list[dict[str, str]] = []
-    markers: dict[str, str] = {}
-    while True:
-        page = fs.call_s3("list_object_versions", Bucket=bucket, Prefix=prefix, **markers)
-        for entry in [*(page.get("Versions") or []), *(page.get("DeleteMarkers") or [])]:
-            if not exact or entry["Key"] == prefix:
-                found.append({"Key": entry["Key"], "VersionId": entry["VersionId"]})
-        if not page.get("IsTruncated"):
-            break
-        markers = {"KeyMarker": page["NextKeyMarker"], "VersionIdMarker": page["NextVersionIdMarker"]}
-    for start in range(0, len(found), 1000):  # DeleteObjects takes 1000 keys a request
-        try:
-            answer = fs.call_s3(
-                "delete_objects", Bucket=bucket, Delete={"Objects": found[start : start + 1000], "Quiet": True}
-            )
-        except PermissionError as e:
-            _warn_versions(bucket, f"deleting by version id was refused ({_first_line(e)})")
-            return False
-        errors = answer.get("Errors") or []
-        if errors:
-            first = errors[0]
-            if str(first.get("Code")) == "AccessDenied":
-                _warn_versions(bucket, f"deleting by version id was refused ({first.get('Message')})")
-                return False
-            raise OSError(
-                errno.EIO, f"deleting {len(errors)} object version(s) failed: {first.get('Code')}: "
-                f"{first.get('Message')} ({first.get('Key')} version {first.get('VersionId')})",
-            )  # fmt: skip
-    return True
-
-
-def _warn_versions(bucket: str, why: str) -> None:
-    if bucket in _WARNED:
-        return
-    _WARNED.add(bucket)
-    message = (
-        f"bucket {bucket!r}: {why}; if the bucket keeps versions, a checkpoint deleted (retention, a quarantine "
-        "move, a cleared leftover) stays stored as noncurrent versions. Allow s3:GetBucketVersioning and "
-        "s3:DeleteObjectVersion to the credentials, or give the bucket a lifecycle rule that expires noncurrent "
-        "versions (NoncurrentVersionExpiration, e.g. NoncurrentDays=1)."
-    )
-    log.warning("%s", message)
-    warnings.warn(message, CheckpointWarning, stacklevel=3)
-
-
-def _precondition_failed(error: BaseException) -> bool:
-    """Whether ``error`` is the store refusing a conditional request (HTTP 412; s3fs turns it into an OSError)."""
-    seen: BaseException | None = error
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", ""))
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
-                return True
-        if "pre-condition" in str(seen).lower() or "precondition" in str(seen).lower():
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
