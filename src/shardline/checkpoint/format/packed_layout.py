@@ -48,6 +48,7 @@ __all__ = [
     "Piece",
     "Segment",
     "dtype_name",
+    "is_segment_key",
     "layout_of",
     "packing_placement",
     "segment_key",
@@ -101,6 +102,11 @@ _ALIASES = {
 def segment_key(rank: int, dtype: str, index: int) -> str:
     """The flat DCP key of rank ``rank``'s segment ``index`` of dtype ``dtype``."""
     return f"{SEGMENT_PREFIX}.r{rank}.{dtype}.s{index}"
+
+
+def is_segment_key(key: str) -> bool:
+    """Whether a flat DCP key names a packed segment (one :func:`segment_key` made)."""
+    return key.startswith(SEGMENT_PREFIX + ".")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
