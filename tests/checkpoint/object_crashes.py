@@ -5,6 +5,10 @@ sees.
 
 The children are forked from the crash-point test's forkserver (:func:`.crash_scenarios.context`),
 whose environment predates the test's server: endpoint and credentials are passed explicitly.
+
+``packed_save`` is ``save`` with every checkpoint in the packed layout (the model under shardline's
+engine in a one-rank group: :func:`.crash_scenarios._model`), crashed at the points of the save where
+its data is uploaded but not committed, and at its commit.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Scenario:
     saving: int  # the step the action saves
     kept: tuple[int, ...]  # the steps that must survive any crash
     crash_at: tuple[str, ...]  # the points (by prefix) the test ends the action at, every time each is reached
+    layout: str = "per_tensor"  # the managers' layout
 
 
 SCENARIOS = {
@@ -39,15 +44,24 @@ SCENARIOS = {
     "quarantine": Scenario((1, 2), 2, (1,), ("quarantine.",)),
     # step 3's save died before its manifest; the next open clears its prefix and claim, then saves step 3
     "leftover": Scenario((1, 2), 3, (2,), ("recovery.",)),
+    # "save" in the packed layout, ended where its data is in the bucket but not committed (shard and .metadata.tmp
+    # uploaded, .metadata copied) and at its commit (the next run resumes it); the claim's, the records', the
+    # ledger's and retention's points do not look at the data files: "save" covers them
+    "packed_save": Scenario(
+        (1, 2), 3, (2,), ("save.store_uploaded", "save.store_metadata_copied", "save.committed"), layout="packed"
+    ),
 }
 
 
-def manager(root: str, ledger: str, env: dict[str, str], **options: object) -> ckpt.CheckpointManager:
+def manager(
+    root: str, ledger: str, env: dict[str, str], *, layout: str = "per_tensor", **options: object
+) -> ckpt.CheckpointManager:
     return ckpt.CheckpointManager(
         root,
         ledger_path=ledger,
         keep_last_n=KEEP,
         storage_options={"endpoint_url": env["AWS_ENDPOINT_URL"], **options},
+        layout=layout,
     )
 
 
@@ -55,8 +69,9 @@ def prepare(name: str, root: str, ledger: str, env: dict[str, str]) -> None:
     """Steps 1 and 2 committed under ``root``; for ``quarantine``, step-2's first shard then has a flipped byte;
     for ``leftover``, a save of step 3 then dies (in a child) after its uploads, before its manifest."""
     Path(ledger).parent.mkdir(parents=True, exist_ok=True)
-    m = manager(root, ledger, env)
-    model, opt = sc._model()
+    layout = SCENARIOS[name].layout
+    m = manager(root, ledger, env, layout=layout)
+    model, opt = sc._model(layout)
     for step in SCENARIOS[name].before:
         sc._save(m, model, opt, step)
     if name == "quarantine":
@@ -87,8 +102,9 @@ def child(name: str, root: str, ledger: str, env: dict[str, str], point: str | N
 def act(name: str, root: str, ledger: str, env: dict[str, str], **options: object) -> None:
     """The scenario's action: a manager opens, resumes ``auto`` and saves the scenario's step. ``options`` go to
     the file system (a test's endpoint through a proxy)."""
-    m = manager(root, ledger, env, **options)
-    model, opt = sc._model()
+    layout = SCENARIOS[name].layout
+    m = manager(root, ledger, env, layout=layout, **options)
+    model, opt = sc._model(layout)
     m.load("auto", model=model, optimizer=opt)
     sc._save(m, model, opt, SCENARIOS[name].saving)
 
@@ -135,17 +151,24 @@ def recover(name: str, root: str, ledger: str, env: dict[str, str], **options: o
     ``options`` go to the file system (a test's endpoint through a proxy).
     """
     scenario = SCENARIOS[name]
-    m = manager(root, ledger, env, **options)
-    model, opt = sc._model()
+    m = manager(root, ledger, env, layout=scenario.layout, **options)
+    model, opt = sc._model(scenario.layout)
     state = m.load("auto", model=model, optimizer=opt)
     loaded = None if state is None else int(state["step"])
     assert loaded in {*scenario.kept, scenario.saving}, f"{name}: resumed step {loaded}"
+    sc.check_resumed(name, model, opt, state)
     assert not m.moved_aside, f"{name}: moved aside on the next run: {m.moved_aside}"
     committed = {c.step for c in scan(as_location(root))[0]}
     assert set(scenario.kept) <= committed, f"{name}: steps lost: {sorted(set(scenario.kept) - committed)}"
     for c in scan(as_location(root))[0]:
         report = ckpt.verify_checkpoint(str(c.path), storage_options=options or None)
         assert report.ok, f"{name}: {c.path} reported damaged: {report.to_json()}"
+        if scenario.layout == "packed":
+            prefix = str(c.path).removeprefix("s3://")
+            fs = as_location(root).fs
+            sc.check_packed(
+                name, fs.cat_file(f"{prefix}/.metadata"), json.loads(fs.cat_file(f"{prefix}/manifest.json"))
+            )
     if loaded != scenario.saving:
         m.check_free([scenario.saving])
         sc._save(m, model, opt, scenario.saving)  # the step the crash interrupted: nothing it left blocks it

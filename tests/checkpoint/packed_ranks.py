@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 
 import shardline.checkpoint as ckpt
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver
-from shardline.checkpoint.integrity.packed_plan import PLAN_DIGEST_KEY, is_segment_key
+from shardline.checkpoint.format.packed_layout import is_segment_key
+from shardline.checkpoint.integrity.packed_plan import PLAN_DIGEST_KEY
 from shardline.checkpoint.integrity.plan_validation import ShardlineSavePlanner
 from shardline.checkpoint.lifecycle.capture import SaveRequest, capture
 from tests.checkpoint.ranks import build, catch, pack, train_step

@@ -99,3 +99,22 @@ def test_layout_names_parse_with_aliases_and_refuse_others() -> None:
     assert CheckpointLayout.parse("dcp") is CheckpointLayout.PER_TENSOR
     with pytest.raises(ConfigurationError, match="per_tensor"):
         CheckpointLayout.parse("flat")
+
+
+def test_segment_keys_are_recognized_by_the_module_that_names_them_and_nowhere_else() -> None:
+    """One owner for the segment key's format: ``packed_layout`` makes the keys and recognizes them; no other
+    module of the package defines its own test of the prefix."""
+    from pathlib import Path
+
+    from shardline.checkpoint.format import packed_layout
+
+    assert packed_layout.is_segment_key(segment_key(12, "bfloat16", 3))
+    assert not packed_layout.is_segment_key("model.layers.0.weight")
+    assert not packed_layout.is_segment_key(packed_layout.SEGMENT_PREFIX + "x.r0.float32.s0")
+    src = Path(packed_layout.__file__).parents[2]
+    owners = sorted(
+        str(path.relative_to(src))
+        for path in src.rglob("*.py")
+        if "def is_segment_key(" in path.read_text() or "SEGMENT_PREFIX +" in path.read_text()
+    )
+    assert owners == ["checkpoint/format/packed_layout.py"], owners

@@ -18,13 +18,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 import shardline.checkpoint as ckpt
 from shardline.checkpoint import Reader, consolidate
 from shardline.checkpoint.format.load_planner import ShardlineLoadPlanner
-from shardline.checkpoint.format.packed_layout import MeshSpec, PackedLayout
-from shardline.checkpoint.format.packed_view import (
-    is_segment_key,
-    logical_metadata,
-    packed_layout,
-    refuse_logical_reads,
-)
+from shardline.checkpoint.format.packed_layout import MeshSpec, PackedLayout, is_segment_key
+from shardline.checkpoint.format.packed_view import logical_metadata, packed_layout, refuse_logical_reads
 from shardline.checkpoint.integrity.opening import open_checkpoint
 from shardline.checkpoint.integrity.reading import VerifyingReader
 from shardline.checkpoint.lifecycle.summary import summarize

@@ -25,6 +25,7 @@ from shardline.checkpoint.format.packed_layout import (
     MeshSpec,
     PackedEntry,
     PackedLayout,
+    is_segment_key,
     layout_of,
     segment_key,
 )
@@ -32,7 +33,6 @@ from shardline.checkpoint.integrity.packed_plan import (
     PLAN_DIGEST_KEY,
     PackedSave,
     check_packed_plan,
-    is_segment_key,
     segment_write_item,
     table_digest,
 )

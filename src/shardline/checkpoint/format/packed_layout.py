@@ -48,6 +48,8 @@ __all__ = [
     "Piece",
     "Segment",
     "dtype_name",
+    "holds_packable",
+    "is_segment_key",
     "layout_of",
     "packing_placement",
     "segment_key",
@@ -101,6 +103,11 @@ _ALIASES = {
 def segment_key(rank: int, dtype: str, index: int) -> str:
     """The flat DCP key of rank ``rank``'s segment ``index`` of dtype ``dtype``."""
     return f"{SEGMENT_PREFIX}.r{rank}.{dtype}.s{index}"
+
+
+def is_segment_key(key: str) -> bool:
+    """Whether a flat DCP key names a packed segment (one :func:`segment_key` made)."""
+    return key.startswith(SEGMENT_PREFIX + ".")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -411,6 +418,19 @@ def packing_placement(value: object) -> tuple[MeshSpec, int | None] | None:
         return None
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     return MeshSpec(tuple(int(n) for n in mesh.shape), ranks), shard_dim
+
+
+def holds_packable(state: object) -> bool:
+    """Whether a (nested) state dict holds a tensor :func:`packing_placement` accepts.
+
+    A packed save of a state without one would store nothing in segments and record an empty table:
+    the save path stores such a state per tensor instead (``lifecycle/capture.py``).
+    """
+    if isinstance(state, Mapping):
+        return any(holds_packable(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(holds_packable(value) for value in state)
+    return isinstance(state, DTensor) and packing_placement(state) is not None
 
 
 def layout_of(metadata: Metadata | None, *, where: object = "the checkpoint") -> PackedLayout | None:

@@ -39,19 +39,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from shardline.checkpoint.format.packed_layout import SEGMENT_PREFIX, PackedLayout, layout_of
+from shardline.checkpoint.format.packed_layout import PackedLayout, is_segment_key, layout_of
 from shardline.errors import ConfigurationError, IntegrityError
 
-__all__ = ["is_segment_key", "logical_metadata", "packed_layout", "refuse_logical_reads"]
+__all__ = ["logical_metadata", "packed_layout", "refuse_logical_reads"]
 
 _VIEW_KEY = "shardline.packed_view"
 """Key of the view's ``planner_data`` holding the parsed table (marks a Metadata as a view already)."""
 _SHOW = 5
-
-
-def is_segment_key(key: str) -> bool:
-    """Whether ``key`` is the flat DCP key of a packed segment."""
-    return key.startswith(SEGMENT_PREFIX + ".")
 
 
 def packed_layout(metadata: Metadata | None) -> PackedLayout | None:

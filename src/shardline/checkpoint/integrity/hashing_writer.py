@@ -35,9 +35,9 @@ from torch.futures import Future as TorchFuture
 from shardline import _torch_compat
 from shardline.checkpoint.coordination.parallelism import AUTO, cores_per_rank, files_for_share, resolve_files_per_rank
 from shardline.checkpoint.faults.observer import NO_OBSERVER, SaveObserver, SavePhase
+from shardline.checkpoint.format.packed_layout import is_segment_key
 from shardline.checkpoint.integrity.digest_queue import RetainedMemory
 from shardline.checkpoint.integrity.hashing import FileDigest, HashingFileSystem
-from shardline.checkpoint.integrity.packed_plan import is_segment_key
 from shardline.checkpoint.storage.calibration import SaveTuning
 from shardline.checkpoint.storage.protocol import Location
 from shardline.checkpoint.storage.stores import locate, store_for

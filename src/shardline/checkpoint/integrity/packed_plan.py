@@ -35,12 +35,12 @@ from torch.distributed.tensor import DTensor
 from shardline import _torch_compat
 from shardline.checkpoint.format.canonical import canonical_json, sha256_hex
 from shardline.checkpoint.format.packed_layout import (
-    SEGMENT_PREFIX,
     MeshSpec,
     PackedEntry,
     PackedLayout,
     Segment,
     dtype_name,
+    is_segment_key,
     packing_placement,
 )
 from shardline.checkpoint.integrity.packed_spread import spread_segment_bytes
@@ -50,7 +50,6 @@ __all__ = [
     "PLAN_DIGEST_KEY",
     "PackedSave",
     "check_packed_plan",
-    "is_segment_key",
     "segment_write_item",
     "table_digest",
 ]
@@ -64,11 +63,6 @@ _SHOWN = 3  # problems named per kind in a plan-check message
 def table_digest(layout: PackedLayout) -> str:
     """SHA-256 of the table's canonical JSON (what each rank sends and rank 0 compares)."""
     return sha256_hex(canonical_json(layout.to_data()))
-
-
-def is_segment_key(key: str) -> bool:
-    """Whether a flat DCP key names a packed segment."""
-    return key.startswith(SEGMENT_PREFIX + ".")
 
 
 def _first(keys: Sequence[str]) -> str:

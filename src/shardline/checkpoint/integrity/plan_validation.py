@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from shardline._torch_compat import ValidatingSavePlanner
 from shardline.checkpoint.coordination.parallelism import resolve_files_per_rank
 from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, PACKED_LAYOUT_KEY, CheckpointLayout
+from shardline.checkpoint.integrity.chunk_count import warn_if_many_chunks
 from shardline.checkpoint.integrity.packed_plan import PLAN_DIGEST_KEY, PackedSave, check_packed_plan, table_digest
 from shardline.errors import ConfigurationError
 
@@ -176,6 +177,7 @@ class ShardlineSavePlanner(ValidatingSavePlanner):
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         global_plan, metadata = super()._create_global_plan(all_plans)
         if self.packed is None:
+            warn_if_many_chunks(metadata, world_size=len(global_plan))
             return global_plan, metadata
         data = {k: v for k, v in (metadata.planner_data or {}).items() if k != PLAN_DIGEST_KEY}
         data[PACKED_LAYOUT_KEY] = self.packed.layout.to_data()

@@ -11,6 +11,7 @@ which is what "staged" means elsewhere: :mod:`.host_buffers`.)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ from shardline.checkpoint.coordination import coord
 from shardline.checkpoint.format.canonical import config_hash
 from shardline.checkpoint.format.dcp_io import CONFIG_KEY, MODEL_KEY, OPTIM_KEY, PER_RANK_KEY, TRAINER_KEY, encode_state
 from shardline.checkpoint.format.hf_export import hf_metadata
-from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, CheckpointLayout
+from shardline.checkpoint.format.packed_layout import DEFAULT_SEGMENT_BYTES, CheckpointLayout, holds_packable
 from shardline.checkpoint.integrity.copy_check import StagedDigester, StagedTensor
 from shardline.checkpoint.integrity.manifest import describe_units
 from shardline.checkpoint.lifecycle.host_buffers import HostBuffers
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 TAG_PATTERN = re.compile(r"^[a-z0-9_]+$")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,11 +344,26 @@ def capture(
         sd = _snapshot(sd, on_copy=digester.add, buffers=buffers)
         buffers.finish()
         source_device = buffers.source_device
-    layout = CheckpointLayout.parse(request.layout or CheckpointLayout.PER_TENSOR)
+    requested = CheckpointLayout.parse(request.layout or CheckpointLayout.PER_TENSOR)
+    layout = requested
     segment_bytes = request.segment_bytes or DEFAULT_SEGMENT_BYTES
+    # Note: a packed save of a state with no packable DTensor (a model the engine does not shard, or only
+    # other placements) would write an empty table and a manifest saying "packed" over what is a per-tensor
+    # checkpoint. It is stored per tensor -- plain DCP, which any reader loads -- and recorded as such.
+    if requested is CheckpointLayout.PACKED and not holds_packable(sd):
+        layout = CheckpointLayout.PER_TENSOR
+        if rank == 0:
+            log.warning(
+                "checkpoint %s: layout='packed' was asked for, but its state holds no DTensor the packed layout "
+                "stores (at least 1-D, placed Replicate() and at most one Shard(0)); saving it per tensor, and "
+                "its manifest records layout 'per_tensor'",
+                locate(path),
+            )
     sharding = describe_sharding(model, engine)
     if layout is CheckpointLayout.PACKED:
         sharding = {**sharding, "layout": layout.value, "segment_bytes": segment_bytes}
+    elif requested is CheckpointLayout.PACKED:
+        sharding = {**sharding, "layout": layout.value}
     return CapturedCheckpoint(
         final=locate(path),
         step=request.step,
