@@ -16,6 +16,7 @@ LAYERS = {
     "_transformers_compat": 0,
     "_tree": 0,
     "_deprecation": 0,
+    "_teardown": 0,
     "_version": 0,
     "errors": 0,
     "engine": 1,

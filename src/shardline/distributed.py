@@ -10,9 +10,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardline import _teardown
 from shardline.engine.device import backend_device_map
 
 __all__ = ["DistInfo", "free_port", "init_distributed"]
+
+# Every process that imports shardline lets its gloo worker threads settle before the interpreter tears down
+# (a collective's last tensor dropped during teardown aborts the process; see shardline._teardown).
+_teardown.install()
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
