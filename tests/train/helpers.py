@@ -123,13 +123,13 @@ class SlowCheckpointFiles:
         import importlib
 
         module = importlib.import_module("shardline.checkpoint.storage.local")
-        real = module._write  # each record file of a local commit (statement, manifest, hash files)
+        real = module.write_unflushed  # each record file of a local commit (statement, manifest, hash files)
 
         def slow(path: Any, data: bytes) -> Any:
             time.sleep(seconds)
             return real(path, data)
 
-        module._write = slow
+        module.write_unflushed = slow
 
 
 class RaiseEverywhere:
