@@ -238,6 +238,14 @@ def rank0_decides(decide: Callable[[], T], group: dist.ProcessGroup | None) -> T
     return value
 
 
+def _attempt(step: Callable[[], T]) -> tuple[Any, dict[str, str] | None, BaseException | None]:
+    """Run ``step``: ``(its result, None, None)``, or ``(None, its error's payload, the error)`` if it raised."""
+    try:
+        return step(), None, None
+    except Exception as e:
+        return None, error_payload(e), e
+
+
 def all_agree(step: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> list[T]:
     """Run ``step`` on every rank; return every rank's result, or raise the same error on every rank.
 
@@ -245,14 +253,7 @@ def all_agree(step: Callable[[], T], group: dist.ProcessGroup | None, *, what: s
     failing rank's), its message prefixed with ``rank R could not {what}`` unless every rank
     failed with the same message (then the message alone: all ranks saw the same problem).
     """
-    value: Any = None
-    failure: dict[str, str] | None = None
-    original: BaseException | None = None
-    try:
-        value = step()
-    except Exception as e:
-        original = e
-        failure = error_payload(e)
+    value, failure, original = _attempt(step)
     outcomes = all_gather_object({"value": value} if failure is None else {"error": failure}, group)
     payload = agreed_failure([o.get("error") for o in outcomes], what=what)
     if payload is None:
@@ -270,14 +271,7 @@ def _succeed(
     step: Callable[[], T], amount: Callable[[T], int], group: dist.ProcessGroup | None, what: str
 ) -> tuple[T, int]:
     """``step``'s result on this rank and the sum of ``amount(result)`` over the ranks, once all succeeded."""
-    value: Any = None
-    failure: dict[str, str] | None = None
-    original: BaseException | None = None
-    try:
-        value = step()
-    except Exception as e:
-        original = e
-        failure = error_payload(e)
+    value, failure, original = _attempt(step)
     if group_size(group) == 1:
         if failure is not None:
             raise_payload(failure, original)  # as agreed_failure words a lone rank's failure: the message alone
