@@ -35,7 +35,7 @@ import torch
 
 from shardline import _torch_compat
 
-__all__ = ["decode_tensor"]
+__all__ = ["decode_tensor", "stored_record"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, (version..sizes), name length, extra length
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -147,6 +147,27 @@ def _record_start(data: bytes | memoryview, info: zipfile.ZipInfo) -> int:
     return at + _LOCAL_HEADER.size + name_len + extra_len
 
 
+def stored_record(data: bytes | memoryview, info: zipfile.ZipInfo) -> memoryview:
+    """The bytes of one stored (uncompressed) record of the archive ``data``, as a view, found through its local
+    header and not checked against the CRC-32 in it.
+
+    Note: shardline's writer saves its records without the CRC-32 (``_torch_compat.skip_save_crc32_here``
+    says why): ``zipfile``'s own read would call every such record damaged. What stands for the CRC is
+    the file's SHA-256, checked before any of these bytes is used.
+
+    Raises:
+        zipfile.BadZipFile: the record is compressed, its local header is not one, or it runs past ``data``.
+    """
+    try:
+        start = _record_start(data, info)
+    except (_NotPlain, struct.error):
+        raise zipfile.BadZipFile(f"the record {info.filename!r} is not a stored record this reader can find") from None
+    end = start + info.file_size
+    if end > len(data):
+        raise zipfile.BadZipFile(f"the record {info.filename!r} ends at byte {end} of an archive of {len(data)} bytes")
+    return memoryview(data)[start:end]
+
+
 def decode_tensor(data: bytes | memoryview) -> torch.Tensor | None:
     """The tensor ``torch.save`` wrote into ``data``, as a read-only view of ``data`` (no copy).
 
@@ -164,9 +185,11 @@ def decode_tensor(data: bytes | memoryview) -> torch.Tensor | None:
         if len(pickles) != 1:
             return None
         prefix = pickles[0][: -len("data.pkl")]
-        if f"{prefix}byteorder" not in names or archive.read(f"{prefix}byteorder").decode() != sys.byteorder:
+        if f"{prefix}byteorder" not in names:
             return None
-        rebuilt = _TensorUnpickler(io.BytesIO(archive.read(pickles[0]))).load()
+        if bytes(stored_record(data, archive.getinfo(f"{prefix}byteorder"))).decode() != sys.byteorder:
+            return None
+        rebuilt = _TensorUnpickler(io.BytesIO(stored_record(data, archive.getinfo(pickles[0])))).load()
         if not isinstance(rebuilt, _Rebuild):
             return None
         storage = rebuilt.storage

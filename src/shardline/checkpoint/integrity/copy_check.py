@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
+from shardline.checkpoint.format.tensor_record import stored_record
 from shardline.checkpoint.integrity.hashing import hasher_pool
 from shardline.checkpoint.storage.protocol import Location
 
@@ -146,7 +147,7 @@ def digest_staged(state_dict: Mapping[str, Any]) -> dict[tuple[str, int], Staged
     return StagedDigester().digests(state_dict)
 
 
-def _written_record(file: Location, offset: int, length: int, handles: dict[str, Any]) -> bytes:
+def _written_record(file: Location, offset: int, length: int, handles: dict[str, Any]) -> memoryview:
     """The storage record (the tensor's bytes) of the ``torch.save`` archive at ``file[offset:offset + length]``.
 
     ``handles`` keeps each file open across its items (in an object store an open is a request)."""
@@ -158,10 +159,10 @@ def _written_record(file: Location, offset: int, length: int, handles: dict[str,
     if len(data) != length:
         raise OSError(f"{file.name} is {offset + len(data)} bytes, shorter than the item at {offset}+{length}")
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        records = [n for n in archive.namelist() if _DATA_RECORD.search(n)]
+        records = [info for info in archive.infolist() if _DATA_RECORD.search(info.filename)]
         if len(records) != 1:
             raise OSError(f"the item at {file.name}:{offset} holds {len(records)} storage records, expected 1")
-        return archive.read(records[0])
+        return stored_record(data, records[0])  # its CRC-32 is not checked: the writer saves none
 
 
 def _written_digest(file: Location, offset: int, length: int, handles: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ Note: how the digests travel (the hashing itself is :mod:`.hashing`'s file syste
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import io
 import math
@@ -63,6 +64,9 @@ class _RetainingPlanner:
         self._retained = retained
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        # DCP resolves each item on the writer thread that then torch.saves it: that thread's records skip the
+        # CRC-32, which the file's SHA-256 supersedes (_torch_compat.skip_save_crc32_here says why and where).
+        _torch_compat.skip_save_crc32_here()
         data = self._planner.resolve_data(write_item)
         if is_segment_key(write_item.index.fqn):
             # Note: a packed segment is assembled for this write alone; retaining it until the files are hashed
@@ -234,7 +238,9 @@ class HashingWriter(FileSystemWriter):
         try:
             # _RetainingPlanner answers every SavePlanner method (it forwards those it does not override).
             retaining = cast(SavePlanner, _RetainingPlanner(planner, self._hfs.retained))
-            results = list(super().write_data(plan, retaining).wait())
+            # In a copy of the caller's context: the CRC-32 switch the writer threads set (DCP writes a file on the
+            # calling thread too) is gone when this returns, so the caller's own torch.save keeps its CRC-32.
+            results = list(contextvars.copy_context().run(self._write_files, plan, retaining).wait())
         except Exception:
             self._hfs.abandon()
             errors = self._hfs.take_errors()
@@ -269,6 +275,10 @@ class HashingWriter(FileSystemWriter):
         fut: TorchFuture[list[WriteResult]] = TorchFuture()
         fut.set_result(results)
         return fut
+
+    def _write_files(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        _torch_compat.skip_save_crc32_here()
+        return super().write_data(plan, planner)
 
     def wait_synced(self) -> None:
         """With ``sync_later``: wait until this rank's background fsyncs are done; raise the first that failed."""
