@@ -46,7 +46,7 @@ import torch
 from benchmarks.floors import verification_floor_s
 from shardline.checkpoint.coordination.parallelism import available_cores
 
-REPS = {12: (16, 6), 192: (10, 4), 1024: (3, 2)}  # size in MiB -> (save reps, load reps); others: (6, 4)
+REPS = {12: (16, 6), 192: (10, 4), 1024: (8, 2)}  # size in MiB -> (save reps, load reps); others: (6, 4)
 BLKIO = Path("/sys/fs/cgroup/blkio/blkio.throttle.write_bps_device")
 
 
@@ -212,7 +212,9 @@ def main() -> None:
                     where = Path(tempfile.mkdtemp(prefix="shardline-matrix-", dir="/dev/shm"))
                     stack.callback(shutil.rmtree, where, True)
                 elif storage == "slow":
-                    size_gib = max(4, 3 * max(sizes) // 1024 + 2)
+                    # A sparse image: room for a rep's saves, the async part's (up to 6 kept by its manager) and
+                    # the probes, at the largest size; it costs disk space only as it is written.
+                    size_gib = max(4, 10 * max(sizes) // 1024 + 2)
                     where = stack.enter_context(_slow_device(Path(args.disk_dir), args.slow_mbps, size_gib))
                 else:
                     raise RuntimeError(f"unknown storage class {storage!r} (disk, shm, slow)")
