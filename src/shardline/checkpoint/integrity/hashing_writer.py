@@ -238,9 +238,9 @@ class HashingWriter(FileSystemWriter):
         try:
             # _RetainingPlanner answers every SavePlanner method (it forwards those it does not override).
             retaining = cast(SavePlanner, _RetainingPlanner(planner, self._hfs.retained))
-            # In a copy of the caller's context: the CRC-32 switch the writer threads set (DCP writes a file on the
-            # calling thread too) is gone when this returns, so the caller's own torch.save keeps its CRC-32.
-            results = list(contextvars.copy_context().run(self._write_files, plan, retaining).wait())
+            # In a copy of the caller's context: the CRC-32 switch that resolve_data sets on each writer thread (DCP
+            # writes a file on the calling thread too) is gone when this returns, so the caller's torch.save keeps it.
+            results = list(contextvars.copy_context().run(super().write_data, plan, retaining).wait())
         except Exception:
             self._hfs.abandon()
             errors = self._hfs.take_errors()
@@ -275,10 +275,6 @@ class HashingWriter(FileSystemWriter):
         fut: TorchFuture[list[WriteResult]] = TorchFuture()
         fut.set_result(results)
         return fut
-
-    def _write_files(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        _torch_compat.skip_save_crc32_here()
-        return super().write_data(plan, planner)
 
     def wait_synced(self) -> None:
         """With ``sync_later``: wait until this rank's background fsyncs are done; raise the first that failed."""
